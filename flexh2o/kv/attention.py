@@ -1,0 +1,80 @@
+"""Attention over a KV block, with the block's policy applied: prefill (chunked) and one decode step.
+
+Grouped heads: query head n reads KV head n // group. Probabilities are accumulated per KV head, summed over
+the query heads of its group, in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from flexh2o.kv.cache import KVBlock
+from flexh2o.kv.policies.base import KVPolicy
+
+
+def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int) -> tuple:
+    """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> (out (b, n, t, d), KVBlock)."""
+    b, n, t, d = q.shape
+    kv = k.shape[1]
+    g = n // kv
+    valid = pos >= 0  # (b, t)
+    score = torch.zeros(b, kv, t, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    qg = q.view(b, kv, g, t, d)
+    idx = torch.arange(t, device=q.device)
+    for s in range(0, t, chunk):
+        e = min(t, s + chunk)
+        att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e], k).float() * d ** -0.5  # (b, kv, g, c, t)
+        allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
+        allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
+        att = att.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
+        out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
+        if policy.needs_scores:
+            real_q = valid[:, s:e].to(att.dtype)[:, None, None, :, None]  # padding queries add nothing
+            score += (att * real_q).sum((2, 3))
+    kpos = pos[:, None, :].expand(b, kv, t)
+    cur = pos.max(-1).values  # (b,)
+    keep = policy.prefill_keep(kpos, score, layer, cur)
+    return out, _pack(k, v, kpos, score, keep, slots)
+
+
+def _pack(k, v, pos, score, keep, slots: int) -> KVBlock:
+    """Move kept tokens into the first slots of a fresh block; the rest are empty."""
+    b, kv, t, d = k.shape
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :slots]  # kept first
+    m = order.shape[-1]
+    blk = KVBlock.empty(b, kv, slots, d, k.dtype, k.device)
+    take = keep.gather(-1, order)
+    blk.k[:, :, :m] = k.gather(2, order[..., None].expand(b, kv, m, d))
+    blk.v[:, :, :m] = v.gather(2, order[..., None].expand(b, kv, m, d))
+    blk.pos[:, :, :m] = torch.where(take, pos.gather(-1, order), -1)
+    blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
+    return blk
+
+
+def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> tuple:
+    """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> (out (b, n, 1, d), written slots (b, kv)).
+
+    The new K/V go into a free slot of `blk` (in place, on the block's device); attention runs there;
+    scores are updated and at most one token per row is evicted (its slot becomes free for the next step).
+    """
+    dev, home = blk.k.device, q.device
+    q, k, v, cur_pos = q.to(dev), k.to(dev), v.to(dev), cur_pos.to(dev)
+    b, n, _, d = q.shape
+    kv, s = blk.pos.shape[1], blk.pos.shape[2]
+    slot = (blk.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
+    idx = slot[..., None, None].expand(b, kv, 1, d)
+    blk.k.scatter_(2, idx, k.to(blk.k.dtype))
+    blk.v.scatter_(2, idx, v.to(blk.v.dtype))
+    blk.pos.scatter_(2, slot[..., None], cur_pos.view(b, 1, 1).expand(b, kv, 1))
+    blk.score.scatter_(2, slot[..., None], 0.0)
+    qg = q.view(b, kv, n // kv, d)
+    att = torch.einsum("bhgd,bhsd->bhgs", qg, blk.k.to(q.dtype)).float() * d ** -0.5  # (b, kv, g, s)
+    att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)
+    out = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), blk.v.to(q.dtype)).reshape(b, n, 1, d)
+    if policy.needs_scores:
+        blk.score += att.sum(2)
+    evict = policy.decode_evict(blk.pos, blk.score, layer, cur_pos)
+    if evict is not None:
+        blk.pos.masked_fill_(evict, -1)
+        blk.score.masked_fill_(evict, 0.0)
+    return out.to(home), slot

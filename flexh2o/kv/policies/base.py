@@ -1,0 +1,92 @@
+"""KV policy interface. A policy only answers which cached tokens to keep; kv/cache.py moves the data.
+
+Tensors a policy sees, per cache block (one layer, one GPU batch), all shaped (b, kv_heads, slots):
+  pos    int64, position of the token in each slot (index among the sequence's real tokens); -1 = empty slot
+  score  float32, accumulated attention probability (filled only when `needs_scores`)
+cur_pos (b,) int64 is the position of the newest token of each sequence.
+
+A policy is a `priority` (higher = keep) plus a `protected` set (never evicted). Eviction removes the
+lowest-priority unprotected token, ties going to the older position; prefill keeps the protected tokens and
+then the highest priorities, ties going to the newer position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Token budget per sequence, layer and KV head: `heavy` + `recent` = total. None total = unbounded."""
+
+    heavy: int
+    recent: int
+
+    def __post_init__(self):
+        if self.heavy < 0 or self.recent < 0 or self.heavy + self.recent < 1:
+            raise ValueError(f"KV budget must be at least 1 token (got heavy {self.heavy}, recent {self.recent})")
+
+    @property
+    def total(self) -> int:
+        return self.heavy + self.recent
+
+
+class KVPolicy:
+    """Base class: subclasses set `name` and implement `priority` (and `protected` when they protect tokens)."""
+
+    name = "base"
+    needs_scores = False
+
+    def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0):
+        self.budget = budget
+        self.num_sinks = num_sinks
+        self.seed = seed
+
+    def slots(self, prompt_len: int, gen_len: int) -> int:
+        """Cache slots to allocate for one sequence: budget + 1 (the incoming token), or the whole sequence."""
+        total = prompt_len + gen_len
+        if self.budget is None or self.budget.total >= total:
+            return total
+        return self.budget.total + 1
+
+    def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def protected(self, pos: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(pos, dtype=torch.bool)
+
+    def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor) -> torch.Tensor:
+        """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
+        valid = pos >= 0
+        if self.budget is None:
+            return valid
+        prio = self.priority(pos, score, layer).float()
+        prot = self.protected(pos, cur_pos) & valid
+        # lexicographic descending sort on (valid, protected, priority, pos) via stable sorts, last key first
+        order = torch.argsort(pos, dim=-1, descending=True, stable=True)
+        for key in (prio, prot, valid):
+            k = torch.gather(key, -1, order)
+            order = torch.gather(order, -1, torch.argsort(k.float(), dim=-1, descending=True, stable=True))
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, torch.arange(order.shape[-1], device=pos.device).expand_as(order))
+        return valid & (rank < self.budget.total)
+
+    def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor):
+        """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None."""
+        if self.budget is None:
+            return None
+        valid = pos >= 0
+        over = valid.sum(-1, keepdim=True) > self.budget.total  # (b, h, 1)
+        cand = valid & ~self.protected(pos, cur_pos) & over
+        prio = self.priority(pos, score, layer).float()
+        low = torch.where(cand, prio, torch.inf).amin(-1, keepdim=True)
+        tie = cand & (prio == low)
+        oldest = torch.where(tie, pos, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
+        return tie & (pos == oldest)
+
+
+def recent_window(pos: torch.Tensor, cur_pos: torch.Tensor, recent: int) -> torch.Tensor:
+    """Bool: the `recent` most recent positions of each sequence (the newest token included)."""
+    return pos > (cur_pos.view(-1, 1, 1) - recent)

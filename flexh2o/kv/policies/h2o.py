@@ -1,0 +1,17 @@
+"""`h2o`: Heavy-Hitter Oracle. Keep the `heavy` tokens with the largest accumulated attention plus the `recent` window.
+
+Scores: for each cached token, the sum over every query that attended to it (prefill and decode, the query's own
+step included) of its softmax probability, summed over the query heads sharing the KV head, in fp32.
+"""
+from flexh2o.kv.policies.base import KVPolicy, recent_window
+
+
+class H2OPolicy(KVPolicy):
+    name = "h2o"
+    needs_scores = True
+
+    def priority(self, pos, score, layer):
+        return score
+
+    def protected(self, pos, cur_pos):
+        return recent_window(pos, cur_pos, self.budget.recent)

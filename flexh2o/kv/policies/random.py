@@ -1,0 +1,26 @@
+"""`random`: a control. Keeps `heavy` tokens chosen at random (seeded) plus the protected `recent` window.
+
+The random key of a token is a hash of (seed, layer, KV head, position), so the choice does not depend on batching.
+"""
+import torch
+
+from flexh2o.kv.policies.base import KVPolicy, recent_window
+
+
+def random_key(seed: int, layer: int, pos: torch.Tensor) -> torch.Tensor:
+    """Float key in [0, 1) per slot of pos (b, h, s), a pure function of (seed, layer, head, position)."""
+    head = torch.arange(pos.shape[1], device=pos.device).view(1, -1, 1)
+    x = (pos * 2654435761 + head * 40503 + layer * 97 + seed * 1000003) % 2147483647
+    x = (x * 48271) % 2147483647
+    x = (x * 48271) % 2147483647
+    return x.double() / 2147483647.0
+
+
+class RandomPolicy(KVPolicy):
+    name = "random"
+
+    def priority(self, pos, score, layer):
+        return random_key(self.seed, layer, pos)
+
+    def protected(self, pos, cur_pos):
+        return recent_window(pos, cur_pos, self.budget.recent)

@@ -1,0 +1,139 @@
+"""Pre-flight plan: the bytes each tier needs (weights, KV cache, activations, working buffers), before any allocation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flexh2o.models import layer_specs
+from flexh2o.placement import TIERS, block_homes, weight_homes
+from flexh2o.run_config import RunConfig
+
+KINDS = ("weights", "cache", "activations", "buffers")
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def cache_block_bytes(rc: RunConfig) -> int:
+    """One (layer, GPU batch) cache block: K and V in the storage dtype, int64 positions, fp32 scores."""
+    cfg = rc.model
+    per_slot = cfg.kv_heads * (2 * cfg.head_dim * itemsize(rc.dtype) + 8 + 4)
+    return rc.gpu_batch_size * rc.cache_slots() * per_slot
+
+
+def act_block_bytes(rc: RunConfig) -> int:
+    """Hidden states of one GPU batch between layers (prefill is the largest)."""
+    return rc.gpu_batch_size * rc.prompt_len * rc.model.hidden * itemsize(rc.compute)
+
+
+@dataclass
+class MemoryPlan:
+    rc: RunConfig
+    bytes: dict = field(default_factory=lambda: {t: dict.fromkeys(KINDS, 0) for t in TIERS})
+
+    def total(self, tier: str) -> int:
+        return sum(self.bytes[tier].values())
+
+    def capacity(self, tier: str) -> int:
+        return getattr(self.rc, f"{tier}_mem")
+
+    def overflow(self):
+        """(tier, needed, available) of the first tier that does not fit, or None."""
+        for t in TIERS:
+            if self.total(t) > self.capacity(t):
+                return t, self.total(t), self.capacity(t)
+        return None
+
+    def check(self) -> None:
+        over = self.overflow()
+        if over:
+            t, need, have = over
+            raise ValueError(f"{t} tier needs {fmt_bytes(need)} but --{t}-mem allows {fmt_bytes(have)}: raise "
+                             f"--{t}-mem, lower --gpu-batch-size, or move more of --percent to another tier")
+
+    def describe(self) -> str:
+        rows = [f"{'tier':<5} {'weights':>10} {'cache':>10} {'activ.':>10} {'buffers':>10} {'total':>10} "
+                f"{'capacity':>10}"]
+        for t in TIERS:
+            b = self.bytes[t]
+            rows.append(f"{t:<5} " + " ".join(f"{fmt_bytes(b[k]):>10}" for k in KINDS)
+                        + f" {fmt_bytes(self.total(t)):>10} {fmt_bytes(self.capacity(t)):>10}")
+        return "\n".join(rows)
+
+
+def plan_memory(rc: RunConfig) -> MemoryPlan:
+    cfg, plan = rc.model, MemoryPlan(rc)
+    specs = layer_specs(cfg)
+    homes = weight_homes(specs, rc.percent.shares("weights"))
+    size = {s.name: s.numel for layer in specs for s in layer}
+    for name, tier in homes.items():
+        plan.bytes[tier]["weights"] += size[name] * itemsize(rc.dtype)
+    for row in block_homes(cfg.num_layers, rc.num_gpu_batches, rc.percent.shares("cache")):
+        for tier in row:
+            plan.bytes[tier]["cache"] += cache_block_bytes(rc)
+    for tier in block_homes(1, rc.num_gpu_batches, rc.percent.shares("activations"))[0]:
+        plan.bytes[tier]["activations"] += act_block_bytes(rc)
+    plan.bytes["gpu"]["buffers"] = working_bytes(rc, specs, homes)
+    return plan
+
+
+def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
+    """Compute-side buffers: two layers of weights in flight, two cache blocks, attention and MLP workspace."""
+    cfg, c = rc.model, itemsize(rc.compute)
+    copied = [sum(s.numel for s in layer if homes[s.name] != "gpu" or rc.dtype != rc.compute) for layer in specs]
+    weights = 2 * max(copied) * c
+    block = cache_block_bytes(rc)
+    kv_compute = 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
+    cache = 2 * block + kv_compute
+    b, t = rc.gpu_batch_size, rc.prompt_len
+    chunk = min(rc.attn_chunk, t)
+    attention = 3 * b * cfg.num_heads * chunk * t * 4 + 4 * b * t * cfg.hidden * c
+    decode_attn = 3 * b * cfg.num_heads * rc.cache_slots() * 4
+    mlp = b * t * cfg.ffn * c * 2
+    logits = b * cfg.vocab * 4 * 2
+    acts = 2 * act_block_bytes(rc)
+    return weights + cache + max(attention, decode_attn, mlp) + logits + acts
+
+
+def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:
+    """Largest --gpu-batch-size that fits every tier (0 when even 1 does not)."""
+    def fits(b: int) -> bool:
+        return plan_memory(rc.with_(gpu_batch_size=b)).overflow() is None
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def parse_bytes(text: str) -> int:
+    """'16GB', '512MiB', '1.5G', '1000' -> bytes (powers of 1024 for every suffix)."""
+    s = text.strip().upper().replace("IB", "B")
+    units = {"TB": 1 << 40, "GB": 1 << 30, "MB": 1 << 20, "KB": 1 << 10, "T": 1 << 40, "G": 1 << 30,
+             "M": 1 << 20, "K": 1 << 10, "B": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            s, m = s[: -len(u)], mult
+            break
+    else:
+        m = 1
+    try:
+        value = float(s)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size: use a number with a unit, e.g. 16GB or 512MB") from None
+    if value < 0:
+        raise ValueError(f"size {text!r} is negative")
+    return int(value * m)

@@ -1,0 +1,81 @@
+"""RunConfig: everything one run needs, validated once, built by the CLI (or by tests and benchmarks directly)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from flexh2o.config import ModelConfig
+from flexh2o.kv.policies import Budget, make_policy
+from flexh2o.placement import Percent
+
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose float16, bfloat16 or float32")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    percent: Percent = field(default_factory=Percent)
+    gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
+    prompt_len: int = 32
+    gen_len: int = 8
+    path: str = "_DUMMY_"
+    dtype: torch.dtype = torch.float16  # storage of weights and cache
+    compute_dtype: Optional[torch.dtype] = None  # None: dtype on CUDA; float32 on CPU when dtype is float16
+    device: str = "cpu"
+    overlap: bool = True
+    cpu_cache_compute: bool = False
+    kv_policy: str = "full"
+    budget: Optional[Budget] = None
+    num_sinks: int = 4
+    seed: int = 0
+    gpu_mem: int = 4 << 30
+    cpu_mem: int = 16 << 30
+    disk_mem: int = 64 << 30
+    offload_dir: str = "/tmp/flexh2o_offload"
+    attn_chunk: int = 256  # prefill queries per attention chunk
+    io_threads: int = 2
+    max_positions: Optional[int] = None  # allow going past the model's table (Llama only)
+
+    def __post_init__(self):
+        for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        limit = self.max_positions or self.model.max_positions
+        if self.prompt_len + self.gen_len > limit:
+            raise ValueError(f"prompt {self.prompt_len} + gen {self.gen_len} tokens exceed the model's {limit} "
+                             "positions: shorten --prompt-len/--gen-len")
+        if self.max_positions and self.model.family == "opt" and self.max_positions > self.model.max_positions:
+            raise ValueError("OPT has learned positions: it cannot run past its "
+                             f"{self.model.max_positions}-token table")
+        make_policy(self.kv_policy, self.budget, self.num_sinks, self.seed)  # validates
+
+    @property
+    def num_seqs(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def compute(self) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        if self.device == "cpu" and self.dtype == torch.float16:
+            return torch.float32  # fp16 matmul is ~100x slower than fp32 on CPU
+        return self.dtype
+
+    def policy(self):
+        return make_policy(self.kv_policy, self.budget, self.num_sinks, self.seed)
+
+    def cache_slots(self) -> int:
+        return self.policy().slots(self.prompt_len, self.gen_len)
+
+    def with_(self, **kw) -> "RunConfig":
+        return replace(self, **kw)

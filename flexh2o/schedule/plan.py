@@ -1,0 +1,60 @@
+"""The zig-zag block schedule as data: a pure generator of ops, testable without tensors.
+
+For each generated token (step), for each layer, for each GPU batch: the layer's weights are loaded once and
+reused by every batch of the block. Prefetching is expressed by order: the load of layer + 1's weights and the
+load of the next batch's cache and activations are issued before the current compute; stores follow it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+LOAD_WEIGHT, FREE_WEIGHT = "load_weight", "free_weight"
+LOAD_CACHE, STORE_CACHE = "load_cache", "store_cache"
+LOAD_ACT, STORE_ACT = "load_act", "store_act"
+COMPUTE = "compute"
+LOADS = (LOAD_WEIGHT, LOAD_CACHE, LOAD_ACT)
+STORES = (STORE_CACHE, STORE_ACT)
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    step: int
+    layer: int
+    batch: int = -1  # -1 for weight ops
+
+    @property
+    def buffer(self) -> tuple:
+        """The resource this op fills or drains: ('w', layer), ('c', layer, batch) or ('a', batch)."""
+        if self.kind in (LOAD_WEIGHT, FREE_WEIGHT):
+            return ("w", self.layer)
+        if self.kind in (LOAD_CACHE, STORE_CACHE):
+            return ("c", self.layer, self.batch)
+        return ("a", self.batch)
+
+
+def block_schedule(num_steps: int, num_layers: int, num_batches: int, has_cache) -> Iterator[Op]:
+    """Ops for the whole generation. `num_layers` counts every layer (embedding and head included);
+    `has_cache(layer)` says which layers keep a KV cache.
+
+    Loads of a layer's weights and of a batch's cache are issued one compute ahead (the prefetch); the load of
+    a batch's activations comes right before its compute, since the previous layer produces them.
+    """
+    blocks = [(step, layer) for step in range(num_steps) for layer in range(num_layers)]
+    computes = [(s, l, b) for s, l in blocks for b in range(num_batches)]
+    yield Op(LOAD_WEIGHT, 0, 0)
+    if has_cache(0):
+        yield Op(LOAD_CACHE, 0, 0, 0)
+    for i, (step, layer, batch) in enumerate(computes):
+        if batch == 0 and i // num_batches + 1 < len(blocks):
+            yield Op(LOAD_WEIGHT, *blocks[i // num_batches + 1])
+        if i + 1 < len(computes) and has_cache(computes[i + 1][1]):
+            yield Op(LOAD_CACHE, *computes[i + 1])
+        yield Op(LOAD_ACT, step, layer, batch)
+        yield Op(COMPUTE, step, layer, batch)
+        if has_cache(layer):
+            yield Op(STORE_CACHE, step, layer, batch)
+        yield Op(STORE_ACT, step, layer, batch)
+        if batch == num_batches - 1:
+            yield Op(FREE_WEIGHT, step, layer)

@@ -1,0 +1,73 @@
+"""Executes a block schedule: the only code that knows threads, streams and waits.
+
+overlap=False runs every op in plan order on the caller's thread. overlap=True runs loads and stores on an I/O
+thread pool (disk reads release the GIL) while compute stays on the caller's thread; ops on the same buffer are
+chained, and a compute waits only for the loads of its own buffers. On CUDA each I/O op runs on a side stream
+and records an event that the compute stream waits on (no device-wide sync).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from flexh2o.schedule.plan import COMPUTE, Op
+
+
+class Executor:
+    def __init__(self, handlers: dict, overlap: bool, io_threads: int = 2, device: str = "cpu",
+                 inputs: Optional[Callable] = None):
+        """handlers: op kind -> callable(op). inputs(op) -> the buffers a compute op reads."""
+        self.handlers, self.overlap, self.io_threads = handlers, overlap, io_threads
+        self.cuda = torch.device(device).type == "cuda"
+        self.inputs = inputs or (lambda op: [])
+
+    def run(self, ops: Iterable[Op]) -> None:
+        if not self.overlap:
+            for op in ops:
+                self.handlers[op.kind](op)
+            return
+        # one side stream: every I/O op on it first waits for the compute issued before it, so memory freed
+        # by the caching allocator on this stream is never reused while a kernel may still read it
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="flexh2o-io")
+        pending: dict = {}
+        try:
+            for op in ops:
+                if op.kind == COMPUTE:
+                    for buf in self.inputs(op):
+                        _wait(pending.get(buf), self.cuda)
+                    self.handlers[COMPUTE](op)
+                    continue
+                after = pending.get(op.buffer)
+                ready = torch.cuda.Event() if self.cuda else None
+                if ready is not None:
+                    ready.record()  # stores must see the compute issued so far
+                pending[op.buffer] = pool.submit(self._io, op, after, ready)
+            for fut in list(pending.values()):
+                _wait(fut, self.cuda)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _io(self, op: Op, after: Optional[Future], ready):
+        if after is not None:
+            after.result()
+        if not self.cuda:
+            self.handlers[op.kind](op)
+            return None
+        stream = self.stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            self.handlers[op.kind](op)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+
+def _wait(fut: Optional[Future], cuda: bool) -> None:
+    if fut is None:
+        return
+    done = fut.result()  # re-raises an I/O error on the compute thread
+    if cuda and done is not None:
+        torch.cuda.current_stream().wait_event(done)

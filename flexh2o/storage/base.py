@@ -1,0 +1,78 @@
+"""The one interface every tier implements: gpu, cpu and disk are interchangeable homes for tensors."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class TierFullError(RuntimeError):
+    """Raised when an allocation would pass a tier's capacity (the pre-flight plan should prevent it)."""
+
+
+class Tier:
+    """A home for tensors with an enforced capacity and byte counters.
+
+    alloc(shape, dtype) -> handle      reserve space (contents undefined)
+    load(handle, device, dtype) -> t   the tensor on the compute side; no copy when already there
+    store(handle, tensor, slots=None)  write back (all, or only `slots`: index along dim 2)
+    free(handle)                       release the space
+    close()                            release everything (and, for disk, remove the files)
+    """
+
+    name = "tier"
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self.used = 0
+        self.peak = 0
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+
+    def _reserve(self, nbytes: int) -> None:
+        if self.used + nbytes > self.capacity:
+            raise TierFullError(f"{self.name} tier is full: {self.used + nbytes} bytes needed, "
+                                f"{self.capacity} available (raise --{self.name}-mem)")
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def _release(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+    def charge(self, nbytes: int) -> None:
+        """Count a working buffer (not enforced: the pre-flight plan sized it) so the peak is reported honestly."""
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def refund(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+    def alloc(self, shape: tuple, dtype: torch.dtype):
+        raise NotImplementedError
+
+    def load(self, handle, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def store(self, handle, tensor: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+        raise NotImplementedError
+
+    def free(self, handle) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def nbytes_of(shape: tuple, dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def scatter_slots(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+    """dst[b, h, slots[b, h], ...] = src[b, h, slots[b, h], ...] for tensors shaped (b, h, s, ...)."""
+    idx = slots.view(*slots.shape, 1, *([1] * (src.dim() - 3)))
+    idx = idx.expand(*slots.shape, 1, *src.shape[3:]).to(src.device)
+    picked = torch.gather(src, 2, idx)
+    dst.scatter_(2, idx.to(dst.device), picked.to(dst.device, dst.dtype))

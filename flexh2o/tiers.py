@@ -1,0 +1,19 @@
+"""Builds the three tiers of a run from its RunConfig."""
+from __future__ import annotations
+
+import torch
+
+from flexh2o.storage.memory import MemoryTier
+
+
+def make_tiers(rc, need_disk: bool) -> dict:
+    """gpu = the compute device (host memory with an enforced capacity on a CPU-only run), cpu = host memory
+    (pinned when CUDA is present), disk = files in a fresh run directory under --offload-dir (only when used)."""
+    device = torch.device(rc.device)
+    tiers = {"gpu": MemoryTier("gpu", device, rc.gpu_mem),
+             "cpu": MemoryTier("cpu", torch.device("cpu"), rc.cpu_mem, pin=device.type == "cuda")}
+    if need_disk:
+        from flexh2o.storage.disk import DiskTier
+        from flexh2o.storage.offload_dir import make_run_dir
+        tiers["disk"] = DiskTier(make_run_dir(rc.offload_dir), rc.disk_mem)
+    return tiers

@@ -1,0 +1,248 @@
+"""The converted checkpoint on disk: one raw little-endian file per tensor, an index, and the model config.
+
+Layout of a checkpoint directory DST:
+    flexh2o_config.json   ModelConfig.to_json(); written last, so its presence marks a complete checkpoint
+    index.json            {"format": 1, "dtype": ..., "tensors": {name: {file, shape, dtype, nbytes}}}
+    tensors/<name>.bin    contiguous bytes of the tensor, C order, little-endian
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import torch
+
+from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
+from flexh2o.models import unique_specs
+
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+TENSOR_DIR = "tensors"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+FIX = "re-run flexh2o-convert"
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """'float16' | 'bfloat16' | 'float32' -> torch dtype; ValueError otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def file_name(name: str) -> str:
+    """Tensor name -> a safe file name inside tensors/."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".bin"
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's storage as a writable byte view (works for bfloat16, which numpy lacks)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _check_byteorder() -> None:
+    if sys.byteorder != "little":
+        raise ValueError("flexh2o checkpoints are little-endian; this host is big-endian")
+
+
+class CheckpointWriter:
+    """Writes a checkpoint into a staging directory beside DST and moves it into place on finish().
+
+    Use as a context manager: on any exception the staging directory is removed and DST is left as it was.
+    """
+
+    def __init__(self, dst: str, cfg: ModelConfig, dtype: str = "float16", overwrite: bool = False):
+        _check_byteorder()
+        self.dst = os.path.abspath(dst)
+        self.cfg = cfg
+        self.dtype_name = dtype
+        self.dtype = dtype_of(dtype)
+        self.specs = unique_specs(cfg)
+        self.entries: dict = {}
+        self.num_bytes = 0
+        _check_dst(self.dst, overwrite)
+        parent = os.path.dirname(self.dst)
+        os.makedirs(parent, exist_ok=True)
+        self.stage = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(self.dst)}.partial-")
+        os.mkdir(os.path.join(self.stage, TENSOR_DIR))
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Validate `name` and shape against the model's specs, cast to the checkpoint dtype, and write it."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise ValueError(f"unexpected tensor {name!r} for a {self.cfg.family} model with this config")
+        if name in self.entries:
+            raise ValueError(f"tensor {name!r} was given twice")
+        if tuple(tensor.shape) != tuple(spec.shape):
+            raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)} but the config implies "
+                             f"{list(spec.shape)}: check config.json matches the weights")
+        t = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
+        fname = file_name(name)
+        path = os.path.join(self.stage, TENSOR_DIR, fname)
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(_as_bytes(t))
+        os.replace(path + ".tmp", path)
+        nbytes = t.numel() * t.element_size()
+        self.entries[name] = {"file": fname, "shape": list(t.shape), "dtype": self.dtype_name, "nbytes": nbytes}
+        self.num_bytes += nbytes
+
+    def missing(self) -> list:
+        """Spec names not yet written."""
+        return [n for n in self.specs if n not in self.entries]
+
+    def finish(self) -> None:
+        """Check completeness, write index.json then the config, and move the checkpoint to DST."""
+        missing = self.missing()
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(f"missing tensors {', '.join(missing[:3])}{more}: the source checkpoint is incomplete")
+        index = {"format": FORMAT_VERSION, "dtype": self.dtype_name, "tensors": self.entries}
+        _write_atomic(os.path.join(self.stage, INDEX_FILE), json.dumps(index, indent=1))
+        _write_atomic(os.path.join(self.stage, CONFIG_FILE), self.cfg.to_json())
+        _move_into_place(self.stage, self.dst)
+
+    def abort(self) -> None:
+        """Remove everything this writer created."""
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+
+def _check_dst(dst: str, overwrite: bool) -> None:
+    if not os.path.lexists(dst):
+        return
+    if not os.path.isdir(dst) or os.path.islink(dst):
+        raise ValueError(f"{dst} exists and is not a directory: choose another destination")
+    if not os.listdir(dst):
+        return
+    if not overwrite:
+        raise ValueError(f"{dst} exists and is not empty: pass --overwrite or choose another destination")
+    if not any(os.path.exists(os.path.join(dst, f)) for f in (INDEX_FILE, CONFIG_FILE)):
+        raise ValueError(f"{dst} is not empty and is not a flexh2o checkpoint: refusing to overwrite it")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as fh:
+        fh.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _move_into_place(stage: str, dst: str) -> None:
+    """Swap the finished staging directory in for DST (an old checkpoint there is removed only after)."""
+    old = None
+    if os.path.isdir(dst):
+        if os.listdir(dst):
+            old = tempfile.mkdtemp(dir=os.path.dirname(dst), prefix=f".{os.path.basename(dst)}.old-")
+            os.rmdir(old)
+            os.rename(dst, old)
+        else:
+            os.rmdir(dst)
+    os.rename(stage, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointReader:
+    """Opens and validates a converted checkpoint; reads one tensor at a time."""
+
+    def __init__(self, path: str):
+        _check_byteorder()
+        self.path = os.path.abspath(path)
+        self.config = load_converted_config(self.path)
+        self.entries = _load_index(os.path.join(self.path, INDEX_FILE))
+        self._validate()
+
+    def names(self) -> list:
+        return list(self.entries)
+
+    def file_of(self, name: str) -> str:
+        """Absolute path of the file holding `name`."""
+        if name not in self.entries:
+            raise ValueError(f"{self.path} has no tensor {name!r}")
+        return os.path.join(self.path, TENSOR_DIR, self.entries[name]["file"])
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self.entries[name]["dtype"]]
+
+    def read(self, name: str) -> torch.Tensor:
+        """A new CPU tensor in the stored dtype."""
+        out = torch.empty(self.shape(name), dtype=self.dtype(name))
+        self._read_raw(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` (same shape; any dtype or device) with the tensor; direct when out is CPU, contiguous and same dtype."""
+        if tuple(out.shape) != self.shape(name):
+            raise ValueError(f"cannot read {name!r} of shape {list(self.shape(name))} into {list(out.shape)}")
+        if out.device.type == "cpu" and out.dtype == self.dtype(name) and out.is_contiguous():
+            self._read_raw(name, out)
+        else:
+            out.copy_(self.read(name))
+
+    def _read_raw(self, name: str, out: torch.Tensor) -> None:
+        path = self.file_of(name)
+        with open(path, "rb", buffering=0) as fh:
+            got = fh.readinto(_as_bytes(out))
+        if got != self.entries[name]["nbytes"]:
+            raise ValueError(f"{path} is truncated: {got} of {self.entries[name]['nbytes']} bytes; {FIX}")
+
+    def _validate(self) -> None:
+        index = os.path.join(self.path, INDEX_FILE)
+        for name, spec in unique_specs(self.config).items():
+            e = self.entries.get(name)
+            if e is None:
+                raise ValueError(f"{index} lacks tensor {name!r} required by {CONFIG_FILE}; {FIX}")
+            if tuple(e["shape"]) != tuple(spec.shape):
+                raise ValueError(f"{index}: tensor {name!r} has shape {e['shape']} but {CONFIG_FILE} implies "
+                                 f"{list(spec.shape)}; {FIX}")
+        for name, e in self.entries.items():
+            path = self.file_of(name)
+            want = spec_nbytes(e)
+            if e["nbytes"] != want:
+                raise ValueError(f"{index}: tensor {name!r} records {e['nbytes']} bytes, expected {want}; {FIX}")
+            if not os.path.isfile(path):
+                raise ValueError(f"{path} is missing; {FIX}")
+            size = os.path.getsize(path)
+            if size < want:
+                raise ValueError(f"{path} is truncated: {size} of {want} bytes; {FIX}")
+            if size > want:
+                raise ValueError(f"{path} is too long: {size} bytes, expected {want}; {FIX}")
+
+
+def spec_nbytes(entry: dict) -> int:
+    """Bytes implied by an index entry's shape and dtype."""
+    n = 1
+    for d in entry["shape"]:
+        n *= d
+    return n * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
+
+
+def _load_index(index: str) -> dict:
+    """index.json -> {name: entry}, with every entry's fields checked."""
+    if not os.path.isfile(index):
+        raise ValueError(f"{index} is missing; {FIX}")
+    try:
+        with open(index) as fh:
+            d = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index} is unreadable ({str(e).splitlines()[0]}); {FIX}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT_VERSION or not isinstance(d.get("tensors"), dict):
+        raise ValueError(f"{index} is not a flexh2o index (format {FORMAT_VERSION}); {FIX}")
+    for name, e in d["tensors"].items():
+        ok = (isinstance(e, dict) and isinstance(e.get("file"), str) and e.get("dtype") in DTYPES
+              and isinstance(e.get("shape"), list) and all(isinstance(x, int) and x >= 0 for x in e["shape"])
+              and isinstance(e.get("nbytes"), int) and os.path.basename(e["file"]) == e["file"])
+        if not ok:
+            raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
+    return d["tensors"]
+

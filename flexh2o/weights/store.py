@@ -1,0 +1,92 @@
+"""Every weight tensor in its home tier: filled with seeded dummy values or from a converted checkpoint."""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from flexh2o.models import layer_specs
+from flexh2o.models.common import WeightSpec
+from flexh2o.placement import weight_homes
+
+CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
+
+
+def dummy_tensor(spec: WeightSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Seeded random values for one weight (normal std 0.02; norm scales near 1, biases near 0)."""
+    flat = torch.empty(spec.numel, dtype=torch.float32)
+    base = zlib.crc32(spec.name.encode()) ^ (seed * 0x9E3779B1)
+    for i, start in enumerate(range(0, spec.numel, CHUNK)):
+        g = torch.Generator().manual_seed((base + i * 7919) & 0x7FFFFFFFFFFFFFFF)
+        part = flat[start:start + CHUNK]
+        part.normal_(0.0, 0.02, generator=g)
+    if spec.init == "ones":
+        flat += 1.0
+    return flat.view(spec.shape).to(dtype)
+
+
+class WeightStore:
+    """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
+
+    def __init__(self, cfg, tiers: dict, shares: tuple, dtype: torch.dtype):
+        self.specs = layer_specs(cfg)
+        self.homes = weight_homes(self.specs, shares)
+        self.tiers, self.dtype = tiers, dtype
+        self.handles = {}
+        for layer in self.specs:
+            for s in layer:
+                if s.name not in self.handles:
+                    self.handles[s.name] = tiers[self.homes[s.name]].alloc(s.shape, dtype)
+
+    def fill_dummy(self, seed: int, progress=None) -> None:
+        for name, spec in self._unique():
+            self.tiers[self.homes[name]].store(self.handles[name], dummy_tensor(spec, seed, self.dtype))
+            if progress:
+                progress(spec.numel)
+
+    def fill_from(self, reader, progress=None) -> None:
+        """Copy every tensor from a CheckpointReader into its home tier, one at a time."""
+        for name, spec in self._unique():
+            t = reader.read(name)
+            if tuple(t.shape) != tuple(spec.shape):
+                raise ValueError(f"{reader.file_of(name)} holds shape {tuple(t.shape)}, expected {spec.shape}")
+            self.tiers[self.homes[name]].store(self.handles[name], t.to(self.dtype))
+            if progress:
+                progress(spec.numel)
+
+    def _unique(self):
+        seen = set()
+        for layer in self.specs:
+            for s in layer:
+                if s.name not in seen:
+                    seen.add(s.name)
+                    yield s.name, s
+
+    def load_layer(self, layer: int, device, dtype: torch.dtype) -> tuple:
+        """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are."""
+        out, copied = {}, 0
+        for s in self.specs[layer]:
+            tier, h = self.tiers[self.homes[s.name]], self.handles[s.name]
+            t = tier.load(h, device, dtype)
+            if not _same_storage(t, h):
+                copied += t.numel() * t.element_size()
+            out[s.name] = t
+        return out, copied
+
+    def bytes_per_tier(self) -> dict:
+        out = {}
+        for layer in self.specs:
+            for s in layer:
+                out.setdefault(self.homes[s.name], 0)
+        for name, spec in self._unique():
+            out[self.homes[name]] += spec.numel * torch.empty((), dtype=self.dtype).element_size()
+        return out
+
+    def close(self) -> None:
+        for name, h in self.handles.items():
+            self.tiers[self.homes[name]].free(h)
+        self.handles = {}
+
+
+def _same_storage(t, h) -> bool:
+    return isinstance(h, torch.Tensor) and t.data_ptr() == h.data_ptr()
