@@ -1,0 +1,183 @@
+"""flexh2o-run: argparse -> RunConfig + Job -> run_job. Every user error becomes one line on stderr and exit 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+import psutil
+import torch
+
+from flexh2o import config as model_configs
+from flexh2o.kv.policies import POLICIES, resolve_budget
+from flexh2o.memory_plan import largest_batch, parse_bytes, plan_memory
+from flexh2o.placement import Percent
+from flexh2o.run_config import RunConfig, parse_dtype
+from flexh2o.storage.base import TierFullError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
+        raise UsageError(f"{message} (see flexh2o-run --help)")
+
+
+class UsageError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
+    a = p.add_argument
+    a("--model", default="opt-125m", help="opt-125m ... opt-175b (facebook/ prefix accepted)")
+    a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), or _DUMMY_ for seeded weights")
+    a("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
+      help="weights-gpu weights-cpu cache-gpu cache-cpu [act-gpu act-cpu]; disk gets the rest")
+    a("--gpu-batch-size", default="4", help="sequences per GPU batch, or 'auto' (largest that fits)")
+    a("--num-gpu-batches", type=int, default=1)
+    a("--prompt-len", type=int, default=512)
+    a("--gen-len", type=int, default=32)
+    a("--prompt-file", help=".json list of token-id lists, or text (one prompt per line) with --tokenizer")
+    a("--tokenizer", help="local tokenizer file or folder (never downloaded)")
+    a("--output-file", help="write generated tokens (and text) as JSON")
+    a("--log-file", help="append one JSON record of this run")
+    a("--dtype", default="float16", help="storage dtype of weights and cache")
+    a("--compute-dtype", default=None, help="default: float32 on CPU for float16 storage, else the storage dtype")
+    a("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    a("--overlap", default="true", choices=["true", "false"])
+    a("--cpu-cache-compute", action="store_true", help="decode attention next to a cpu-tier cache")
+    a("--gpu-mem", help="gpu tier capacity (e.g. 16GB); default: detected")
+    a("--cpu-mem", help="cpu tier capacity; default: detected")
+    a("--disk-mem", help="disk tier capacity; default: free space of --offload-dir")
+    a("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
+    a("--kv-policy", choices=sorted(POLICIES), default=None, help="default: h2o with --hh-ratio, else full")
+    a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
+    a("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)")
+    a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
+    a("--num-sinks", type=int, default=4, help="attention sinks kept by the streaming policy")
+    a("--hh-all", action="store_true", help="accepted for compatibility with the H2O authors' port")
+    a("--temperature", type=float, default=0.0, help="0 = greedy")
+    a("--top-p", type=float, default=1.0)
+    a("--seed", type=int, default=0)
+    a("--dry-run", action="store_true", help="print the memory plan and exit")
+    a("--no-warmup", action="store_true")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _run(args)
+    except (UsageError, ValueError, TierFullError, OSError) as e:
+        print(f"flexh2o-run: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flexh2o-run: interrupted; offload files removed", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _run(args) -> int:
+    from flexh2o.job import Job, run_job
+    from flexh2o.prompts import load_prompts, load_tokenizer, synthetic_prompts
+    from flexh2o.sampling import Sampler
+
+    cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
+           else model_configs.from_name(args.model))
+    tokenizer = load_tokenizer(args.tokenizer)
+    prompts = load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None
+    rc = build_run_config(args, cfg, prompts)
+    if prompts is None:
+        prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
+    if args.dry_run:
+        print(describe_plan(rc))
+        return 0
+    _check_output_path(args.output_file, "--output-file")
+    _check_output_path(args.log_file, "--log-file")
+    job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, args.log_file,
+              tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty())
+    report = run_job(rc, job)
+    print(report.summary())
+    return 0
+
+
+def build_run_config(args, cfg, prompts) -> RunConfig:
+    if args.prompt_len < 1 or args.gen_len < 1:
+        raise ValueError("--prompt-len and --gen-len must be at least 1")
+    prompt_len = max(len(p) for p in prompts) if prompts else args.prompt_len
+    policy = args.kv_policy or ("h2o" if args.hh_ratio is not None or args.kv_budget is not None else "full")
+    if policy == "full" and (args.hh_ratio is not None or args.kv_budget is not None):
+        raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device {device}: use cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here; use --device cpu")
+    gpu_mem, cpu_mem, disk_mem = _capacities(args, device)
+    auto = args.gpu_batch_size == "auto"
+    if not auto and not args.gpu_batch_size.isdigit():
+        raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {args.gpu_batch_size})")
+    nb = args.num_gpu_batches
+    gbs = 1 if auto else int(args.gpu_batch_size)
+    if prompts and not auto and args.gpu_batch_size == "4" and "--gpu-batch-size" not in sys.argv:
+        gbs = max(1, -(-len(prompts) // nb))  # default batch: the prompts given
+    rc = RunConfig(cfg, Percent.parse(args.percent), gbs, nb, prompt_len, args.gen_len, args.path,
+                   parse_dtype(args.dtype), parse_dtype(args.compute_dtype) if args.compute_dtype else None, device,
+                   args.overlap == "true", args.cpu_cache_compute, policy,
+                   resolve_budget(policy, prompt_len, args.hh_ratio, args.recent_ratio, args.kv_budget),
+                   args.num_sinks, args.seed, gpu_mem, cpu_mem, disk_mem, args.offload_dir)
+    if auto:
+        best = largest_batch(rc)
+        if best == 0:
+            plan_memory(rc).check()
+        rc = rc.with_(gpu_batch_size=best)
+        print(f"--gpu-batch-size auto: picked {best} (largest that fits, policy {policy})", file=sys.stderr)
+    return rc
+
+
+def _capacities(args, device: str) -> tuple:
+    avail = psutil.virtual_memory().available
+    if device.startswith("cuda"):
+        gpu_default = torch.cuda.mem_get_info()[0]
+        cpu_default = int(avail * 0.9)
+    else:  # the gpu tier is host memory: give it part of what is free, the cpu tier the rest
+        gpu_default, cpu_default = int(avail * 0.4), int(avail * 0.5)
+    disk_default = 0
+    if args.disk_mem is None:
+        from flexh2o.storage.offload_dir import free_disk_bytes
+        probe = args.offload_dir
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        disk_default = free_disk_bytes(probe or ".")
+    return (parse_bytes(args.gpu_mem) if args.gpu_mem else gpu_default,
+            parse_bytes(args.cpu_mem) if args.cpu_mem else cpu_default,
+            parse_bytes(args.disk_mem) if args.disk_mem else disk_default)
+
+
+def describe_plan(rc: RunConfig) -> str:
+    plan = plan_memory(rc)
+    lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
+             f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv_policy}"
+             + (f" (heavy {rc.budget.heavy}, recent {rc.budget.recent})" if rc.budget else "")
+             + f"  cache slots {rc.cache_slots()}", plan.describe()]
+    over = plan.overflow()
+    lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
+    lines.append(f"largest --gpu-batch-size that fits: {rc.kv_policy} {largest_batch(rc)}")
+    if rc.kv_policy != "full":
+        lines[-1] += f", full {largest_batch(rc.with_(kv_policy='full', budget=None))}"
+    return "\n".join(lines)
+
+
+def _check_output_path(path: Optional[str], flag: str) -> None:
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise ValueError(f"{flag} {path}: directory {d} does not exist or is not writable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

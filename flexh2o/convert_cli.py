@@ -1,0 +1,65 @@
+"""`flexh2o-convert SRC DST`: Hugging Face folder or llama .gguf -> flexh2o checkpoint. No logic beyond argv."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from flexh2o.weights.convert import convert
+from flexh2o.weights.format import DTYPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flexh2o-convert",
+                                description="Convert a Hugging Face checkpoint folder (OPT or Llama; safetensors or "
+                                            ".bin, sharded or not) or a llama .gguf file into flexh2o's format.")
+    p.add_argument("src", metavar="SRC", help="Hugging Face model folder (with config.json) or a .gguf file")
+    p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float16", help="stored dtype (default float16)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing flexh2o checkpoint at DST")
+    return p
+
+
+class _Bar:
+    """tqdm bar over tensors, created on the first tensor (when the total is known); only on a tty."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="tensor", file=sys.stderr, leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    bar = _Bar(sys.stderr.isatty())
+    try:
+        result = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=bar)
+    except (ValueError, OSError) as e:
+        bar.close()
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"flexh2o-convert: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        bar.close()
+        print("flexh2o-convert: interrupted; nothing written", file=sys.stderr)
+        return 130
+    bar.close()
+    print(f"converted {result.config.name} ({result.config.family}): {result.num_tensors} tensors, "
+          f"{result.num_bytes / 2**20:.1f} MiB ({result.num_bytes} bytes) as {args.dtype} in "
+          f"{result.seconds:.1f} s -> {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

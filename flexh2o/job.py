@@ -1,0 +1,85 @@
+"""One batch job: build the engine, warm up, generate with a progress bar, write outputs and the report."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from tqdm import tqdm
+
+from flexh2o.engine import Engine
+from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings
+from flexh2o.prompts import fill_batch
+from flexh2o.run_config import RunConfig
+from flexh2o.sampling import Sampler
+
+
+@dataclass
+class Job:
+    prompts: list
+    sampler: Sampler
+    output_file: Optional[str] = None
+    log_file: Optional[str] = None
+    tokenizer: object = None
+    warmup: bool = True
+    progress: bool = False
+    predicted: Optional[dict] = None
+
+
+def run_job(rc: RunConfig, job: Job) -> RunReport:
+    rss = RssPeak()
+    with Engine(rc) as eng:
+        if job.warmup:
+            eng.generate(fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2)
+        moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
+        bar = tqdm(total=rc.gen_len, desc="generate", unit="tok", disable=not job.progress, file=sys.stderr)
+
+        def on_step(step):
+            rss.sample()
+            bar.update(1)
+        try:
+            gen = eng.generate(fill_batch(job.prompts, rc.num_seqs), rc.gen_len, job.sampler, on_step=on_step)
+        finally:
+            bar.close()
+        moved = {t: (tier.bytes_loaded - moved0[t]) // rc.gen_len for t, tier in eng.tiers.items()}
+        peaks = peak_bytes(eng, rss)
+    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
+                       gen.decode_s, peaks, moved, eng.plan.bytes, threads=thread_settings(),
+                       predicted=job.predicted or {})
+    if not job.warmup:
+        report.warmup = "no warm-up (--no-warmup)"
+    if job.output_file:
+        write_outputs(job.output_file, gen.tokens[:len(job.prompts)].tolist(), job.tokenizer)
+    if job.log_file:
+        append_json_line(job.log_file, report.record())
+    return report
+
+
+def policy_flags(rc: RunConfig) -> dict:
+    b = rc.budget
+    return {"percent": str(rc.percent), "gpu_batch_size": rc.gpu_batch_size, "num_gpu_batches": rc.num_gpu_batches,
+            "overlap": rc.overlap, "cpu_cache_compute": rc.cpu_cache_compute, "kv_policy": rc.kv_policy,
+            "heavy": b.heavy if b else None, "recent": b.recent if b else None, "num_sinks": rc.num_sinks,
+            "dtype": str(rc.dtype).replace("torch.", ""), "compute_dtype": str(rc.compute).replace("torch.", ""),
+            "device": rc.device, "path": rc.path, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
+            "disk_mem": rc.disk_mem}
+
+
+def write_outputs(path: str, tokens: list, tokenizer=None) -> None:
+    """JSON list, one object per sequence; written to a temporary file and renamed (never half-written)."""
+    rows = [{"tokens": t} for t in tokens]
+    if tokenizer is not None:
+        for r in rows:
+            r["text"] = tokenizer.decode(r["tokens"])
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".flexh2o-out-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(rows, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,96 @@
+"""Run report: throughput (FlexGen's definitions), peak memory per tier, bytes moved; the JSON record and summary."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import psutil
+import torch
+
+from flexh2o.memory_plan import fmt_bytes
+
+
+@dataclass
+class RunReport:
+    model: str
+    policy: dict
+    num_seqs: int
+    prompt_len: int
+    gen_len: int
+    prefill_s: float
+    decode_s: float
+    peak_bytes: dict
+    moved_bytes_per_step: dict
+    plan_bytes: dict
+    warmup: str = "one untimed warm-up generation (gen_len 2) before the timed run"
+    threads: dict = field(default_factory=dict)
+    predicted: dict = field(default_factory=dict)
+
+    @property
+    def prefill_throughput(self) -> float:
+        return self.num_seqs * self.prompt_len / max(self.prefill_s, 1e-9)
+
+    @property
+    def decode_throughput(self) -> float:
+        return self.num_seqs * max(self.gen_len - 1, 0) / max(self.decode_s, 1e-9)
+
+    @property
+    def total_throughput(self) -> float:
+        """Generated tokens / (prefill + decode): the paper's and FlexGen's metric."""
+        return self.num_seqs * self.gen_len / max(self.prefill_s + self.decode_s, 1e-9)
+
+    def record(self) -> dict:
+        d = asdict(self)
+        d.update(prefill_throughput=self.prefill_throughput, decode_throughput=self.decode_throughput,
+                 total_throughput=self.total_throughput)
+        if self.predicted.get("decode_throughput"):
+            d["decode_ratio_measured_to_predicted"] = self.decode_throughput / self.predicted["decode_throughput"]
+        if self.predicted.get("total_throughput"):
+            d["total_ratio_measured_to_predicted"] = self.total_throughput / self.predicted["total_throughput"]
+        return d
+
+    def summary(self) -> str:
+        peaks = "  ".join(f"{t} {fmt_bytes(b)}" for t, b in self.peak_bytes.items())
+        moved = "  ".join(f"{t} {fmt_bytes(b)}" for t, b in self.moved_bytes_per_step.items())
+        lines = [f"model {self.model}  seqs {self.num_seqs}  prompt {self.prompt_len}  gen {self.gen_len}",
+                 f"policy {self.policy['kv_policy']}  percent {self.policy['percent']}  "
+                 f"batch {self.policy['gpu_batch_size']}x{self.policy['num_gpu_batches']}",
+                 f"prefill  {self.prefill_s:8.3f} s  {self.prefill_throughput:10.1f} tok/s",
+                 f"decode   {self.decode_s:8.3f} s  {self.decode_throughput:10.1f} tok/s",
+                 f"total    {self.prefill_s + self.decode_s:8.3f} s  {self.total_throughput:10.1f} tok/s (generated)",
+                 f"peak memory  {peaks}",
+                 f"moved per step (logical bytes loaded from each home tier)  {moved}",
+                 f"({self.warmup}; excluded from timings)"]
+        if self.predicted:
+            lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "
+                         f"{self.predicted.get('decode_throughput', 0):.1f} tok/s")
+        return "\n".join(lines)
+
+
+class RssPeak:
+    """Samples this process's resident memory (the cpu tier's honest peak, torch and Python included)."""
+
+    def __init__(self):
+        self.proc = psutil.Process(os.getpid())
+        self.peak = self.proc.memory_info().rss
+
+    def sample(self, *_):
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def peak_bytes(eng, rss: RssPeak) -> dict:
+    gpu = torch.cuda.max_memory_allocated() if eng.device.type == "cuda" else eng.tiers["gpu"].peak
+    out = {"gpu": gpu, "cpu_rss": rss.peak, "cpu_tier": eng.tiers["cpu"].peak}
+    out["disk"] = eng.tiers["disk"].peak if "disk" in eng.tiers else 0
+    return out
+
+
+def thread_settings() -> dict:
+    return {"torch_threads": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", ""),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
+
+
+def append_json_line(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
