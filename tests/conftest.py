@@ -1,0 +1,54 @@
+"""Shared test helpers: tiny configs and Hugging Face reference models built from the engine's own weights."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def hf_opt(cfg, weights: dict):
+    """OPTForCausalLM with the given engine weights (HF state-dict names), fp32, eval mode."""
+    from transformers import OPTConfig, OPTForCausalLM
+    hc = OPTConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.num_layers,
+                   ffn_dim=cfg.ffn, num_attention_heads=cfg.num_heads, max_position_embeddings=cfg.max_positions,
+                   word_embed_proj_dim=cfg.embed_dim, do_layer_norm_before=cfg.norm_before,
+                   pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                   enable_bias=True, dropout=0.0)
+    model = OPTForCausalLM(hc).eval()
+    sd = dict(weights)
+    sd["lm_head.weight"] = sd["model.decoder.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    return model.float()
+
+
+def hf_greedy(model, prompt: list, gen_len: int) -> tuple:
+    """(tokens, last-step logits) of plain greedy decoding, one unpadded sequence at a time."""
+    ids = torch.tensor([prompt])
+    tokens = []
+    with torch.no_grad():
+        for _ in range(gen_len):
+            logits = model(ids).logits[0, -1]
+            nxt = int(logits.argmax())
+            tokens.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return tokens, logits
+
+
+def ragged_prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list:
+    """n prompts of unequal lengths (the first is max_len long), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [max_len] + torch.randint(1, max_len + 1, (n - 1,), generator=g).tolist()
+    return [torch.randint(4, vocab, (ln,), generator=g).tolist() for ln in lens]
+
+
+@pytest.fixture
+def offload_dir(tmp_path):
+    d = tmp_path / "offload"
+    yield str(d)
+    leftovers = [p for p in d.glob("*")] if d.exists() else []
+    assert not leftovers, f"offload files left behind: {leftovers}"
