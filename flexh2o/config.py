@@ -126,17 +126,30 @@ def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
             bos_token_id=d.get("bos_token_id", 2), eos_token_id=d.get("eos_token_id", 2),
             tie_embeddings=d.get("tie_word_embeddings", True))
     if mt in ("llama", "mistral", "qwen2"):
+        hd = d.get("head_dim")
+        if hd and hd != d["hidden_size"] // d["num_attention_heads"]:
+            raise ValueError(f"head_dim {hd} differs from hidden_size / num_attention_heads: not supported")
+        scaling = d.get("rope_scaling") or (d.get("rope_parameters") or {}).get("rope_type", "default")
+        if scaling not in (None, "default") and not (isinstance(scaling, dict) and
+                                                     scaling.get("rope_type", "default") == "default"):
+            raise ValueError(f"rope scaling {scaling!r} is not supported (plain RoPE only)")
         return ModelConfig(
             name=name, family="llama", hidden=d["hidden_size"], num_layers=d["num_hidden_layers"],
             num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads"),
             ffn=d["intermediate_size"], vocab=d["vocab_size"],
             max_positions=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", 10000.0), tie_embeddings=d.get("tie_word_embeddings", False),
+            rope_theta=_rope_theta(d), tie_embeddings=d.get("tie_word_embeddings", False),
             pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else 0,
-            bos_token_id=d.get("bos_token_id", 1) or 1,
+            bos_token_id=d.get("bos_token_id") if d.get("bos_token_id") is not None else 1,
             eos_token_id=_first(d.get("eos_token_id", 2)))
     raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports opt and llama")
 
 
 def _first(x):
     return x[0] if isinstance(x, list) else x
+
+
+def _rope_theta(d: dict) -> float:
+    """transformers 5 writes rope_parameters: {rope_theta: ...}; older files a top-level rope_theta."""
+    params = d.get("rope_parameters") or {}
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))

@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexh2o.kv.attention import prefill_chunk
 from flexh2o.models import layer_specs
+from flexh2o.models.common import MLP_ELEMENTS
 from flexh2o.placement import TIERS, block_homes, weight_homes
 from flexh2o.run_config import RunConfig
 
@@ -88,10 +90,10 @@ def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
     kv_compute = 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
     cache = 2 * block + kv_compute
     b, t = rc.gpu_batch_size, rc.prompt_len
-    chunk = min(rc.attn_chunk, t)
+    chunk = prefill_chunk(b, cfg.num_heads, t, rc.attn_chunk)
     attention = 3 * b * cfg.num_heads * chunk * t * 4 + 4 * b * t * cfg.hidden * c
     decode_attn = 3 * b * cfg.num_heads * rc.cache_slots() * 4
-    mlp = b * t * cfg.ffn * c * 2
+    mlp = min(b * t, max(1, MLP_ELEMENTS // cfg.ffn)) * cfg.ffn * c * 2 + b * t * cfg.hidden * c
     logits = b * cfg.vocab * 4 * 2
     acts = 2 * act_block_bytes(rc)
     return weights + cache + max(attention, decode_attn, mlp) + logits + acts

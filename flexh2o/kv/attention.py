@@ -11,6 +11,14 @@ from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies.base import KVPolicy
 
 
+WORKSPACE = 64 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
+
+
+def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
+    """Queries per prefill chunk so that the chunk's (b, heads, chunk, t) fp32 scores stay within WORKSPACE."""
+    return max(1, min(max_chunk, t, WORKSPACE // (4 * b * heads * t)))
+
+
 def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int) -> tuple:
     """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> (out (b, n, t, d), KVBlock)."""
     b, n, t, d = q.shape
@@ -21,6 +29,7 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int) 
     out = torch.empty_like(q)
     qg = q.view(b, kv, g, t, d)
     idx = torch.arange(t, device=q.device)
+    chunk = prefill_chunk(b, n, t, chunk)
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
         att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e], k).float() * d ** -0.5  # (b, kv, g, c, t)

@@ -32,3 +32,16 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(b, n, t, d) -> (b, t, n*d)"""
     b, n, t, d = x.shape
     return x.transpose(1, 2).reshape(b, t, n * d)
+
+
+MLP_ELEMENTS = 1 << 24  # rows per MLP chunk are chosen so the intermediate stays under this many elements
+
+
+def rowwise(fn, x: torch.Tensor, width: int) -> torch.Tensor:
+    """Apply fn to (b, t, h) in chunks of rows so a (rows, width) intermediate never grows with the batch."""
+    b, t, h = x.shape
+    rows = max(1, MLP_ELEMENTS // width)
+    if b * t <= rows:
+        return fn(x)
+    flat = x.reshape(b * t, h)
+    return torch.cat([fn(part) for part in flat.split(rows)]).view(b, t, -1)

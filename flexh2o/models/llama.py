@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, merge_heads, split_heads
+from flexh2o.models.common import WeightSpec, merge_heads, rowwise, split_heads
 
 P = "model."
 
@@ -48,9 +48,8 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     x = x + F.linear(merge_heads(attend(q, k, v)), w[a + "o_proj.weight"])
     y = _rms(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
-    m = p + "mlp."
-    y = F.silu(F.linear(y, w[m + "gate_proj.weight"])) * F.linear(y, w[m + "up_proj.weight"])
-    return x + F.linear(y, w[m + "down_proj.weight"])
+    gate, up, down = (w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    return x + rowwise(lambda r: F.linear(F.silu(F.linear(r, gate)) * F.linear(r, up), down), y, cfg.ffn)
 
 
 def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:

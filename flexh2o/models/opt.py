@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, merge_heads, split_heads
+from flexh2o.models.common import WeightSpec, merge_heads, rowwise, split_heads
 
 POS_OFFSET = 2  # OPT's learned position table starts at index 2
 P = "model.decoder."
@@ -62,8 +62,8 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     if not cfg.norm_before:
         x = _ln(x, ln1)
     y = _ln(x, ln2) if cfg.norm_before else x
-    y = F.linear(F.relu(F.linear(y, w[p + "fc1.weight"], w[p + "fc1.bias"])), w[p + "fc2.weight"], w[p + "fc2.bias"])
-    x = x + y
+    fc1, fc2 = (w[p + "fc1.weight"], w[p + "fc1.bias"]), (w[p + "fc2.weight"], w[p + "fc2.bias"])
+    x = x + rowwise(lambda r: F.linear(F.relu(F.linear(r, *fc1)), *fc2), y, cfg.ffn)
     return x if cfg.norm_before else _ln(x, ln2)
 
 

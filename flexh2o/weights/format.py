@@ -181,7 +181,7 @@ class CheckpointReader:
         return out
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
-        """Fill `out` (same shape; any dtype or device) with the tensor; direct when out is CPU, contiguous and same dtype."""
+        """Fill `out` (same shape, any dtype or device); reads straight into it when CPU, contiguous, same dtype."""
         if tuple(out.shape) != self.shape(name):
             raise ValueError(f"cannot read {name!r} of shape {list(self.shape(name))} into {list(out.shape)}")
         if out.device.type == "cpu" and out.dtype == self.dtype(name) and out.is_contiguous():
