@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.memory_plan import cache_block_bytes, itemsize, plan_memory
+from flexh2o.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
 from flexh2o.models import layer_specs
 from flexh2o.placement import block_homes, weight_homes
 from flexh2o.run_config import RunConfig
@@ -129,24 +129,29 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def weight_layout(cfg, shares: tuple, dtype: torch.dtype) -> tuple:
+    """Per layer: ((tier, bytes) of each weight, elements of the matrices used in matmuls). Depends only on the
+    model, the weight shares and the storage dtype, so a search computes it once per weight split."""
+    specs = layer_specs(cfg)
+    homes = weight_homes(specs, shares)
+    weights, params2d = [], []
+    for i, layer in enumerate(specs):
+        weights.append(tuple((homes[s.name], s.numel * dtype.itemsize) for s in layer))
+        params2d.append(sum(s.numel for s in layer if len(s.shape) == 2 and not (i == 0 and "embed" in s.name)))
+    return tuple(weights), tuple(params2d)
+
+
 class _Model:
     """Everything predict() needs about one RunConfig, computed once."""
 
-    def __init__(self, rc: RunConfig, r: Rates):
+    def __init__(self, rc: RunConfig, r: Rates, layout: tuple):
         self.rc, self.r, self.cfg = rc, r, rc.model
         self.cuda = torch.device(rc.device).type == "cuda"
-        self.w, self.c = itemsize(rc.dtype), itemsize(rc.compute)
-        specs = layer_specs(self.cfg)
-        homes = weight_homes(specs, rc.percent.shares("weights"))
-        self.weights = []  # per layer: [(tier, nbytes)]
-        self.params2d = []  # per layer: elements of matrices used in matmuls
-        for i, layer in enumerate(specs):
-            self.weights.append([(homes[s.name], s.numel * self.w) for s in layer])
-            mats = [s for s in layer if len(s.shape) == 2 and not (i == 0 and "embed" in s.name)]
-            self.params2d.append(sum(s.numel for s in mats))
+        self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
+        self.weights, self.params2d = layout
         L = self.cfg.num_layers
         rows = block_homes(L, rc.num_gpu_batches, rc.percent.shares("cache"))
-        self.cache_counts = [{t: row.count(t) for t in set(row)} for row in rows]
+        self.cache_counts = [tuple(sorted((t, row.count(t)) for t in set(row))) for row in rows]
         acts = block_homes(1, rc.num_gpu_batches, rc.percent.shares("activations"))[0]
         self.act_counts = {t: acts.count(t) for t in set(acts)}
         self.slots = rc.cache_slots()
@@ -167,7 +172,7 @@ class _Model:
         elif layer <= self.cfg.num_layers:
             self.matmul(st, self.params2d[layer], t, prefill, nb)
             self.elementwise(st, t, nb)
-            for tier, n in self.cache_counts[layer - 1].items():
+            for tier, n in self.cache_counts[layer - 1]:
                 self.cache(st, tier, n, prefill)
             ops = OPS["block"] + (OPS["evict"] if self.evicts else 0)
             if prefill:
@@ -275,30 +280,41 @@ class _Model:
 
     # ---- per phase ---------------------------------------------------------------------------------------------
     def phase(self, prefill: bool) -> tuple:
-        """(seconds, {term: seconds}, busiest resource) of one step."""
+        """(seconds, {term: seconds}, busiest resource) of one step. Decoder layers with the same weight homes and
+        cache homes cost the same, so each kind is evaluated once and counted."""
+        L = self.cfg.num_layers
+        kinds: dict = {}
+        for layer in range(1, L + 1):
+            key = (self.weights[layer], self.cache_counts[layer - 1])
+            kinds.setdefault(key, [layer, 0])[1] += 1
         total, terms, busy = 0.0, {}, {}
-        for layer in range(self.cfg.num_layers + 2):
+        for layer, count in [(0, 1), (L + 1, 1)] + list(kinds.values()):
             st = self.layer(layer, prefill)
             res = st.resources()
-            total += max(res.values(), default=0.0) if self.rc.overlap else sum(res.values())
+            total += count * (max(res.values(), default=0.0) if self.rc.overlap else sum(res.values()))
             for k, v in st.terms.items():
-                terms[k] = terms.get(k, 0.0) + v
+                terms[k] = terms.get(k, 0.0) + count * v
             for k, v in res.items():
-                busy[k] = busy.get(k, 0.0) + v
+                busy[k] = busy.get(k, 0.0) + count * v
         return total, terms, max(busy, key=busy.get) if busy else None
 
 
-def predict(rc: RunConfig, hw: dict) -> Prediction:
+def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Prediction:
     """Predicted prefill and decode time of `rc` on the hardware profile `hw` (a dict as flexh2o-profile writes)."""
-    m = _Model(rc, Rates.from_profile(hw, rc.compute))
+    layout = weight_layout(rc.model, rc.percent.shares("weights"), rc.dtype)
+    plan = plan or plan_memory(rc)
+    return predict_with(rc, Rates.from_profile(hw, rc.compute), layout, plan.bytes)
+
+
+def predict_with(rc: RunConfig, rates: Rates, layout: tuple, tier_bytes: dict) -> Prediction:
+    """predict() from parts a search computes once: the rates, the weight layout and the bytes per tier."""
+    m = _Model(rc, rates, layout)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
     per_token, dec_terms, dec_busy = m.phase(prefill=False)
-    steps = rc.gen_len - 1  # FlexGen's decode phase: the tokens after the first
-    decode = per_token * steps
+    decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first
     total = prefill + decode
     n = rc.num_seqs
-    plan = plan_memory(rc)
     return Prediction(prefill, per_token, decode, total, n * rc.gen_len / total, n * rc.prompt_len / prefill,
                       n / per_token, {"prefill": pre_terms, "decode": dec_terms},
-                      {t: dict(kinds) for t, kinds in plan.bytes.items()},
+                      {t: dict(kinds) for t, kinds in tier_bytes.items()},
                       {"prefill": pre_busy, "decode": dec_busy})

@@ -59,6 +59,9 @@ class RunReport:
                  f"prefill  {self.prefill_s:8.3f} s  {self.prefill_throughput:10.1f} tok/s",
                  f"decode   {self.decode_s:8.3f} s  {self.decode_throughput:10.1f} tok/s",
                  f"total    {self.prefill_s + self.decode_s:8.3f} s  {self.total_throughput:10.1f} tok/s (generated)",
+                 "placement (actual bytes)  " + "  ".join(
+                     f"{kind} " + "/".join(fmt_bytes(self.plan_bytes[t][kind]) for t in ("gpu", "cpu", "disk"))
+                     for kind in ("weights", "cache", "activations")) + "  (gpu/cpu/disk)",
                  f"peak memory  {peaks}",
                  f"moved per step (logical bytes loaded from each home tier)  {moved}",
                  f"({self.warmup}; excluded from timings)"]

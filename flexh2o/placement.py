@@ -68,12 +68,24 @@ def split_by_bytes(sizes: list, shares: tuple) -> list:
 
 
 def weight_homes(layer_specs: list, shares: tuple) -> dict:
-    """name -> tier for every weight, split within each layer by bytes (a tied tensor lives where it first appears)."""
-    homes = {}
-    for specs in layer_specs:
-        fresh = [s for s in specs if s.name not in homes]
-        for s, tier in zip(fresh, split_by_bytes([s.numel for s in fresh], shares)):
+    """name -> tier for every weight. Decoder layers are split within each layer by bytes (FlexGen's rule, so
+    every layer moves the same mix); the embedding and head tensors then go, largest first, to the tier furthest
+    below its share, so the whole model follows the bytes closely. A tied tensor is stored once."""
+    homes, size = {}, {}
+    for layer in layer_specs:
+        for s in layer:
+            size[s.name] = s.numel
+    for specs in layer_specs[1:-1]:
+        for s, tier in zip(specs, split_by_bytes([s.numel for s in specs], shares)):
             homes[s.name] = tier
+    total = sum(size.values())
+    have = {t: sum(size[n] for n, h in homes.items() if h == t) for t in TIERS}
+    used = [t for t, share in zip(TIERS, shares) if share > 0]
+    rest = sorted({s.name for s in layer_specs[0] + layer_specs[-1]} - set(homes), key=lambda n: -size[n])
+    for name in rest:
+        tier = max(used, key=lambda t: shares[TIERS.index(t)] / 100 * total - have[t])
+        homes[name] = tier
+        have[tier] += size[name]
     return homes
 
 

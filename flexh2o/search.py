@@ -1,0 +1,275 @@
+"""Policy search: the --percent, GPU batch size and number of GPU batches with the highest predicted throughput.
+
+Enumerates weight splits (gpu/cpu in steps of `step`, disk the rest), cache and activation placements, numbers of
+GPU batches and batch sizes; keeps the plans that fit every tier and ranks them by predicted total throughput.
+Memory per tier is affine in the batch size for a fixed placement (weights fixed; cache, activations and working
+buffers proportional), so fits are computed from memory_plan's own pieces and the returned plans are re-checked
+with plan_memory. `flexh2o-plan` prints the best few and the flexh2o-run command line of the best.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from flexh2o import config as model_configs
+from flexh2o.cost_model import Prediction, Rates, predict_with, weight_layout
+from flexh2o.kv.policies import POLICIES, resolve_budget
+from flexh2o.memory_plan import KINDS, act_block_bytes, cache_block_bytes, fmt_bytes, parse_bytes, plan_memory
+from flexh2o.placement import TIERS, Percent, block_homes
+from flexh2o.run_config import RunConfig, parse_dtype
+
+
+def weight_splits(step: int) -> list:
+    """Every (gpu, cpu) percentage pair in multiples of `step` with gpu + cpu <= 100."""
+    return [(g, c) for g in range(0, 101, step) for c in range(0, 101 - g, step)]
+
+
+def cache_splits(step: int) -> list:
+    """All gpu, all cpu, all disk, and gpu/cpu splits in steps of `step`."""
+    return [(100, 0), (0, 100), (0, 0)] + [(g, 100 - g) for g in range(step, 100, step)]
+
+
+def batch_sizes(largest: int) -> list:
+    """Powers of two up to `largest`, and `largest` itself."""
+    out = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
+    return out + ([largest] if largest not in out else [])
+
+
+def _counts(num_layers: int, nb: int, shares: tuple) -> dict:
+    flat = [t for row in block_homes(num_layers, nb, shares) for t in row]
+    return {t: flat.count(t) for t in TIERS}
+
+
+class _Fit:
+    """Bytes per tier as an affine function of the batch size, per weight split (from plan_memory at b=1, 2)."""
+
+    def __init__(self, rc: RunConfig):
+        self.rc = rc
+        self.base: dict = {}  # weight split -> (weights per tier, buffers at b=1, buffers per extra sequence)
+        self.cache1 = cache_block_bytes(rc.with_(gpu_batch_size=1))
+        self.act1 = act_block_bytes(rc.with_(gpu_batch_size=1))
+
+    def weights(self, w: tuple) -> tuple:
+        if w not in self.base:
+            p1 = plan_memory(self.rc.with_(percent=Percent(*w), gpu_batch_size=1))
+            p2 = plan_memory(self.rc.with_(percent=Percent(*w), gpu_batch_size=2))
+            b1, b2 = p1.bytes["gpu"]["buffers"], p2.bytes["gpu"]["buffers"]
+            self.base[w] = ({t: p1.bytes[t]["weights"] for t in TIERS}, b1 - (b2 - b1), b2 - b1)
+        return self.base[w]
+
+    def tier_bytes(self, rc: RunConfig, caches: dict, acts: dict) -> dict:
+        weights, buf0, buf1 = self.weights((rc.percent.w_gpu, rc.percent.w_cpu))
+        b = rc.gpu_batch_size
+        out = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
+        for t in TIERS:
+            out[t]["weights"] = weights[t]
+            out[t]["cache"] = caches[t] * self.cache1 * b
+            out[t]["activations"] = acts[t] * self.act1 * b
+        out["gpu"]["buffers"] = buf0 + buf1 * b
+        return out
+
+    def largest(self, rc: RunConfig, caches: dict, acts: dict, limit: int) -> int:
+        """Largest batch size that fits every tier (0: none), from the affine form."""
+        at1 = self.tier_bytes(rc.with_(gpu_batch_size=1), caches, acts)
+        at2 = self.tier_bytes(rc.with_(gpu_batch_size=2), caches, acts)
+        best = limit
+        for t in TIERS:
+            one, two = sum(at1[t].values()), sum(at2[t].values())
+            slope, cap = two - one, getattr(rc, f"{t}_mem")
+            if one > cap:
+                return 0
+            if slope > 0:
+                best = min(best, 1 + (cap - one) // slope)
+        return best
+
+
+def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: int = 32, max_batch: int = 4096,
+           limit: int = 20, refine: int = 16) -> list:
+    """[(rc, Prediction)] best first (at most `limit`), every one fitting its tiers per plan_memory.
+
+    For each placement and number of GPU batches the largest fitting batch is predicted first; the `refine` best
+    combinations are then also predicted at every power-of-two batch size below it.
+    """
+    if not 1 <= step <= 100:
+        raise ValueError(f"search step must be 1..100 percent (got {step})")
+    rates = Rates.from_profile(hw, base_rc.compute)
+    fit, layouts = _Fit(base_rc), {}
+    cuda = base_rc.device.startswith("cuda")
+    nbs = [1 << i for i in range(max_num_gpu_batches.bit_length()) if 1 << i <= max_num_gpu_batches]
+    L = base_rc.model.num_layers
+    scored = []
+    for w in weight_splits(step):
+        if w not in layouts:
+            layouts[w] = weight_layout(base_rc.model, (w[0], w[1], 100 - w[0] - w[1]), base_rc.dtype)
+        for c in cache_splits(step):
+            for ccc in ([False, True] if cuda and c[1] > 0 else [base_rc.cpu_cache_compute]):
+                for a in ((100, 0), (0, 100)):
+                    for nb in nbs:
+                        rc = base_rc.with_(percent=Percent(*w, *c, *a), num_gpu_batches=nb, cpu_cache_compute=ccc,
+                                           gpu_batch_size=1)
+                        caches, acts = _counts(L, nb, rc.percent.shares("cache")), _counts(1, nb, a + (0,))
+                        top = fit.largest(rc, caches, acts, max_batch)
+                        if top == 0:
+                            break  # more GPU batches only need more memory
+                        rc = rc.with_(gpu_batch_size=top)
+                        pred = predict_with(rc, rates, layouts[w], fit.tier_bytes(rc, caches, acts))
+                        scored.append((pred.total_throughput, rc, pred, caches, acts))
+    scored.sort(key=lambda x: -x[0])
+    extra = []
+    for _, rc, _, caches, acts in scored[:refine]:
+        for b in batch_sizes(rc.gpu_batch_size)[:-1]:
+            small = rc.with_(gpu_batch_size=b)
+            pred = predict_with(small, rates, layouts[(rc.percent.w_gpu, rc.percent.w_cpu)],
+                                fit.tier_bytes(small, caches, acts))
+            extra.append((pred.total_throughput, small, pred, caches, acts))
+    ranked = sorted(scored + extra, key=lambda x: -x[0])
+    out = []
+    for _, rc, pred, _, _ in ranked:
+        plan = plan_memory(rc)
+        if plan.overflow() is None:
+            pred.bytes = {t: dict(kinds) for t, kinds in plan.bytes.items()}
+            out.append((rc, pred))
+        if len(out) == limit:
+            break
+    return out
+
+
+def command_line(rc: RunConfig, with_caps: bool = True) -> str:
+    """The flexh2o-run flags that reproduce `rc` (integers only, as flexh2o-run parses them)."""
+    parts = [f"flexh2o-run --model {rc.model.name}"]
+    if rc.path != "_DUMMY_":
+        parts.append(f"--path {rc.path}")
+    parts.append(f"--percent {rc.percent} --gpu-batch-size {rc.gpu_batch_size} "
+                 f"--num-gpu-batches {rc.num_gpu_batches} --prompt-len {rc.prompt_len} --gen-len {rc.gen_len}")
+    if rc.cpu_cache_compute:
+        parts.append("--cpu-cache-compute")
+    if rc.kv_policy != "full":
+        parts.append(f"--kv-policy {rc.kv_policy} --kv-budget {_budget_tokens(rc)}")
+    dtype = str(rc.dtype).replace("torch.", "")
+    if dtype != "float16":
+        parts.append(f"--dtype {dtype}")
+    if rc.compute_dtype is not None:
+        parts.append(f"--compute-dtype {str(rc.compute_dtype).replace('torch.', '')}")
+    if not rc.overlap:
+        parts.append("--overlap false")
+    if with_caps:
+        parts.append(f"--gpu-mem {_size(rc.gpu_mem)} --cpu-mem {_size(rc.cpu_mem)} --disk-mem {_size(rc.disk_mem)}")
+    return " ".join(parts)
+
+
+def _budget_tokens(rc: RunConfig) -> int:
+    """--kv-budget N that resolve_budget turns back into rc.budget, or ValueError when none does."""
+    n = rc.budget.total
+    if resolve_budget(rc.kv_policy, rc.prompt_len, kv_budget=n) != rc.budget:
+        raise ValueError(f"KV budget heavy {rc.budget.heavy} + recent {rc.budget.recent} cannot be written as "
+                         f"--kv-budget for policy {rc.kv_policy} (it splits a budget evenly)")
+    return n
+
+
+def _size(n: int) -> str:
+    for unit, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        raise ValueError(f"{message} (see flexh2o-plan --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="flexh2o-plan", description="Search --percent and batch sizes for the highest predicted "
+                "throughput on a hardware profile, without running anything.")
+    a = p.add_argument
+    a("--model", required=True, help="opt-125m ... opt-175b (facebook/ prefix accepted)")
+    a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile, or configs/hardware/*.json)")
+    a("--prompt-len", type=int, default=512)
+    a("--gen-len", type=int, default=32)
+    a("--kv-policy", choices=sorted(POLICIES), default=None, help="default: h2o with a budget, else full")
+    a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
+    a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
+    a("--gpu-mem", help="gpu tier capacity (default: the profile's)")
+    a("--cpu-mem", help="cpu tier capacity (default: the profile's)")
+    a("--disk-mem", help="disk tier capacity (default: the profile's)")
+    a("--dtype", default="float16", help="storage dtype of weights and cache")
+    a("--device", choices=["cpu", "cuda"], help="default: the profile's device")
+    a("--overlap", default="true", choices=["true", "false"])
+    a("--step", type=int, default=10, help="percent step of the placement search")
+    a("--max-num-gpu-batches", type=int, default=32)
+    a("--top", type=int, default=5, help="plans to print")
+    return p
+
+
+def load_profile(path: str) -> dict:
+    try:
+        with open(path) as f:
+            hw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
+    if not isinstance(hw, dict):
+        raise ValueError(f"hardware profile {path} must hold a JSON object")
+    return hw
+
+
+def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
+    value = arg if arg is not None else hw.get(f"{tier}_mem")
+    if value is None:
+        raise ValueError(f"give --{tier}-mem (the hardware profile has no {tier}_mem)")
+    return parse_bytes(value) if isinstance(value, str) else int(value)
+
+
+def plan_from_args(args) -> tuple:
+    """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
+    hw = load_profile(args.hardware)
+    cfg = model_configs.from_name(args.model)
+    policy = args.kv_policy or ("h2o" if args.hh_ratio is not None or args.kv_budget is not None else "full")
+    if policy == "full" and (args.hh_ratio is not None or args.kv_budget is not None):
+        raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
+    if args.top < 1 or args.max_num_gpu_batches < 1:
+        raise ValueError("--top and --max-num-gpu-batches must be at least 1")
+    device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
+    rc = RunConfig(cfg, Percent(), 1, 1, args.prompt_len, args.gen_len, dtype=parse_dtype(args.dtype),
+                   device=device, overlap=args.overlap == "true", kv_policy=policy,
+                   budget=resolve_budget(policy, args.prompt_len, args.hh_ratio, None, args.kv_budget),
+                   gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
+                   disk_mem=_capacity(args.disk_mem, hw, "disk"))
+    return rc, hw
+
+
+def describe(results: list) -> str:
+    rows = [f"{'#':>2} {'percent':<22} {'batch':>10} {'ccc':>3} {'tok/s':>9} {'prefill s':>9} {'decode s':>9} "
+            f"{'bound':>8}  {'gpu':>9} {'cpu':>9} {'disk':>9}"]
+    for i, (rc, p) in enumerate(results, 1):
+        used = [fmt_bytes(sum(p.bytes[t].values())) for t in TIERS]
+        rows.append(f"{i:>2} {str(rc.percent):<22} {f'{rc.gpu_batch_size}x{rc.num_gpu_batches}':>10} "
+                    f"{'y' if rc.cpu_cache_compute else 'n':>3} {p.total_throughput:>9.2f} {p.prefill_s:>9.2f} "
+                    f"{p.decode_s:>9.2f} {p.bottleneck['decode']:>8}  " + " ".join(f"{u:>9}" for u in used))
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        rc, hw = plan_from_args(args)
+        results = search(rc, hw, args.step, args.max_num_gpu_batches, limit=args.top)
+        if not results:
+            raise ValueError(f"nothing fits: even one sequence of {rc.model.name} overflows the tiers; raise "
+                             "--gpu-mem/--cpu-mem/--disk-mem")
+        best_rc, best = results[0]
+        print(f"{rc.model.name} {rc.prompt_len}+{rc.gen_len} kv policy {rc.kv_policy} "
+              f"(cache slots {rc.cache_slots()}) on {hw.get('name', args.hardware)} ({rc.device})")
+        print(describe(results))
+        print(f"best: predicted {best.total_throughput:.2f} tokens/s total "
+              f"(prefill {best.prefill_throughput:.1f}, decode {best.decode_throughput:.2f} tokens/s)")
+        print(command_line(best_rc))
+        return 0
+    except (ValueError, OSError) as e:
+        print(f"flexh2o-plan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
