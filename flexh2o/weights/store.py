@@ -12,17 +12,31 @@ from flexh2o.placement import weight_homes
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 
 
-def dummy_tensor(spec: WeightSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """Seeded random values for one weight (normal std 0.02; norm scales near 1, biases near 0)."""
-    flat = torch.empty(spec.numel, dtype=torch.float32)
+def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
+    """Seeded random values for one weight, as consecutive flat chunks (normal std 0.02; norm scales near 1,
+    biases near 0). Each chunk has its own seed, so the values do not depend on where they are written."""
     base = zlib.crc32(spec.name.encode()) ^ (seed * 0x9E3779B1)
     for i, start in enumerate(range(0, spec.numel, CHUNK)):
         g = torch.Generator().manual_seed((base + i * 7919) & 0x7FFFFFFFFFFFFFFF)
-        part = flat[start:start + CHUNK]
-        part.normal_(0.0, 0.02, generator=g)
-    if spec.init == "ones":
-        flat += 1.0
-    return flat.view(spec.shape).to(dtype)
+        part = torch.empty(min(CHUNK, spec.numel - start)).normal_(0.0, 0.02, generator=g)
+        if spec.init == "ones":
+            part += 1.0
+        yield part.to(dtype)
+
+
+def dummy_tensor(spec: WeightSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(list(dummy_chunks(spec, seed, dtype))).view(spec.shape)
+
+
+def write_chunks(tier, handle, chunks) -> None:
+    """Write consecutive flat chunks into a handle without building the whole tensor first."""
+    if hasattr(tier, "write_from"):
+        tier.write_from(handle, chunks)
+        return
+    flat, start = handle.view(-1), 0
+    for c in chunks:
+        flat[start:start + c.numel()].copy_(c)
+        start += c.numel()
 
 
 class WeightStore:
@@ -40,7 +54,7 @@ class WeightStore:
 
     def fill_dummy(self, seed: int, progress=None) -> None:
         for name, spec in self._unique():
-            self.tiers[self.homes[name]].store(self.handles[name], dummy_tensor(spec, seed, self.dtype))
+            write_chunks(self.tiers[self.homes[name]], self.handles[name], dummy_chunks(spec, seed, self.dtype))
             if progress:
                 progress(spec.numel)
 
