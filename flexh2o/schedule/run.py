@@ -62,6 +62,7 @@ class Executor:
             self.handlers[op.kind](op)
             done = torch.cuda.Event()
             done.record(stream)
+        done.synchronize()  # host-side readers (cpu-cache-compute, disk) see finished copies once the future resolves
         return done
 
 
