@@ -1,0 +1,273 @@
+"""KV policies on their own (no model): every policy through one parametrized suite, checked against the plain
+set-based rules of tests/reference_kv.py, plus hand-made cases for the exact H2O rules and the budget edge."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexh2o.kv.policies import POLICIES, Budget, make_policy, resolve_budget
+from flexh2o.kv.policies.random import random_key
+from reference_kv import RefPolicy
+
+KV = 2  # KV heads per block in these tests
+SINKS = 2
+BUDGETS = {"full": None, "h2o": Budget(3, 2), "random": Budget(3, 2), "local": Budget(0, 5),
+           "streaming": Budget(0, 5)}
+NAMES = sorted(BUDGETS)
+LENS = [9, 4, 1, 7, 5]  # unequal prompts, left-padded to 9: shorter, equal and longer than the budget of 5
+GEN = 14
+
+
+def _policy(name, budget="default", seed=3):
+    return make_policy(name, BUDGETS[name] if budget == "default" else budget, SINKS, seed)
+
+
+def _ref(name, budget="default", seed=3) -> RefPolicy:
+    budget = BUDGETS[name] if budget == "default" else budget
+    heavy, recent = (budget.heavy, budget.recent) if budget else (0, 0)
+    return RefPolicy(name, heavy, recent, SINKS, seed)
+
+
+def _prompt_pos(lens: list) -> torch.Tensor:
+    """(b, KV, t) int64 positions of left-padded prompts, -1 on padding."""
+    t = max(lens)
+    pos = torch.full((len(lens), KV, t), -1, dtype=torch.long)
+    for i, n in enumerate(lens):
+        pos[i, :, t - n:] = torch.arange(n)
+    return pos
+
+
+def _tied_scores(shape, gen: torch.Generator) -> torch.Tensor:
+    """Quarter-step scores: exactly representable, so ties are frequent and exact."""
+    return torch.randint(0, 4, shape, generator=gen).float() / 4
+
+
+class Sim:
+    """Drives a policy the way the cache does: prefill_keep, then per step write the new token into a free slot,
+    add probabilities, ask decode_evict. Checks every decision against the reference rules as it goes."""
+
+    def __init__(self, name: str, lens: list = LENS, gen_len: int = GEN, layer: int = 1, seed: int = 0,
+                 budget="default"):
+        self.policy, self.ref, self.layer = _policy(name, budget), _ref(name, budget), layer
+        self.gen = torch.Generator().manual_seed(seed)
+        pos = _prompt_pos(lens)
+        score = torch.where(pos >= 0, _tied_scores(pos.shape, self.gen), 0.0)
+        self.cur = torch.tensor(lens) - 1  # (b,) newest position
+        keep = self.policy.prefill_keep(pos, score, layer, self.cur)
+        self._check_prefill(pos, score, keep)
+        self.slots = self.policy.slots(max(lens), gen_len)
+        self.pos = torch.full((len(lens), KV, self.slots), -1, dtype=torch.long)
+        self.score = torch.zeros(len(lens), KV, self.slots)
+        for i in range(len(lens)):
+            for h in range(KV):
+                m = int(keep[i, h].sum())
+                assert m <= self.slots
+                self.pos[i, h, :m], self.score[i, h, :m] = pos[i, h][keep[i, h]], score[i, h][keep[i, h]]
+        self.evicted = []  # per step, the evicted positions (or None) per (row, head)
+
+    def _check_prefill(self, pos, score, keep):
+        assert not (keep & (pos < 0)).any(), "padding kept"
+        for i in range(pos.shape[0]):
+            for h in range(KV):
+                n = int((pos[i, h] >= 0).sum())
+                value = dict(zip(pos[i, h].tolist(), score[i, h].tolist()))
+                want = self.ref.prefill(n, value.get, self.layer, h)
+                assert set(pos[i, h][keep[i, h]].tolist()) == want, (i, h)
+
+    def step(self) -> None:
+        self.cur += 1
+        b = self.pos.shape[0]
+        for i in range(b):
+            for h in range(KV):
+                free = (self.pos[i, h] < 0).nonzero()
+                assert len(free), "no free slot for the new token"
+                self.pos[i, h, free[0, 0]], self.score[i, h, free[0, 0]] = self.cur[i], 0.0
+        self.score += torch.where(self.pos >= 0, _tied_scores(self.pos.shape, self.gen), 0.0)
+        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur)
+        self.evicted.append(self._check_evict(evict))
+        if evict is not None:
+            self.pos.masked_fill_(evict, -1)
+            self.score.masked_fill_(evict, 0.0)
+
+    def _check_evict(self, evict) -> list:
+        out = []
+        for i in range(self.pos.shape[0]):
+            for h in range(KV):
+                valid = self.pos[i, h] >= 0
+                kept = set(self.pos[i, h][valid].tolist())
+                value = dict(zip(self.pos[i, h].tolist(), self.score[i, h].tolist()))
+                over = self.ref.budget is not None and len(kept) > self.ref.budget
+                want = self.ref.evict(kept, int(self.cur[i]), value.get, self.layer, h) if over else None
+                got = [] if evict is None else self.pos[i, h][evict[i, h]].tolist()
+                assert evict is None or not (evict[i, h] & ~valid).any(), "an empty slot marked for eviction"
+                assert got == ([want] if over else []), (i, h, got, want)
+                out.append(want)
+        return out
+
+    def kept(self, i: int, h: int) -> set:
+        return set(self.pos[i, h][self.pos[i, h] >= 0].tolist())
+
+
+# ---- every policy, against the reference rules ------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("layer", [0, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decisions_match_reference(name, layer, seed):
+    sim = Sim(name, layer=layer, seed=seed)
+    for _ in range(GEN - 1):
+        sim.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kept_count_never_exceeds_budget(name):
+    sim = Sim(name)
+    budget = sim.ref.budget
+    for step in range(GEN):
+        for i, n in enumerate(LENS):
+            for h in range(KV):
+                seen = n + step
+                assert len(sim.kept(i, h)) == (seen if budget is None else min(seen, budget))
+        if step < GEN - 1:
+            sim.step()
+
+
+@pytest.mark.parametrize("name", ["h2o", "random"])
+def test_exactly_heavy_plus_recent_after_each_step(name):
+    """Once more than B tokens were seen: the R newest positions are all kept, plus exactly H older ones."""
+    sim = Sim(name)
+    heavy, recent = BUDGETS[name].heavy, BUDGETS[name].recent
+    for step in range(GEN):
+        for i, n in enumerate(LENS):
+            cur = n - 1 + step
+            if cur + 1 <= heavy + recent:
+                continue
+            for h in range(KV):
+                kept = sim.kept(i, h)
+                window = set(range(cur - recent + 1, cur + 1))
+                assert window <= kept and len(kept - window) == heavy, (step, i, h, sorted(kept))
+        if step < GEN - 1:
+            sim.step()
+
+
+def test_streaming_never_evicts_sinks():
+    sim = Sim("streaming")
+    for _ in range(GEN - 1):
+        sim.step()
+        for i, n in enumerate(LENS):
+            for h in range(KV):
+                assert set(range(SINKS)) <= sim.kept(i, h)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_covering_everything_equals_full(name):
+    """B >= prompt + gen: same slots as full, nothing dropped at prefill, nothing evicted while decoding."""
+    total = max(LENS) + GEN
+    budget = None if name == "full" else (Budget(total // 2, total - total // 2) if name in ("h2o", "random")
+                                          else Budget(0, total))
+    policy = _policy(name, budget)
+    assert policy.slots(max(LENS), GEN) == make_policy("full", None).slots(max(LENS), GEN) == total
+    sim = Sim(name, budget=budget)
+    for _ in range(GEN - 1):
+        sim.step()
+    assert all(e is None for step in sim.evicted for e in step)
+    for i, n in enumerate(LENS):
+        for h in range(KV):
+            assert sim.kept(i, h) == set(range(n + GEN - 1))
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "full"])
+def test_slots_are_budget_plus_one(name):
+    assert _policy(name).slots(9, GEN) == BUDGETS[name].total + 1
+
+
+# ---- the exact H2O rules, by hand ---------------------------------------------------------------------------------
+def _one_row(values: list) -> torch.Tensor:
+    return torch.tensor(values).view(1, 1, -1)
+
+
+def test_h2o_evicts_lowest_score_outside_recent_window():
+    policy = make_policy("h2o", Budget(2, 2))
+    pos = _one_row([0, 1, 2, 3, 4])
+    score = _one_row([5.0, 1.0, 3.0, 0.5, 0.0])  # the window {3, 4} holds the two lowest scores
+    evict = policy.decode_evict(pos, score, 0, torch.tensor([4]))
+    assert pos[evict].tolist() == [1]
+
+
+def test_h2o_ties_evict_the_older_position():
+    policy = make_policy("h2o", Budget(2, 1))
+    pos = _one_row([3, 0, 2, 1])  # slots are unordered
+    score = _one_row([1.0, 2.0, 1.0, 1.0])
+    evict = policy.decode_evict(pos, score, 0, torch.tensor([3]))
+    assert pos[evict].tolist() == [1]
+
+
+def test_h2o_prefill_ties_keep_the_newer_position():
+    policy = make_policy("h2o", Budget(2, 2))
+    pos = _one_row([-1, 0, 1, 2, 3, 4, 5])
+    score = _one_row([9.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0])  # padding scores highest: must still not be kept
+    keep = policy.prefill_keep(pos, score, 0, torch.tensor([5]))
+    assert pos[keep].tolist() == [2, 3, 4, 5]
+
+
+def test_prompt_within_budget_keeps_everything_but_padding():
+    pos = _one_row([-1, -1, 0, 1, 2])
+    for name in NAMES:
+        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]))
+        assert pos[keep].tolist() == [0, 1, 2], name
+
+
+def test_nothing_evicted_within_budget():
+    pos = _one_row([0, 1, 2, -1, -1, -1])
+    for name in NAMES:
+        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]))
+        assert evict is None or not evict.any(), name
+
+
+# ---- budgets and construction -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, want", [
+    (("h2o", 512, 0.2), Budget(102, 102)),
+    (("h2o", 512, 0.2, 0.1), Budget(102, 51)),
+    (("random", 100, 0.1), Budget(10, 10)),
+    (("local", 512, 0.2), Budget(0, 204)),
+    (("streaming", 512, 0.2), Budget(0, 204)),
+    (("h2o", 512, None, None, 9), Budget(4, 5)),
+    (("random", 512, None, None, 8), Budget(4, 4)),
+    (("local", 512, None, None, 9), Budget(0, 9)),
+    (("streaming", 512, None, None, 9), Budget(0, 9)),
+    (("full", 512, 0.2), None),
+    (("h2o", 512), None),
+])
+def test_resolve_budget(args, want):
+    assert resolve_budget(*args) == want
+
+
+@pytest.mark.parametrize("bad", [dict(policy="h2o", prompt_len=10, kv_budget=0),
+                                 dict(policy="h2o", prompt_len=10, hh_ratio=0.01)])
+def test_resolve_budget_rejects_empty(bad):
+    with pytest.raises(ValueError):
+        resolve_budget(**bad)
+
+
+def test_make_policy_validates():
+    assert set(POLICIES) == set(NAMES)
+    for name in NAMES:
+        assert make_policy(name, BUDGETS[name], SINKS).name == name
+    with pytest.raises(ValueError, match="unknown"):
+        make_policy("lru", Budget(1, 1))
+    with pytest.raises(ValueError, match="budget"):
+        make_policy("h2o", None)
+    with pytest.raises(ValueError, match="sinks"):
+        make_policy("streaming", Budget(0, 4), num_sinks=4)
+    with pytest.raises(ValueError):
+        Budget(0, 0)
+
+
+def test_random_key_is_a_pure_function_of_seed_layer_head_position():
+    pos = torch.arange(40).view(1, 1, 40).expand(3, 4, 40)  # (b, kv, s)
+    key = random_key(7, 2, pos)
+    assert ((key >= 0) & (key < 1)).all()
+    assert torch.equal(key[0], key[2])  # the same for every sequence of the batch
+    assert not torch.equal(key[0, 0], key[0, 1])  # a fresh draw per KV head
+    shuffled = pos[..., torch.randperm(40)]
+    assert torch.equal(random_key(7, 2, shuffled), key.gather(-1, shuffled))  # independent of the slot
+    assert not torch.equal(random_key(8, 2, pos), key) and not torch.equal(random_key(7, 3, pos), key)
