@@ -89,6 +89,9 @@ class _Run:
         self.sampler, self.forced, self.on_step = sampler, forced, on_step
         self.policy = rc.policy()
         self.t = max(len(p) for p in prompts)
+        if self.t > rc.prompt_len or gen_len > rc.gen_len or min(map(len, prompts)) < 1:
+            raise ValueError(f"prompts of up to {self.t} tokens + {gen_len} generated exceed the planned "
+                             f"{rc.prompt_len} + {rc.gen_len} (or a prompt is empty): plan with the real lengths")
         ids = torch.full((b * nb, self.t), self.cfg.pad_token_id, dtype=torch.long)
         pos = torch.full((b * nb, self.t), -1, dtype=torch.long)
         for i, p in enumerate(prompts):

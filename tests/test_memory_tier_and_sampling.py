@@ -81,3 +81,19 @@ def test_sampled_generation_same_with_and_without_overlap(tmp_path):
         with Engine(rc) as eng:
             outs.append(eng.generate([[4, 5, 6]] * 4, 5, Sampler(0.8, 0.9, seed=1)).tokens)
     assert torch.equal(*outs)
+
+
+def test_decode_stores_one_slot_per_head(tmp_path):
+    """A cpu-tier cache under h2o: each decode step writes one K/V slot per head (plus the small pos/score rows)."""
+    from flexh2o.kv.policies import Budget
+    stored = {}
+    for gen in (1, 5):
+        rc = RunConfig(TINY, Percent.parse([100, 0, 0, 100]), gpu_batch_size=2, num_gpu_batches=2, prompt_len=12,
+                       gen_len=gen, dtype=torch.float32, kv_policy="h2o", budget=Budget(3, 3),
+                       offload_dir=str(tmp_path))
+        with Engine(rc) as eng:
+            eng.generate([list(range(4, 16))] * 4, gen)
+            stored[gen] = eng.tiers["cpu"].bytes_stored
+    b, heads, d, slots, blocks = 2, TINY.kv_heads, TINY.head_dim, 7, TINY.num_layers * 2
+    per_step = blocks * (2 * b * heads * d * 4 + b * heads * slots * (8 + 4))
+    assert (stored[5] - stored[1]) == 4 * per_step
