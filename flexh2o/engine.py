@@ -171,7 +171,8 @@ class _Run:
     def _attend(self, step, layer, batch, pos):
         def attend(q, k, v):
             if step == 0:
-                out, blk = attention.prefill(q, k, v, pos, self.policy, layer - 1, self.slots, self.rc.attn_chunk)
+                out, blk = attention.prefill(q, k, v, pos, self.policy, layer - 1, self.slots, self.rc.attn_chunk,
+                                             scores=self.slots < self.t + self.gen_len)
                 self.cbuf[layer, batch], self.dirty[layer, batch] = blk, None
                 return out
             out, slot = attention.decode(q, k, v, pos[:, 0], self.cbuf[layer, batch], self.policy, layer - 1)

@@ -82,20 +82,25 @@ def plan_memory(rc: RunConfig) -> MemoryPlan:
 
 
 def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
-    """Compute-side buffers: two layers of weights in flight, two cache blocks, attention and MLP workspace."""
+    """Compute-side buffers: two layers of weights in flight (the one computing and the prefetched one), the cache
+    blocks being built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
     cfg, c = rc.model, itemsize(rc.compute)
     copied = [sum(s.numel for s in layer if homes[s.name] != "gpu" or rc.dtype != rc.compute) for layer in specs]
     weights = 2 * max(copied) * c
+    g, cpu, _ = rc.percent.shares("cache")
     block = cache_block_bytes(rc)
-    kv_compute = 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
-    cache = 2 * block + kv_compute
+    attend_on_cpu = rc.cpu_cache_compute and cpu == 100
+    cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
+    if rc.dtype != rc.compute:  # decode reads K and V of one block in the compute dtype
+        cache += 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
     b, t = rc.gpu_batch_size, rc.prompt_len
     chunk = prefill_chunk(b, cfg.num_heads, t, rc.attn_chunk)
-    attention = 3 * b * cfg.num_heads * chunk * t * 4 + 4 * b * t * cfg.hidden * c
+    qkv = 4 * b * t * cfg.hidden * c  # q, k, v and the attention output of a prefill
+    attention = 3 * b * cfg.num_heads * chunk * t * 4 + qkv
     decode_attn = 3 * b * cfg.num_heads * rc.cache_slots() * 4
     mlp = min(b * t, max(1, MLP_ELEMENTS // cfg.ffn)) * cfg.ffn * c * 2 + b * t * cfg.hidden * c
     logits = b * cfg.vocab * 4 * 2
-    acts = 2 * act_block_bytes(rc)
+    acts = (1 if rc.percent.act_gpu == 100 else 2) * act_block_bytes(rc)  # a layer's output beside its input
     return weights + cache + max(attention, decode_attn, mlp) + logits + acts
 
 

@@ -6,6 +6,7 @@ the query heads of its group, in fp32.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies.base import KVPolicy
@@ -19,8 +20,11 @@ def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
     return max(1, min(max_chunk, t, WORKSPACE // (4 * b * heads * t)))
 
 
-def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int) -> tuple:
-    """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> (out (b, n, t, d), KVBlock)."""
+def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int, scores: bool = True) -> tuple:
+    """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> (out (b, n, t, d), KVBlock).
+
+    Probabilities are materialised (chunk by chunk) only when the policy scores tokens and `scores` says an
+    eviction can happen; otherwise the fused attention kernel runs."""
     b, n, t, d = q.shape
     kv = k.shape[1]
     g = n // kv
@@ -32,14 +36,16 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int) 
     chunk = prefill_chunk(b, n, t, chunk)
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
-        att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e], k).float() * d ** -0.5  # (b, kv, g, c, t)
         allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
         allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
-        att = att.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
+        if not (scores and policy.needs_scores):  # no probabilities needed: the fused kernel
+            out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k, v, attn_mask=allowed[:, None],
+                                                            enable_gqa=g > 1)
+            continue
+        att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float()  # (b, kv, g, c, t)
+        att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
         out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
-        if policy.needs_scores:
-            real_q = valid[:, s:e].to(att.dtype)[:, None, None, :, None]  # padding queries add nothing
-            score += (att * real_q).sum((2, 3))
+        score += torch.einsum("bhgqk,bq->bhk", att, valid[:, s:e].float())  # padding queries add nothing
     kpos = pos[:, None, :].expand(b, kv, t)
     cur = pos.max(-1).values  # (b,)
     keep = policy.prefill_keep(kpos, score, layer, cur)
