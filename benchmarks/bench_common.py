@@ -1,0 +1,166 @@
+"""Helpers shared by the benchmark scripts: the environment of a benchmark process, flexh2o-run as a subprocess,
+points of a sweep as command-line flags, and plain-text tables. No state at module level."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+META_KEYS = ("label", "note")  # point keys that are not flexh2o-run flags
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench_env(threads: Optional[int] = None) -> dict:
+    """Environment of every benchmark process: passive OpenMP waits (set before torch loads), offline hub."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def flag_args(point: dict) -> list:
+    """{"gpu_batch_size": 8, "percent": "0 100 100 0", "cpu_cache_compute": true} -> flexh2o-run argv."""
+    argv = []
+    for key, value in point.items():
+        if key in META_KEYS or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif key == "percent":
+            argv += [flag] + str(value).split()
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def h2o_flags(hh_ratio: Optional[float], budget_pct: float, prompt_len: int, gen_len: int) -> dict:
+    """H2O's flags: --hh-ratio when given, else the paper's "20%": a budget of budget_pct% of prompt + gen tokens
+    (the authors' ratios 0.1 / 0.2 / 0.3 at 512+32 / 512+512 / 512+1024 keep about 20% of the sequence)."""
+    if hh_ratio is not None:
+        return {"kv_policy": "h2o", "hh_ratio": hh_ratio}
+    return {"kv_policy": "h2o", "kv_budget": max(2, round(budget_pct / 100 * (prompt_len + gen_len)))}
+
+
+def add_h2o_args(ap) -> None:
+    ap.add_argument("--budget-pct", type=float, default=20,
+                    help="h2o budget as %% of prompt+gen tokens, split evenly heavy/recent (the paper's 20%%)")
+    ap.add_argument("--hh-ratio", type=float, help="instead of --budget-pct: heavy = recent = int(r * prompt_len)")
+
+
+def point_key(point: dict) -> str:
+    """Canonical text of a point (what resumable runs compare)."""
+    return json.dumps({k: v for k, v in point.items() if k not in META_KEYS}, sort_keys=True)
+
+
+@dataclass
+class Outcome:
+    status: str  # ok, refused (exit 2: does not fit / bad flags), error, timeout
+    record: Optional[dict] = None
+    message: str = ""
+    argv: list = field(default_factory=list)
+
+
+def run_flexh2o(argv: list, timeout: float, env: dict) -> Outcome:
+    """One flexh2o-run process with its own --log-file; returns its JSON record."""
+    fd, log = tempfile.mkstemp(prefix="flexh2o-bench-", suffix=".jsonl")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "flexh2o.cli"] + argv + ["--log-file", log]
+    try:
+        return _finish(cmd, timeout, env, log)
+    finally:
+        os.unlink(log)
+
+
+def run_peer(argv: list, timeout: float, env: dict) -> Outcome:
+    """One benchmarks/baselines/hf_accelerate.py process (same record fields as flexh2o-run)."""
+    fd, log = tempfile.mkstemp(prefix="hf-bench-", suffix=".jsonl")
+    os.close(fd)
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "baselines", "hf_accelerate.py")] + argv + [
+        "--log-file", log]
+    try:
+        return _finish(cmd, timeout, env, log)
+    finally:
+        os.unlink(log)
+
+
+def _finish(cmd: list, timeout: float, env: dict, log: str) -> Outcome:
+    shown = ["flexh2o-run" if c == "flexh2o.cli" else c for c in cmd[:-2] if c not in (sys.executable, "-m")]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return Outcome("timeout", None, f"over {timeout:.0f} s", shown)
+    lines = [ln for ln in open(log) if ln.strip()]
+    if p.returncode == 0 and lines:
+        return Outcome("ok", json.loads(lines[-1]), "", shown)
+    tail = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+    return Outcome("refused" if p.returncode == 2 else "error", None, tail, shown)
+
+
+def dry_run_batches(argv: list, env: dict) -> dict:
+    """{policy: largest batch} from `flexh2o-run ... --dry-run` (the chosen policy and, when not full, full)."""
+    p = subprocess.run([sys.executable, "-m", "flexh2o.cli"] + argv + ["--dry-run"], env=env, capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    m = re.search(r"largest --gpu-batch-size that fits: (.*)", p.stdout)
+    if p.returncode != 0 or not m:
+        raise RuntimeError(f"dry run failed: {p.stderr.strip() or p.stdout.strip()}")
+    return {k: int(v) for k, v in (part.split() for part in m.group(1).split(","))}
+
+
+def default_hw_profile() -> Optional[str]:
+    """configs/hardware/cpu_measured.json on a CPU-only run, when it exists."""
+    path = os.path.join(REPO, "configs", "hardware", "cpu_measured.json")
+    return path if os.path.exists(path) else None
+
+
+def add_prediction(rec: dict, argv: list, hw_path: Optional[str]) -> None:
+    """Fill rec["predicted"] from flexh2o.cost_model (when present) unless flexh2o-run already did, and the
+    measured/predicted ratios. The RunConfig is rebuilt by the CLI's own parser from the run's flags."""
+    if not hw_path or (rec.get("predicted") or {}).get("decode_throughput"):
+        return
+    try:
+        from flexh2o import cli, config, cost_model
+        args = cli.build_parser().parse_args(argv)
+        args.gpu_batch_size = str(rec["policy"]["gpu_batch_size"])  # what 'auto' picked
+        rc = cli.build_run_config(args, config.from_name(args.model), None)
+        with open(hw_path) as f:
+            pred = cost_model.predict(rc, json.load(f)).as_dict()
+    except ImportError:
+        return
+    except Exception as e:  # a prediction problem must not lose the measurement
+        rec["predicted_error"] = f"{type(e).__name__}: {e}"
+        return
+    pred["source"] = f"benchmarks: flexh2o.cost_model.predict, profile {os.path.relpath(hw_path, REPO)}"
+    rec["predicted"] = pred
+    rec["decode_ratio_measured_to_predicted"] = rec["decode_throughput"] / pred["decode_throughput"]
+    rec["total_ratio_measured_to_predicted"] = rec["total_throughput"] / pred["total_throughput"]
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def median(values: list) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def table(rows: list, cols: list) -> str:
+    """rows: dicts; cols: (header, key or function). Right-aligned plain text."""
+    cells = [[h for h, _ in cols]]
+    for r in rows:
+        cells.append([str(f(r) if callable(f) else r.get(f, "")) for _, f in cols])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def describe_policy(rec: dict) -> str:
+    p = rec["policy"]
+    if p.get("kv_policy") in (None, "full"):
+        return "full"
+    return f"{p['kv_policy']} {p['heavy']}+{p['recent']}"

@@ -1,0 +1,143 @@
+"""flexh2o (full and h2o) against its peers, alternating runs (A B C D A B C D ...), medians and ratios.
+
+Every system runs as its own process with the same model (seeded dummy bf16 weights), prompts and lengths and the
+same memory caps: flexh2o with --gpu-mem/--cpu-mem (each policy at the largest batch that fits, as in the paper),
+transformers + Accelerate with max_memory={"cpu": --cpu-mem} and an offload folder, plain transformers all in
+memory; the peers run flexh2o full's batch unless --peer-batch says otherwise (see benchmarks/RESULTS.md).
+
+    python benchmarks/compare.py --repeats 3
+    python benchmarks/compare.py --percent "0 0 100 0" --cpu-mem 200MB     # weights on disk, both sides
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from bench_common import (add_h2o_args, add_prediction, bench_env, default_hw_profile, dry_run_batches, flag_args,
+                          h2o_flags, median, mib, run_flexh2o, run_peer, table)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SYSTEMS = ("full", "h2o", "accelerate", "transformers")
+
+
+def commands(args, batches: dict) -> dict:
+    """system -> (runner, argv)."""
+    base = {"model": args.model, "path": "_DUMMY_", "percent": args.percent, "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len, "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem,
+            "cpu_cache_compute": args.cpu_cache_compute, "num_gpu_batches": 1}
+    peer_batch = args.peer_batch or batches["full"]
+    peer = ["--model", args.model, "--batch-size", str(peer_batch), "--prompt-len", str(args.prompt_len),
+            "--gen-len", str(args.gen_len), "--dtype", "bfloat16", "--cpu-mem", args.cpu_mem, "--gpu-mem",
+            args.gpu_mem]
+    return {
+        "full": (run_flexh2o, flag_args({**base, "kv_policy": "full", "gpu_batch_size": batches["full"]})),
+        "h2o": (run_flexh2o, flag_args({**base, **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len,
+                                                             args.gen_len), "gpu_batch_size": batches["h2o"]})),
+        "accelerate": (run_peer, ["--mode", "accelerate"] + peer),
+        "transformers": (run_peer, ["--mode", "plain"] + peer),
+    }
+
+
+def summarize(system: str, recs: list, failures: list) -> dict:
+    row = {"system": system, "runs": f"{len(recs)}/{len(recs) + len(failures)}"}
+    if not recs:
+        row["note"] = failures[-1] if failures else ""
+        return row
+    tps = [r["total_throughput"] for r in recs]
+    row.update(batch=recs[0]["num_seqs"], total=median(tps), spread=f"{min(tps):.1f}-{max(tps):.1f}",
+               prefill=f"{median([r['prefill_s'] for r in recs]):.2f}",
+               decode=f"{median([r['decode_s'] for r in recs]):.2f}",
+               dec_tp=f"{median([r['decode_throughput'] for r in recs]):.1f}",
+               rss=mib(max(r["peak_bytes"]["cpu_rss"] for r in recs)),
+               gpu=mib(max(r["peak_bytes"]["gpu"] or 0 for r in recs)),
+               disk=mib(max(r["peak_bytes"]["disk"] or 0 for r in recs)),
+               note=failures[-1] if failures else "")
+    ratios = [r["decode_ratio_measured_to_predicted"] for r in recs if r.get("decode_ratio_measured_to_predicted")]
+    if ratios:
+        row["vs_bound"] = f"{median(ratios):.2f}"
+        row["pred_dec"] = f"{median([r['predicted']['decode_throughput'] for r in recs]):.1f}"
+    return row
+
+
+COLUMNS = (("system", "system"), ("runs ok", "runs"), ("batch", "batch"),
+           ("median total tok/s", lambda r: f"{r['total']:.1f}" if "total" in r else "-"), ("min-max", "spread"),
+           ("prefill s", "prefill"), ("decode s", "decode"), ("decode tok/s", "dec_tp"),
+           ("model decode tok/s", "pred_dec"), ("decode / model", "vs_bound"), ("peak gpu MiB", "gpu"),
+           ("peak rss MiB", "rss"), ("peak disk MiB", "disk"), ("note", "note"))
+
+
+def ratio_lines(rows: dict, paired: dict) -> list:
+    pairs = [("full", "accelerate"), ("full", "transformers"), ("h2o", "full"), ("h2o", "accelerate")]
+    out = []
+    for a, b in pairs:
+        if "total" in rows.get(a, {}) and "total" in rows.get(b, {}):
+            per_round = [x / y for x, y in zip(paired[a], paired[b]) if x and y]
+            out.append(f"{a} / {b}: {rows[a]['total'] / rows[b]['total']:.2f}x (ratio of medians; per-round "
+                       f"{', '.join(f'{r:.2f}' for r in per_round)})")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="flexh2o full/h2o vs transformers(+Accelerate), alternating runs.")
+    ap.add_argument("--model", default="opt-125m")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--percent", default="0 100 100 0")
+    ap.add_argument("--cpu-cache-compute", action="store_true")
+    ap.add_argument("--gpu-mem", default="512MB")
+    ap.add_argument("--cpu-mem", default="4GB")
+    add_h2o_args(ap)
+    ap.add_argument("--peer-batch", type=int, help="batch of the peers (default: flexh2o full's largest batch)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")
+    ap.add_argument("--hw", default=default_hw_profile(), help="hardware profile for the cost model ('none': skip)")
+    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "compare.jsonl"))
+    args = ap.parse_args(argv)
+    env, systems = bench_env(args.threads), args.systems.split(",")
+    base = {"model": args.model, "percent": args.percent, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "gpu_batch_size": 1,
+            "cpu_cache_compute": args.cpu_cache_compute,
+            **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len)}
+    batches = dry_run_batches(flag_args(base), env)
+    if min(batches.values()) < 1:
+        sys.exit(f"compare.py: not even batch 1 fits these caps ({batches}): raise --gpu-mem/--cpu-mem")
+    cmds = commands(args, batches)
+    os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
+    run_id, started = time.strftime("%Y%m%d-%H%M%S"), time.perf_counter()
+    recs, failures = {s: [] for s in systems}, {s: [] for s in systems}
+    paired = {s: [] for s in systems}
+    for rep in range(args.repeats):
+        for system in systems:
+            runner, argv_ = cmds[system]
+            print(f"[round {rep + 1}/{args.repeats}] {system}: {' '.join(argv_)}", file=sys.stderr, flush=True)
+            out = runner(argv_, args.timeout, env)
+            paired[system].append(out.record["total_throughput"] if out.record else None)
+            if out.status != "ok":
+                failures[system].append(f"{out.status}: {out.message}")
+                continue
+            if runner is run_flexh2o:
+                add_prediction(out.record, argv_, None if args.hw == "none" else args.hw)
+            out.record["compare"] = {"run_id": run_id, "system": system, "round": rep, "argv": out.argv}
+            recs[system].append(out.record)
+            with open(args.log_file, "a") as f:
+                f.write(json.dumps(out.record) + "\n")
+    rows = {s: summarize(s, recs[s], failures[s]) for s in systems}
+    h2o = " ".join(flag_args(h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len))[2:])
+    print(f"\n{args.model}  prompt {args.prompt_len} + gen {args.gen_len}  --percent {args.percent}"
+          f"{'  --cpu-cache-compute' if args.cpu_cache_compute else ''}  --gpu-mem {args.gpu_mem}  --cpu-mem "
+          f"{args.cpu_mem}  bf16  h2o {h2o}  {args.repeats} rounds  threads "
+          f"{env.get('OMP_NUM_THREADS', 'default')}  run {run_id}")
+    print(f"largest batch that fits: {batches}")
+    print(table([rows[s] for s in systems], COLUMNS))
+    print("\n".join(ratio_lines(rows, paired)))
+    print(f"({time.perf_counter() - started:.0f} s; records appended to {args.log_file})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
