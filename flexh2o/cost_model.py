@@ -6,8 +6,8 @@ Seconds are charged to the resource that does the work:
   disk      weight reads, cache block reads and whole-block rewrites, activation spills (one device: they add up)
   h2d, d2h  host <-> device copies (CUDA only; PCIe is full duplex, so the two directions are separate resources)
   compute   matmuls, attention, per-op overhead; on a CPU-only run also the host memory passes (dtype conversion,
-            cache copies), since they share the cores and the memory bus
-  cpu       host-side decode attention next to a cpu-tier cache (--cpu-cache-compute on CUDA)
+            cache copies), since they share the cores and the memory bus; with --cpu-cache-compute on CUDA also the
+            host-side decode attention, which the compute thread waits for (the GPU idles meanwhile)
 With overlap each layer takes as long as its busiest resource (the schedule prefetches the next layer's weights and
 the next batch's cache while computing); without overlap it takes the sum. A phase sums its layers.
 Throughput is FlexGen's: generated tokens (num_seqs x gen_len) / (prefill + decode).
@@ -22,61 +22,14 @@ import torch
 from flexh2o.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
 from flexh2o.models import layer_specs
 from flexh2o.placement import block_homes, weight_homes
+from flexh2o.profile import Rates
 from flexh2o.run_config import RunConfig
 
 ALIGN = 4096  # the disk tier pads every file to this
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
-ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts, scores)
+ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
+SCORE_PASSES = 2  # more of them when the policy accumulates attention scores (H2O)
 POLICY_BYTES = {False: 24, True: 64}  # bytes touched per cached slot by slot/mask bookkeeping (evicting or not)
-
-
-@dataclass(frozen=True)
-class Rates:
-    """The profile's figures for one compute dtype (per second). h2d/d2h None: host and device share memory."""
-
-    matmul: float
-    decode_matmul: float
-    attention: float
-    decode_attention: float
-    gpu_mem: float
-    cpu_mem: float
-    convert: float
-    h2d: Optional[float]
-    d2h: Optional[float]
-    disk_read: Optional[float]
-    disk_write: Optional[float]
-    cpu_flops: float
-    op_overhead: float
-
-    @staticmethod
-    def from_profile(hw: dict, dtype: torch.dtype) -> "Rates":
-        """Rates for `dtype` from a profile dict; per-dtype figures may be {dtype name: value} or one number."""
-        name = str(dtype).replace("torch.", "")
-
-        def f(*keys: str, default: Optional[float] = None) -> Optional[float]:
-            for key in keys:
-                v = _figure(hw, key, name)
-                if v is not None:
-                    return v
-            return default
-        mm, cpu_mem = f("matmul_flops"), f("cpu_mem_bw")
-        if mm is None or cpu_mem is None:
-            raise ValueError(f"hardware profile {hw.get('name', '?')} needs at least matmul_flops and cpu_mem_bw")
-        return Rates(mm, f("decode_matmul_flops", default=mm), f("attention_flops", default=mm),
-                     f("decode_attention_flops", "attention_flops", default=mm),
-                     f("gpu_mem_bw", default=cpu_mem), cpu_mem, f("convert_bw", default=cpu_mem),
-                     f("h2d_bw"), f("d2h_bw"), f("disk_read_bw"), f("disk_write_bw"),
-                     f("cpu_flops", default=mm), f("op_overhead_s", default=0.0))
-
-
-def _figure(hw: dict, key: str, dtype: str) -> Optional[float]:
-    v = hw.get(key)
-    if isinstance(v, dict):
-        if dtype not in v:
-            raise ValueError(f"hardware profile {hw.get('name', '?')} has no {key} for {dtype} (it has "
-                             f"{', '.join(v)}): run flexh2o-profile --dtype {dtype}")
-        v = v[dtype]
-    return None if v is None else float(v)
 
 
 @dataclass
@@ -95,25 +48,20 @@ class Prediction:
     bottleneck: dict = field(default_factory=dict)  # phase -> busiest resource
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("prefill_s", "decode_s_per_token", "decode_s", "total_s",
-                                              "total_throughput", "prefill_throughput", "decode_throughput",
-                                              "bottleneck")}
+        """The headline figures (for a JSON record)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("terms", "bytes")}
 
 
-class _Step:
-    """Seconds per resource for one layer of one step, collected as named terms."""
-
-    def __init__(self):
-        self.terms: dict = {}
+class _Terms(dict):
+    """Seconds of one layer of one step by term name ('resource.what')."""
 
     def add(self, name: str, seconds: float) -> None:
-        self.terms[name] = self.terms.get(name, 0.0) + seconds
+        self[name] = self.get(name, 0.0) + seconds
 
     def resources(self) -> dict:
         out: dict = {}
-        for name, s in self.terms.items():
-            res = name.split(".")[0]
-            out[res] = out.get(res, 0.0) + s
+        for name, s in self.items():
+            out[name.split(".")[0]] = out.get(name.split(".")[0], 0.0) + s
         return out
 
 
@@ -130,39 +78,55 @@ def _padded(nbytes: int) -> int:
 
 
 def weight_layout(cfg, shares: tuple, dtype: torch.dtype) -> tuple:
-    """Per layer: ((tier, bytes) of each weight, elements of the matrices used in matmuls). Depends only on the
-    model, the weight shares and the storage dtype, so a search computes it once per weight split."""
+    """Per layer: ((tier, bytes, bytes padded for disk files, number of tensors) per home tier, elements of the
+    matrices used in matmuls). Depends only on the model, the weight shares and the storage dtype."""
     specs = layer_specs(cfg)
     homes = weight_homes(specs, shares)
     weights, params2d = [], []
     for i, layer in enumerate(specs):
-        weights.append(tuple((homes[s.name], s.numel * dtype.itemsize) for s in layer))
+        per_tier: dict = {}
+        for s in layer:
+            nbytes = s.numel * dtype.itemsize
+            got = per_tier.get(homes[s.name], (0, 0, 0))
+            per_tier[homes[s.name]] = (got[0] + nbytes, got[1] + _padded(nbytes), got[2] + 1)
+        weights.append(tuple(sorted((t, *v) for t, v in per_tier.items())))
         params2d.append(sum(s.numel for s in layer if len(s.shape) == 2 and not (i == 0 and "embed" in s.name)))
     return tuple(weights), tuple(params2d)
+
+
+def tier_counts(num_layers: int, num_batches: int, shares: tuple, memo: Optional[dict] = None) -> tuple:
+    """Per layer, ((tier, number of blocks homed there), ...), from placement.block_homes (memoized in `memo`)."""
+    key = (num_layers, num_batches, shares)
+    if memo is not None and key in memo:
+        return memo[key]
+    rows = block_homes(num_layers, num_batches, shares)
+    out = tuple(tuple(sorted((t, row.count(t)) for t in set(row))) for row in rows)
+    if memo is not None:
+        memo[key] = out
+    return out
 
 
 class _Model:
     """Everything predict() needs about one RunConfig, computed once."""
 
-    def __init__(self, rc: RunConfig, r: Rates, layout: tuple):
+    def __init__(self, rc: RunConfig, r: Rates, layout: tuple, memo: Optional[dict] = None):
         self.rc, self.r, self.cfg = rc, r, rc.model
         self.cuda = torch.device(rc.device).type == "cuda"
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
         self.weights, self.params2d = layout
         L = self.cfg.num_layers
-        rows = block_homes(L, rc.num_gpu_batches, rc.percent.shares("cache"))
-        self.cache_counts = [tuple(sorted((t, row.count(t)) for t in set(row))) for row in rows]
-        acts = block_homes(1, rc.num_gpu_batches, rc.percent.shares("activations"))[0]
-        self.act_counts = {t: acts.count(t) for t in set(acts)}
+        self.cache_counts = tier_counts(L, rc.num_gpu_batches, rc.percent.shares("cache"), memo)
+        self.act_counts = tier_counts(1, rc.num_gpu_batches, rc.percent.shares("activations"), memo)[0]
         self.slots = rc.cache_slots()
         self.block = cache_block_bytes(rc)
         b, kv, s, d = rc.gpu_batch_size, self.cfg.kv_heads, self.slots, self.cfg.head_dim
         self.block_padded = 2 * _padded(b * kv * s * d * self.w) + _padded(b * kv * s * 8) + _padded(b * kv * s * 4)
         self.evicts = rc.budget is not None and self.slots < rc.prompt_len + rc.gen_len
+        self.passes = ATT_PASSES + (SCORE_PASSES if rc.policy().needs_scores else 0)
 
     # ---- per layer ---------------------------------------------------------------------------------------------
-    def layer(self, layer: int, prefill: bool) -> _Step:
-        st = _Step()
+    def layer(self, layer: int, prefill: bool) -> _Terms:
+        st = _Terms()
         self.weight_io(st, layer)
         nb = self.rc.num_gpu_batches
         t = self.rc.prompt_len if prefill else 1
@@ -188,22 +152,25 @@ class _Model:
             self.activations(st, t, load=False)
         return st
 
+    def disk_write(self, padded: int, files: int) -> float:
+        return _div(padded, self.r.disk_write, "disk_write_bw") + files * self.r.write_latency
+
     def mem(self) -> float:
         return self.r.gpu_mem if self.cuda else self.r.cpu_mem
 
-    def weight_io(self, st: _Step, layer: int) -> None:
+    def weight_io(self, st: _Terms, layer: int) -> None:
         """Weights of one layer, loaded once for all GPU batches, converted to the compute dtype."""
         r = self.r
-        for tier, nbytes in self.weights[layer]:
+        for tier, nbytes, padded, files in self.weights[layer]:
             if tier == "disk":
-                st.add("disk.weights_read", _div(_padded(nbytes), r.disk_read, "disk_read_bw"))
+                st.add("disk.weights_read", _div(padded, r.disk_read, "disk_read_bw") + files * r.read_latency)
             if self.cuda and tier != "gpu":
                 st.add("h2d.weights", _div(nbytes, r.h2d, "h2d_bw"))
             if self.w != self.c:  # a memory pass: on the host for a CPU run, on the device otherwise
                 rate = r.gpu_mem if self.cuda else r.convert
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
 
-    def matmul(self, st: _Step, params: int, t: int, prefill: bool, nb: int) -> None:
+    def matmul(self, st: _Terms, params: int, t: int, prefill: bool, nb: int) -> None:
         """Dense layers: 2 FLOPs per parameter per token; decode-shaped ones also read the weights once per batch."""
         b, r = self.rc.gpu_batch_size, self.r
         flops = 2 * b * t * params
@@ -213,34 +180,34 @@ class _Model:
             sec = max(flops / r.decode_matmul, _div(params * self.c, self.mem(), "mem"))
         st.add("compute.matmul", nb * sec)
 
-    def elementwise(self, st: _Step, t: int, nb: int) -> None:
+    def elementwise(self, st: _Terms, t: int, nb: int) -> None:
         """Layer norms, residual adds, head merge, activation: ~5 passes over hidden and one over ffn."""
         n = self.rc.gpu_batch_size * t * (5 * self.cfg.hidden + self.cfg.ffn) * self.c * 2
         st.add("compute.elementwise", nb * _div(n, self.mem(), "mem"))
 
-    def overhead(self, st: _Step, ops: int) -> None:
+    def overhead(self, st: _Terms, ops: int) -> None:
         st.add("compute.overhead", ops * self.r.op_overhead)
 
-    def attention(self, st: _Step, n: int, prefill: bool, on_cpu: bool) -> None:
+    def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool) -> None:
         """Attention of `n` batches. Prefill: all prompt tokens against each other (chunked, unmasked FLOPs);
         decode: one query against every cache slot, on the cache's side when on_cpu."""
         cfg, r, b = self.cfg, self.r, self.rc.gpu_batch_size
         d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.kv_heads
         if prefill:
             s = self.rc.prompt_len
-            sec = 4 * b * heads * s * s * d / r.attention + b * heads * s * s * 4 * 2 * ATT_PASSES / self.mem()
+            sec = 4 * b * heads * s * s * d / r.attention + b * heads * s * s * 4 * 2 * self.passes / self.mem()
             st.add("compute.attention", n * sec)
             return
         s = self.slots
         mem = r.cpu_mem if on_cpu else self.mem()
         flops_rate = r.cpu_flops if on_cpu else r.decode_attention
         sec = 4 * b * heads * s * d / flops_rate
-        sec += (b * heads * s * 4 * 2 * ATT_PASSES + b * kv * s * POLICY_BYTES[self.evicts]) / mem
+        sec += (b * heads * s * 4 * 2 * self.passes + b * kv * s * POLICY_BYTES[self.evicts]) / mem
         if self.w != self.c:  # K and V cast to the query's dtype first
             sec += 2 * b * kv * s * d * self.w / (r.gpu_mem if self.cuda and not on_cpu else r.convert)
-        st.add("cpu.attention" if on_cpu else "compute.attention", n * sec)
+        st.add("compute.cpu_attention" if on_cpu else "compute.attention", n * sec)
 
-    def cache(self, st: _Step, tier: str, n: int, prefill: bool) -> None:
+    def cache(self, st: _Terms, tier: str, n: int, prefill: bool) -> None:
         """`n` cache blocks of one layer homed on `tier`: load before, store after (prefill: store the new block)."""
         r, blk, padded = self.r, self.block, self.block_padded
         on_cpu = self.cuda and tier == "cpu" and self.rc.cpu_cache_compute and not prefill
@@ -251,11 +218,11 @@ class _Model:
             elif self.cuda:
                 st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
             if tier == "disk":
-                st.add("disk.cache_write", n * _div(padded, r.disk_write, "disk_write_bw"))
+                st.add("disk.cache_write", n * self.disk_write(padded, 4))
             return
-        if tier == "disk":
-            st.add("disk.cache_read", n * _div(padded, r.disk_read, "disk_read_bw"))
-            st.add("disk.cache_write", n * _div(padded, r.disk_write, "disk_write_bw"))
+        if tier == "disk":  # K, V, pos and score: four files per block
+            st.add("disk.cache_read", n * (_div(padded, r.disk_read, "disk_read_bw") + 4 * r.read_latency))
+            st.add("disk.cache_write", n * self.disk_write(padded, 4))
         if not self.cuda or tier == "gpu" or on_cpu:
             return  # memory homes on the compute side are used in place
         st.add("h2d.cache", n * _div(blk, r.h2d, "h2d_bw"))
@@ -265,14 +232,15 @@ class _Model:
             b, kv, d = self.rc.gpu_batch_size, self.cfg.kv_heads, self.cfg.head_dim
             st.add("d2h.cache", n * _div(b * kv * (2 * d * self.w + 12 * self.slots), r.d2h, "d2h_bw"))
 
-    def activations(self, st: _Step, t: int, load: bool) -> None:
+    def activations(self, st: _Terms, t: int, load: bool) -> None:
         """Hidden states between layers, for batches whose activation home is not the compute device."""
         r = self.r
         nbytes = self.rc.gpu_batch_size * t * self.cfg.hidden * self.c
-        for tier, n in self.act_counts.items():
-            if tier == "disk":
-                rate, name = (r.disk_read, "disk.act_read") if load else (r.disk_write, "disk.act_write")
-                st.add(name, n * _div(_padded(nbytes), rate, "disk bandwidth"))
+        for tier, n in self.act_counts:
+            if tier == "disk" and load:
+                st.add("disk.act_read", n * (_div(_padded(nbytes), r.disk_read, "disk_read_bw") + r.read_latency))
+            elif tier == "disk":
+                st.add("disk.act_write", n * self.disk_write(_padded(nbytes), 1))
             if tier != "gpu" and self.cuda:
                 st.add("h2d.act" if load else "d2h.act", n * _div(nbytes, r.h2d if load else r.d2h, "h2d/d2h"))
             elif tier == "cpu" and not load:
@@ -292,7 +260,7 @@ class _Model:
             st = self.layer(layer, prefill)
             res = st.resources()
             total += count * (max(res.values(), default=0.0) if self.rc.overlap else sum(res.values()))
-            for k, v in st.terms.items():
+            for k, v in st.items():
                 terms[k] = terms.get(k, 0.0) + count * v
             for k, v in res.items():
                 busy[k] = busy.get(k, 0.0) + count * v
@@ -306,9 +274,11 @@ def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Predi
     return predict_with(rc, Rates.from_profile(hw, rc.compute), layout, plan.bytes)
 
 
-def predict_with(rc: RunConfig, rates: Rates, layout: tuple, tier_bytes: dict) -> Prediction:
-    """predict() from parts a search computes once: the rates, the weight layout and the bytes per tier."""
-    m = _Model(rc, rates, layout)
+def predict_with(rc: RunConfig, rates: Rates, layout: tuple, tier_bytes: dict,
+                 memo: Optional[dict] = None) -> Prediction:
+    """predict() from parts a search computes once: the rates, the weight layout, the bytes per tier, and a memo
+    of block placements."""
+    m = _Model(rc, rates, layout, memo)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
     per_token, dec_terms, dec_busy = m.phase(prefill=False)
     decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first

@@ -1,10 +1,11 @@
 """flexh2o-profile: measure this machine's compute rates and bandwidths into a JSON hardware profile.
 
-The profile feeds flexh2o.cost_model. Every rate is the best of a few timed repeats after a warm-up (the least
-disturbed by other processes). Keys (all per second, bytes or FLOPs):
+The profile feeds flexh2o.cost_model through `Rates.from_profile`. Every rate is the best of a few timed repeats
+after a warm-up (the least disturbed by other processes). Keys (all per second, bytes or FLOPs):
   matmul_flops / decode_matmul_flops / attention_flops / decode_attention_flops   {dtype name: FLOP/s}
   gpu_mem_bw, cpu_mem_bw (memcpy rate), convert_bw (float16 -> float32, source bytes), h2d_bw, d2h_bw,
-  disk_read_bw, disk_write_bw (direct I/O through flexh2o's disk tier), cpu_flops, op_overhead_s.
+  disk_read_bw, disk_write_bw (direct I/O through flexh2o's disk tier), disk_read_latency_s and
+  disk_write_latency_s (seconds per file: open, one 4 KiB transfer, close), cpu_flops, op_overhead_s.
 On a CPU-only machine the gpu tier is host memory, so gpu_mem_bw = cpu_mem_bw and h2d/d2h are null (free).
 
 Run it on a quiet machine: set OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads then sleep instead of spinning, which
@@ -18,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import psutil
@@ -27,6 +29,58 @@ import torch.nn.functional as F
 from flexh2o.run_config import parse_dtype
 
 GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The profile's figures for one compute dtype (per second). h2d/d2h None: host and device share memory."""
+
+    matmul: float  # FLOP/s of prefill GEMMs, decode GEMMs, prefill and decode attention bmm
+    decode_matmul: float
+    attention: float
+    decode_attention: float
+    gpu_mem: float  # bytes/s: memcpy on the compute device and on the host, fp16 -> fp32 conversion (source bytes)
+    cpu_mem: float
+    convert: float
+    h2d: Optional[float]
+    d2h: Optional[float]
+    disk_read: Optional[float]
+    disk_write: Optional[float]
+    cpu_flops: float  # host-side decode attention (--cpu-cache-compute)
+    op_overhead: float  # seconds per op on the compute thread
+    read_latency: float = 0.0  # seconds per disk file read / written (open, first transfer, close)
+    write_latency: float = 0.0
+
+    @staticmethod
+    def from_profile(hw: dict, dtype: torch.dtype) -> "Rates":
+        """Rates for `dtype` from a profile dict; per-dtype figures may be {dtype name: value} or one number."""
+        name = str(dtype).replace("torch.", "")
+
+        def f(*keys: str, default: Optional[float] = None) -> Optional[float]:
+            for key in keys:
+                v = _figure(hw, key, name)
+                if v is not None:
+                    return v
+            return default
+        mm, cpu_mem = f("matmul_flops"), f("cpu_mem_bw")
+        if mm is None or cpu_mem is None:
+            raise ValueError(f"hardware profile {hw.get('name', '?')} needs at least matmul_flops and cpu_mem_bw")
+        return Rates(mm, f("decode_matmul_flops", default=mm), f("attention_flops", default=mm),
+                     f("decode_attention_flops", "attention_flops", default=mm),
+                     f("gpu_mem_bw", default=cpu_mem), cpu_mem, f("convert_bw", default=cpu_mem),
+                     f("h2d_bw"), f("d2h_bw"), f("disk_read_bw"), f("disk_write_bw"),
+                     f("cpu_flops", default=mm), f("op_overhead_s", default=0.0),
+                     f("disk_read_latency_s", default=0.0), f("disk_write_latency_s", default=0.0))
+
+
+def _figure(hw: dict, key: str, dtype: str) -> Optional[float]:
+    v = hw.get(key)
+    if isinstance(v, dict):
+        if dtype not in v:
+            raise ValueError(f"hardware profile {hw.get('name', '?')} has no {key} for {dtype} (it has "
+                             f"{', '.join(v)}): run flexh2o-profile --dtype {dtype}")
+        v = v[dtype]
+    return None if v is None else float(v)
 
 
 def best_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -123,9 +177,13 @@ def disk_rates(offload_dir: str, quick: bool) -> dict:
         data = torch.ones(nbytes, dtype=torch.uint8)
         h = tier.alloc((nbytes,), torch.uint8)
         rep = 2 if quick else 3
-        write = best_time(lambda: tier.store(h, data), rep)
-        read = best_time(lambda: tier.load(h, torch.device("cpu")), rep)
-        return {"disk_read_bw": nbytes / read, "disk_write_bw": nbytes / write, "direct_io": tier.is_direct}
+        small, hs = torch.ones(4096, dtype=torch.uint8), tier.alloc((4096,), torch.uint8)
+        lat_w = best_time(lambda: tier.store(hs, small), 3 * rep)
+        lat_r = best_time(lambda: tier.load(hs, torch.device("cpu")), 3 * rep)
+        write = max(best_time(lambda: tier.store(h, data), rep) - lat_w, 1e-9)
+        read = max(best_time(lambda: tier.load(h, torch.device("cpu")), rep) - lat_r, 1e-9)
+        return {"disk_read_bw": nbytes / read, "disk_write_bw": nbytes / write, "disk_read_latency_s": lat_r,
+                "disk_write_latency_s": lat_w, "direct_io": tier.is_direct}
     finally:
         tier.close()
         remove_run_dir(run_dir)
@@ -152,7 +210,8 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool) 
         from flexh2o.storage.offload_dir import free_disk_bytes
         prof["disk_mem"] = free_disk_bytes(offload_dir)
     else:
-        prof.update(disk_read_bw=None, disk_write_bw=None, direct_io=None)
+        prof.update(disk_read_bw=None, disk_write_bw=None, disk_read_latency_s=None, disk_write_latency_s=None,
+                    direct_io=None)
     return prof
 
 
@@ -165,7 +224,9 @@ def summary(prof: dict) -> str:
         v = prof.get(key)
         lines.append(f"{key:<24}" + ("n/a" if v is None else f"{v / 1e9:.2f} GB/s"))
     lines.append(f"{'cpu_flops':<24}{prof['cpu_flops'] / 1e9:.1f} GFLOP/s")
-    lines.append(f"{'op_overhead_s':<24}{prof['op_overhead_s'] * 1e6:.1f} us")
+    for key in ("disk_read_latency_s", "disk_write_latency_s", "op_overhead_s"):
+        if prof.get(key) is not None:
+            lines.append(f"{key:<24}{prof[key] * 1e6:.1f} us")
     return "\n".join(lines)
 
 
@@ -195,7 +256,8 @@ def main(argv: Optional[list] = None) -> int:
         prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
         if args.name:
             prof["name"] = args.name
-        prof["command"] = " ".join(["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
+        env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
+        prof["command"] = " ".join(env + ["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
         text = json.dumps(prof, indent=1)
         if args.output:
             with open(args.output, "w") as f:

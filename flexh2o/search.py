@@ -2,9 +2,8 @@
 
 Enumerates weight splits (gpu/cpu in steps of `step`, disk the rest), cache and activation placements, numbers of
 GPU batches and batch sizes; keeps the plans that fit every tier and ranks them by predicted total throughput.
-Memory per tier is affine in the batch size for a fixed placement (weights fixed; cache, activations and working
-buffers proportional), so fits are computed from memory_plan's own pieces and the returned plans are re-checked
-with plan_memory. `flexh2o-plan` prints the best few and the flexh2o-run command line of the best.
+Fits are computed from memory_plan's own pieces (block sizes, working_bytes), memoized, and the returned plans
+are re-checked with plan_memory itself. `flexh2o-plan` prints the best few and the flexh2o-run command line of the best.
 """
 from __future__ import annotations
 
@@ -14,10 +13,13 @@ import sys
 from typing import Optional
 
 from flexh2o import config as model_configs
-from flexh2o.cost_model import Prediction, Rates, predict_with, weight_layout
+from flexh2o.cost_model import predict_with, tier_counts, weight_layout
 from flexh2o.kv.policies import POLICIES, resolve_budget
-from flexh2o.memory_plan import KINDS, act_block_bytes, cache_block_bytes, fmt_bytes, parse_bytes, plan_memory
-from flexh2o.placement import TIERS, Percent, block_homes
+from flexh2o.memory_plan import (act_block_bytes, cache_block_bytes, fmt_bytes, parse_bytes, plan_memory,
+                                 working_bytes)
+from flexh2o.models import layer_specs
+from flexh2o.placement import TIERS, Percent, weight_homes
+from flexh2o.profile import Rates
 from flexh2o.run_config import RunConfig, parse_dtype
 
 
@@ -37,52 +39,66 @@ def batch_sizes(largest: int) -> list:
     return out + ([largest] if largest not in out else [])
 
 
-def _counts(num_layers: int, nb: int, shares: tuple) -> dict:
-    flat = [t for row in block_homes(num_layers, nb, shares) for t in row]
-    return {t: flat.count(t) for t in TIERS}
+def _counts(num_layers: int, nb: int, shares: tuple, memo: dict) -> dict:
+    """Blocks per tier over all layers."""
+    out = dict.fromkeys(TIERS, 0)
+    for row in tier_counts(num_layers, nb, shares, memo):
+        for t, n in row:
+            out[t] += n
+    return out
 
 
 class _Fit:
-    """Bytes per tier as an affine function of the batch size, per weight split (from plan_memory at b=1, 2)."""
+    """Bytes per tier of a plan without plan_memory's per-call cost: weights per weight split, cache and activation
+    blocks from memory_plan's block sizes (proportional to the batch), and memory_plan.working_bytes for the gpu
+    buffers, memoized on what they depend on (weight split, one or two cache/activation blocks, batch size)."""
 
     def __init__(self, rc: RunConfig):
-        self.rc = rc
-        self.base: dict = {}  # weight split -> (weights per tier, buffers at b=1, buffers per extra sequence)
+        self.rc, self.specs = rc, layer_specs(rc.model)
+        self.homes: dict = {}  # weight split -> name -> tier
+        self.weights: dict = {}  # weight split -> tier -> bytes
+        self.buffers: dict = {}  # buffer key -> bytes
         self.cache1 = cache_block_bytes(rc.with_(gpu_batch_size=1))
         self.act1 = act_block_bytes(rc.with_(gpu_batch_size=1))
 
-    def weights(self, w: tuple) -> tuple:
-        if w not in self.base:
-            p1 = plan_memory(self.rc.with_(percent=Percent(*w), gpu_batch_size=1))
-            p2 = plan_memory(self.rc.with_(percent=Percent(*w), gpu_batch_size=2))
-            b1, b2 = p1.bytes["gpu"]["buffers"], p2.bytes["gpu"]["buffers"]
-            self.base[w] = ({t: p1.bytes[t]["weights"] for t in TIERS}, b1 - (b2 - b1), b2 - b1)
-        return self.base[w]
+    def _split(self, w: tuple) -> dict:
+        if w not in self.homes:
+            self.homes[w] = homes = weight_homes(self.specs, (w[0], w[1], 100 - w[0] - w[1]))
+            size = {s.name: s.numel for layer in self.specs for s in layer}
+            self.weights[w] = {t: sum(size[n] for n, h in homes.items() if h == t) * self.rc.dtype.itemsize
+                               for t in TIERS}
+        return self.homes[w]
 
     def tier_bytes(self, rc: RunConfig, caches: dict, acts: dict) -> dict:
-        weights, buf0, buf1 = self.weights((rc.percent.w_gpu, rc.percent.w_cpu))
-        b = rc.gpu_batch_size
-        out = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
-        for t in TIERS:
-            out[t]["weights"] = weights[t]
-            out[t]["cache"] = caches[t] * self.cache1 * b
-            out[t]["activations"] = acts[t] * self.act1 * b
-        out["gpu"]["buffers"] = buf0 + buf1 * b
+        p, b = rc.percent, rc.gpu_batch_size
+        w = (p.w_gpu, p.w_cpu)
+        homes = self._split(w)
+        key = (w, p.cache_gpu == 100 or (rc.cpu_cache_compute and p.cache_cpu == 100), p.act_gpu == 100, b)
+        if key not in self.buffers:
+            self.buffers[key] = working_bytes(rc, self.specs, homes)
+        out = {t: {"weights": self.weights[w][t], "cache": caches[t] * self.cache1 * b,
+                   "activations": acts[t] * self.act1 * b, "buffers": 0} for t in TIERS}
+        out["gpu"]["buffers"] = self.buffers[key]
         return out
 
+    def fits(self, rc: RunConfig, caches: dict, acts: dict) -> bool:
+        got = self.tier_bytes(rc, caches, acts)
+        return all(sum(got[t].values()) <= getattr(rc, f"{t}_mem") for t in TIERS)
+
     def largest(self, rc: RunConfig, caches: dict, acts: dict, limit: int) -> int:
-        """Largest batch size that fits every tier (0: none), from the affine form."""
-        at1 = self.tier_bytes(rc.with_(gpu_batch_size=1), caches, acts)
-        at2 = self.tier_bytes(rc.with_(gpu_batch_size=2), caches, acts)
-        best = limit
-        for t in TIERS:
-            one, two = sum(at1[t].values()), sum(at2[t].values())
-            slope, cap = two - one, getattr(rc, f"{t}_mem")
-            if one > cap:
-                return 0
-            if slope > 0:
-                best = min(best, 1 + (cap - one) // slope)
-        return best
+        """Largest batch size up to `limit` that fits every tier (0: none): doubling, then bisection."""
+        def fits(b: int) -> bool:
+            return self.fits(rc.with_(gpu_batch_size=b), caches, acts)
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
 
 def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: int = 32, max_batch: int = 4096,
@@ -95,7 +111,7 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
     if not 1 <= step <= 100:
         raise ValueError(f"search step must be 1..100 percent (got {step})")
     rates = Rates.from_profile(hw, base_rc.compute)
-    fit, layouts = _Fit(base_rc), {}
+    fit, layouts, memo = _Fit(base_rc), {}, {}
     cuda = base_rc.device.startswith("cuda")
     nbs = [1 << i for i in range(max_num_gpu_batches.bit_length()) if 1 << i <= max_num_gpu_batches]
     L = base_rc.model.num_layers
@@ -109,12 +125,12 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
                     for nb in nbs:
                         rc = base_rc.with_(percent=Percent(*w, *c, *a), num_gpu_batches=nb, cpu_cache_compute=ccc,
                                            gpu_batch_size=1)
-                        caches, acts = _counts(L, nb, rc.percent.shares("cache")), _counts(1, nb, a + (0,))
+                        caches, acts = _counts(L, nb, c + (100 - sum(c),), memo), _counts(1, nb, a + (0,), memo)
                         top = fit.largest(rc, caches, acts, max_batch)
                         if top == 0:
                             break  # more GPU batches only need more memory
                         rc = rc.with_(gpu_batch_size=top)
-                        pred = predict_with(rc, rates, layouts[w], fit.tier_bytes(rc, caches, acts))
+                        pred = predict_with(rc, rates, layouts[w], fit.tier_bytes(rc, caches, acts), memo)
                         scored.append((pred.total_throughput, rc, pred, caches, acts))
     scored.sort(key=lambda x: -x[0])
     extra = []
@@ -122,7 +138,7 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
         for b in batch_sizes(rc.gpu_batch_size)[:-1]:
             small = rc.with_(gpu_batch_size=b)
             pred = predict_with(small, rates, layouts[(rc.percent.w_gpu, rc.percent.w_cpu)],
-                                fit.tier_bytes(small, caches, acts))
+                                fit.tier_bytes(small, caches, acts), memo)
             extra.append((pred.total_throughput, small, pred, caches, acts))
     ranked = sorted(scored + extra, key=lambda x: -x[0])
     out = []
@@ -147,6 +163,10 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
         parts.append("--cpu-cache-compute")
     if rc.kv_policy != "full":
         parts.append(f"--kv-policy {rc.kv_policy} --kv-budget {_budget_tokens(rc)}")
+    if rc.kv_policy == "streaming" and rc.num_sinks != 4:
+        parts.append(f"--num-sinks {rc.num_sinks}")
+    if rc.seed:
+        parts.append(f"--seed {rc.seed}")
     dtype = str(rc.dtype).replace("torch.", "")
     if dtype != "float16":
         parts.append(f"--dtype {dtype}")
