@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top-p", type=float, default=1.0)
     a("--seed", type=int, default=0)
-    a("--dry-run", action="store_true", help="print the memory plan and exit")
+    a("--policy", choices=["given", "auto"], default="given",
+      help="auto: search --percent and batch sizes for the best predicted throughput (cost model)")
+    a("--hardware", default=None, help="hardware profile JSON for predictions (flexh2o-profile; default: the "
+      "shipped profile of this CPU when compute is on the CPU)")
+    a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
     return p
 
@@ -90,15 +94,23 @@ def _run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None
     rc = build_run_config(args, cfg, prompts)
+    hw = _hardware(args.hardware, rc.device)
+    if args.policy == "auto":
+        rc = _auto_policy(rc, hw)
     if prompts is None:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
+    predicted = _predict(rc, hw)
     if args.dry_run:
         print(describe_plan(rc))
+        if predicted:
+            print(f"predicted (cost model, {args.hardware or 'shipped CPU profile'}): prefill "
+                  f"{predicted['prefill_s']:.2f} s, decode {predicted['decode_s']:.2f} s, total "
+                  f"{predicted['total_throughput']:.1f} tok/s, decode {predicted['decode_throughput']:.1f} tok/s")
         return 0
     _check_output_path(args.output_file, "--output-file")
     _check_output_path(args.log_file, "--log-file")
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, args.log_file,
-              tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty())
+              tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted)
     report = run_job(rc, job)
     print(report.summary())
     return 0
@@ -136,6 +148,37 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
         rc = rc.with_(gpu_batch_size=best)
         print(f"--gpu-batch-size auto: picked {best} (largest that fits, policy {policy})", file=sys.stderr)
     return rc
+
+
+def _hardware(path: Optional[str], device: str) -> Optional[dict]:
+    from flexh2o.search import load_profile
+    if path is None:
+        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "hardware",
+                               "cpu_measured.json")
+        if device != "cpu" or not os.path.isfile(shipped):
+            return None
+        path = shipped
+    return load_profile(path)
+
+
+def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
+    if hw is None:
+        return None
+    from flexh2o.cost_model import predict
+    return predict(rc, hw).as_dict()
+
+
+def _auto_policy(rc: RunConfig, hw: Optional[dict]) -> RunConfig:
+    from flexh2o.search import command_line, search
+    if hw is None:
+        raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")
+    found = search(rc, hw)
+    if not found:
+        plan_memory(rc).check()
+        raise ValueError("--policy auto found no placement that fits: raise --gpu-mem/--cpu-mem/--disk-mem")
+    best, pred = found[0]
+    print(f"--policy auto: {command_line(best)}  (predicted {pred.total_throughput:.1f} tok/s)", file=sys.stderr)
+    return best
 
 
 def _capacities(args, device: str) -> tuple:

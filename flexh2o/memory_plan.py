@@ -15,7 +15,7 @@ KINDS = ("weights", "cache", "activations", "buffers")
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def cache_block_bytes(rc: RunConfig) -> int:

@@ -122,3 +122,21 @@ def test_console_script_exit_status(tmp_path):
     """The installed entry point: exit 2 and one line, no traceback (a real process)."""
     r = subprocess.run([sys.executable, "-m", "flexh2o.cli", "--percent", "1", "2"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--percent" in r.stderr
+
+
+def test_policy_auto_and_predictions(capsys, tmp_path, offload_dir):
+    log = tmp_path / "log.jsonl"
+    argv = ["--model", "opt-125m", "--prompt-len", "16", "--gen-len", "3", "--dtype", "bfloat16", "--no-warmup",
+            "--policy", "auto", "--gpu-mem", "200MB", "--cpu-mem", "300MB", "--disk-mem", "2GB",
+            "--offload-dir", offload_dir, "--hardware",
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/hardware/cpu_measured.json"), "--log-file", str(log)]
+    assert cli.main(argv + ["--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "--policy auto: flexh2o-run --model opt-125m --percent" in out.err and "predicted" in out.out
+    assert cli.main(argv) == 0
+    rec = json.loads(log.read_text())
+    assert rec["predicted"]["total_throughput"] > 0 and rec["total_ratio_measured_to_predicted"] > 0
+
+
+def test_policy_auto_needs_a_profile(capsys):
+    _fails(capsys, SMALL + ["--policy", "auto", "--hardware", "/nonexistent.json"], "nonexistent")

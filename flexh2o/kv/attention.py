@@ -77,11 +77,12 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> tupl
     b, n, _, d = q.shape
     kv, s = blk.pos.shape[1], blk.pos.shape[2]
     slot = (blk.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
-    idx = slot[..., None, None].expand(b, kv, 1, d)
-    blk.k.scatter_(2, idx, k.to(blk.k.dtype))
-    blk.v.scatter_(2, idx, v.to(blk.v.dtype))
-    blk.pos.scatter_(2, slot[..., None], cur_pos.view(b, 1, 1).expand(b, kv, 1))
-    blk.score.scatter_(2, slot[..., None], 0.0)
+    bi = torch.arange(b, device=dev)[:, None]
+    hi = torch.arange(kv, device=dev)[None, :]
+    blk.k[bi, hi, slot] = k[:, :, 0].to(blk.k.dtype)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
+    blk.v[bi, hi, slot] = v[:, :, 0].to(blk.v.dtype)
+    blk.pos[bi, hi, slot] = cur_pos.view(b, 1).expand(b, kv)
+    blk.score[bi, hi, slot] = 0.0
     qg = q.view(b, kv, n // kv, d)
     att = torch.einsum("bhgd,bhsd->bhgs", qg, blk.k.to(q.dtype)).float() * d ** -0.5  # (b, kv, g, s)
     att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)

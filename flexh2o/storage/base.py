@@ -64,7 +64,7 @@ class Tier:
 
 
 def nbytes_of(shape: tuple, dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for d in shape:
         n *= int(d)
     return n

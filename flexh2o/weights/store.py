@@ -93,7 +93,7 @@ class WeightStore:
             for s in layer:
                 out.setdefault(self.homes[s.name], 0)
         for name, spec in self._unique():
-            out[self.homes[name]] += spec.numel * torch.empty((), dtype=self.dtype).element_size()
+            out[self.homes[name]] += spec.numel * self.dtype.itemsize
         return out
 
     def close(self) -> None:
