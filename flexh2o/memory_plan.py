@@ -1,4 +1,4 @@
-"""Pre-flight plan: the bytes each tier needs (weights, KV cache, activations, working buffers), before any allocation."""
+"""Pre-flight plan: the bytes each tier needs (weights, KV cache, activations, buffers), before any allocation."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -129,7 +129,8 @@ def test_policy_auto_and_predictions(capsys, tmp_path, offload_dir):
     argv = ["--model", "opt-125m", "--prompt-len", "16", "--gen-len", "3", "--dtype", "bfloat16", "--no-warmup",
             "--policy", "auto", "--gpu-mem", "200MB", "--cpu-mem", "300MB", "--disk-mem", "2GB",
             "--offload-dir", offload_dir, "--hardware",
-            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/hardware/cpu_measured.json"), "--log-file", str(log)]
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "hardware",
+                         "cpu_measured.json"), "--log-file", str(log)]
     assert cli.main(argv + ["--dry-run"]) == 0
     out = capsys.readouterr()
     assert "--policy auto: flexh2o-run --model opt-125m --percent" in out.err and "predicted" in out.out

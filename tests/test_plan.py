@@ -16,7 +16,7 @@ def _ops(steps, layers, batches):
 @pytest.mark.parametrize("steps,layers,batches", SHAPES)
 def test_every_compute_once_in_zigzag_order(steps, layers, batches):
     computes = [(o.step, o.layer, o.batch) for o in _ops(steps, layers, batches) if o.kind == COMPUTE]
-    assert computes == [(s, l, b) for s in range(steps) for l in range(layers) for b in range(batches)]
+    assert computes == [(s, j, b) for s in range(steps) for j in range(layers) for b in range(batches)]
 
 
 @pytest.mark.parametrize("steps,layers,batches", SHAPES)
@@ -40,11 +40,11 @@ def test_loads_precede_use_and_stores_follow_compute(steps, layers, batches):
 def test_weights_loaded_once_per_block_and_freed_after_it(steps, layers, batches):
     ops = _ops(steps, layers, batches)
     loads = [(o.step, o.layer) for o in ops if o.kind == LOAD_WEIGHT]
-    assert loads == [(s, l) for s in range(steps) for l in range(layers)]  # once per token per layer
+    assert loads == [(s, j) for s in range(steps) for j in range(layers)]  # once per token per layer
     for s in range(steps):
-        for l in range(layers):
-            last = max(i for i, o in enumerate(ops) if o.kind == COMPUTE and (o.step, o.layer) == (s, l))
-            free = next(i for i, o in enumerate(ops) if o.kind == FREE_WEIGHT and (o.step, o.layer) == (s, l))
+        for j in range(layers):
+            last = max(i for i, o in enumerate(ops) if o.kind == COMPUTE and (o.step, o.layer) == (s, j))
+            free = next(i for i, o in enumerate(ops) if o.kind == FREE_WEIGHT and (o.step, o.layer) == (s, j))
             assert free > last
 
 

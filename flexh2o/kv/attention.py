@@ -75,7 +75,7 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> tupl
     dev, home = blk.k.device, q.device
     q, k, v, cur_pos = q.to(dev), k.to(dev), v.to(dev), cur_pos.to(dev)
     b, n, _, d = q.shape
-    kv, s = blk.pos.shape[1], blk.pos.shape[2]
+    kv = blk.pos.shape[1]
     slot = (blk.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
     bi = torch.arange(b, device=dev)[:, None]
     hi = torch.arange(kv, device=dev)[None, :]

@@ -15,7 +15,10 @@ FIELDS = ("k", "v", "pos", "score")
 
 @dataclass
 class KVBlock:
-    """One block on the compute side. k, v: (b, kv_heads, slots, head_dim); pos int64 and score fp32: (b, kv_heads, slots)."""
+    """One block on the compute side.
+
+    k, v: (b, kv_heads, slots, head_dim); pos int64 and score fp32: (b, kv_heads, slots).
+    """
 
     k: torch.Tensor
     v: torch.Tensor

@@ -245,4 +245,3 @@ def _load_index(index: str) -> dict:
         if not ok:
             raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
     return d["tensors"]
-
