@@ -13,8 +13,6 @@ LOAD_WEIGHT, FREE_WEIGHT = "load_weight", "free_weight"
 LOAD_CACHE, STORE_CACHE = "load_cache", "store_cache"
 LOAD_ACT, STORE_ACT = "load_act", "store_act"
 COMPUTE = "compute"
-LOADS = (LOAD_WEIGHT, LOAD_CACHE, LOAD_ACT)
-STORES = (STORE_CACHE, STORE_ACT)
 
 
 @dataclass(frozen=True)
