@@ -113,33 +113,44 @@ def dry_run_batches(argv: list, env: dict) -> dict:
     return {k: int(v) for k, v in (part.split() for part in m.group(1).split(","))}
 
 
-def default_hw_profile() -> Optional[str]:
-    """configs/hardware/cpu_measured.json on a CPU-only run, when it exists."""
-    path = os.path.join(REPO, "configs", "hardware", "cpu_measured.json")
-    return path if os.path.exists(path) else None
+def hardware_args(hw: Optional[str]) -> list:
+    """flexh2o-run fills "predicted" (and the measured/predicted ratios) in every record itself from its cost model
+    (default on CPU: configs/hardware/cpu_measured.json); pass --hardware only when a profile is named."""
+    return ["--hardware", hw] if hw else []
 
 
-def add_prediction(rec: dict, argv: list, hw_path: Optional[str]) -> None:
-    """Fill rec["predicted"] from flexh2o.cost_model (when present) unless flexh2o-run already did, and the
-    measured/predicted ratios. The RunConfig is rebuilt by the CLI's own parser from the run's flags."""
-    if not hw_path or (rec.get("predicted") or {}).get("decode_throughput"):
-        return
+def load_avg() -> list:
+    """1, 5 and 15 minute load averages (the machine is shared: recorded beside every measurement)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def disk_read_probe(env: dict, offload_dir: Optional[str] = None) -> Optional[float]:
+    """Direct-I/O read bandwidth of the disk tier right now (bytes/s; flexh2o.profile.disk_rates: best of 3 reads
+    of 256 MiB), in a child process with the benchmark environment; None when it cannot be measured."""
+    where = offload_dir or os.path.join(os.path.expanduser("~"), "flexh2o_offload")
+    code = ("import json, sys; from flexh2o.profile import disk_rates; "
+            "print(json.dumps(disk_rates(sys.argv[1], False)))")
     try:
-        from flexh2o import cli, config, cost_model
-        args = cli.build_parser().parse_args(argv)
-        args.gpu_batch_size = str(rec["policy"]["gpu_batch_size"])  # what 'auto' picked
-        rc = cli.build_run_config(args, config.from_name(args.model), None)
-        with open(hw_path) as f:
-            pred = cost_model.predict(rc, json.load(f)).as_dict()
-    except ImportError:
-        return
-    except Exception as e:  # a prediction problem must not lose the measurement
-        rec["predicted_error"] = f"{type(e).__name__}: {e}"
-        return
-    pred["source"] = f"benchmarks: flexh2o.cost_model.predict, profile {os.path.relpath(hw_path, REPO)}"
-    rec["predicted"] = pred
-    rec["decode_ratio_measured_to_predicted"] = rec["decode_throughput"] / pred["decode_throughput"]
-    rec["total_ratio_measured_to_predicted"] = rec["total_throughput"] / pred["total_throughput"]
+        p = subprocess.run([sys.executable, "-c", code, where], env=env, capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
+        return json.loads(p.stdout.strip().splitlines()[-1])["disk_read_bw"] if p.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError, KeyError):
+        return None
+
+
+def gbs(rate: Optional[float]) -> str:
+    return "-" if rate is None else f"{rate / 1e9:.2f} GB/s"
+
+
+def regime(rec: dict) -> str:
+    """'disk-streamed weights' when some weights live on disk (flexh2o: --percent weights-gpu + weights-cpu < 100;
+    Accelerate: modules mapped to "disk"), else 'memory-resident'."""
+    p = rec.get("policy") or {}
+    if p.get("percent"):
+        w = [float(x) for x in str(p["percent"]).split()[:2]]
+        return "disk-streamed weights" if sum(w) < 100 else "memory-resident"
+    place = p.get("placement") or {}
+    return "disk-streamed weights" if "disk" in (place.get("devices_used") or []) else "memory-resident"
 
 
 def mib(n) -> str:

@@ -2,11 +2,16 @@
 
 Every system runs as its own process with the same model (seeded dummy bf16 weights), prompts and lengths and the
 same memory caps: flexh2o with --gpu-mem/--cpu-mem (each policy at the largest batch that fits, as in the paper),
-transformers + Accelerate with max_memory={"cpu": --cpu-mem} and an offload folder, plain transformers all in
-memory; the peers run flexh2o full's batch unless --peer-batch says otherwise (see benchmarks/RESULTS.md).
+transformers + Accelerate with max_memory={"cpu": --cpu-mem} and an offload folder (what does not fit goes to
+"disk"), plain transformers all in memory (no cap: a reference); the peers run flexh2o full's batch unless
+--peer-batch says otherwise (see benchmarks/RESULTS.md). The machine is shared, so the systems alternate within each
+round and the table shows medians; every record carries the load average before and after its run.
 
+    # disk-streamed weights (default): flexh2o reads every weight from disk each step (direct I/O);
+    # Accelerate gets max_memory cpu 64MB, so its whole model maps to "disk" (safetensors, read through mmap)
     python benchmarks/compare.py --repeats 3
-    python benchmarks/compare.py --percent "0 0 100 0" --cpu-mem 200MB     # weights on disk, both sides
+    # memory-resident weights: flexh2o's weights in its cpu tier, Accelerate's max_memory holds them all
+    python benchmarks/compare.py --percent "0 100 100 0 100 0" --cpu-mem 1GB --repeats 3
 """
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ import os
 import sys
 import time
 
-from bench_common import (add_h2o_args, add_prediction, bench_env, default_hw_profile, dry_run_batches, flag_args,
-                          h2o_flags, median, mib, run_flexh2o, run_peer, table)
+from bench_common import (add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs, h2o_flags,
+                          hardware_args, load_avg, median, mib, regime, run_flexh2o, run_peer, table)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ("full", "h2o", "accelerate", "transformers")
@@ -32,10 +37,11 @@ def commands(args, batches: dict) -> dict:
     peer = ["--model", args.model, "--batch-size", str(peer_batch), "--prompt-len", str(args.prompt_len),
             "--gen-len", str(args.gen_len), "--dtype", "bfloat16", "--cpu-mem", args.cpu_mem, "--gpu-mem",
             args.gpu_mem]
+    hw = hardware_args(args.hardware)
     return {
-        "full": (run_flexh2o, flag_args({**base, "kv_policy": "full", "gpu_batch_size": batches["full"]})),
+        "full": (run_flexh2o, flag_args({**base, "kv_policy": "full", "gpu_batch_size": batches["full"]}) + hw),
         "h2o": (run_flexh2o, flag_args({**base, **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len,
-                                                             args.gen_len), "gpu_batch_size": batches["h2o"]})),
+                                                             args.gen_len), "gpu_batch_size": batches["h2o"]}) + hw),
         "accelerate": (run_peer, ["--mode", "accelerate"] + peer),
         "transformers": (run_peer, ["--mode", "plain"] + peer),
     }
@@ -59,13 +65,24 @@ def summarize(system: str, recs: list, failures: list) -> dict:
     if ratios:
         row["vs_bound"] = f"{median(ratios):.2f}"
         row["pred_dec"] = f"{median([r['predicted']['decode_throughput'] for r in recs]):.1f}"
+        row["bottleneck"] = "/".join(sorted({(r["predicted"].get("bottleneck") or {}).get("decode", "?")
+                                             for r in recs}))
+    place = recs[0]["policy"].get("placement") or {}
+    if place.get("devices_used"):
+        row["where"] = "+".join(place["devices_used"]) + (
+            f" ({mib(place.get('weight_bytes_on_disk'))} MiB on disk)" if "disk" in place["devices_used"] else "")
+    elif recs[0]["policy"].get("percent"):
+        row["where"] = f"--percent {recs[0]['policy']['percent']}"
+    else:
+        row["where"] = (place.get("device_map") or "")
     return row
 
 
-COLUMNS = (("system", "system"), ("runs ok", "runs"), ("batch", "batch"),
+COLUMNS = (("system", "system"), ("weights", "where"), ("runs ok", "runs"), ("batch", "batch"),
            ("median total tok/s", lambda r: f"{r['total']:.1f}" if "total" in r else "-"), ("min-max", "spread"),
            ("prefill s", "prefill"), ("decode s", "decode"), ("decode tok/s", "dec_tp"),
-           ("model decode tok/s", "pred_dec"), ("decode / model", "vs_bound"), ("peak gpu MiB", "gpu"),
+           ("model decode tok/s", "pred_dec"), ("decode / model", "vs_bound"), ("model bottleneck", "bottleneck"),
+           ("peak gpu MiB", "gpu"),
            ("peak rss MiB", "rss"), ("peak disk MiB", "disk"), ("note", "note"))
 
 
@@ -75,27 +92,28 @@ def ratio_lines(rows: dict, paired: dict) -> list:
     for a, b in pairs:
         if "total" in rows.get(a, {}) and "total" in rows.get(b, {}):
             per_round = [x / y for x, y in zip(paired[a], paired[b]) if x and y]
-            out.append(f"{a} / {b}: {rows[a]['total'] / rows[b]['total']:.2f}x (ratio of medians; per-round "
-                       f"{', '.join(f'{r:.2f}' for r in per_round)})")
+            out.append(f"{a} / {b}: {rows[a]['total'] / rows[b]['total']:.2f}x (ratio of medians; per round "
+                       f"{', '.join(f'{r:.2f}' for r in per_round)}; median of per-round "
+                       f"{median(per_round):.2f}x)")
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="flexh2o full/h2o vs transformers(+Accelerate), alternating runs.")
-    ap.add_argument("--model", default="opt-125m")
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--percent", default="0 100 100 0")
+    ap.add_argument("--model", default="opt-350m")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--percent", default="0 0 100 0 100 0", help="default: weights on disk, cache in the gpu tier")
     ap.add_argument("--cpu-cache-compute", action="store_true")
     ap.add_argument("--gpu-mem", default="512MB")
-    ap.add_argument("--cpu-mem", default="4GB")
+    ap.add_argument("--cpu-mem", default="64MB", help="flexh2o's cpu tier and Accelerate's max_memory['cpu']")
     add_h2o_args(ap)
     ap.add_argument("--peer-batch", type=int, help="batch of the peers (default: flexh2o full's largest batch)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")
-    ap.add_argument("--hw", default=default_hw_profile(), help="hardware profile for the cost model ('none': skip)")
+    ap.add_argument("--hardware", help="hardware profile for flexh2o-run's predictions (default: flexh2o-run's)")
     ap.add_argument("--log-file", default=os.path.join(HERE, "results", "compare.jsonl"))
     args = ap.parse_args(argv)
     env, systems = bench_env(args.threads), args.systems.split(",")
@@ -108,21 +126,25 @@ def main(argv=None) -> int:
         sys.exit(f"compare.py: not even batch 1 fits these caps ({batches}): raise --gpu-mem/--cpu-mem")
     cmds = commands(args, batches)
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
-    run_id, started = time.strftime("%Y%m%d-%H%M%S"), time.perf_counter()
+    run_id, started, load0 = time.strftime("%Y%m%d-%H%M%S"), time.perf_counter(), load_avg()
     recs, failures = {s: [] for s in systems}, {s: [] for s in systems}
     paired = {s: [] for s in systems}
+    probes = []
     for rep in range(args.repeats):
+        probes.append(disk_read_probe(env))
         for system in systems:
             runner, argv_ = cmds[system]
             print(f"[round {rep + 1}/{args.repeats}] {system}: {' '.join(argv_)}", file=sys.stderr, flush=True)
+            before = load_avg()
             out = runner(argv_, args.timeout, env)
             paired[system].append(out.record["total_throughput"] if out.record else None)
             if out.status != "ok":
                 failures[system].append(f"{out.status}: {out.message}")
                 continue
-            if runner is run_flexh2o:
-                add_prediction(out.record, argv_, None if args.hw == "none" else args.hw)
-            out.record["compare"] = {"run_id": run_id, "system": system, "round": rep, "argv": out.argv}
+            out.record["compare"] = {"run_id": run_id, "system": system, "round": rep, "argv": out.argv,
+                                     "loadavg_before": before, "loadavg_after": load_avg(),
+                                     "disk_read_bw_probe": probes[-1],
+                                     "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
             recs[system].append(out.record)
             with open(args.log_file, "a") as f:
                 f.write(json.dumps(out.record) + "\n")
@@ -131,11 +153,14 @@ def main(argv=None) -> int:
     print(f"\n{args.model}  prompt {args.prompt_len} + gen {args.gen_len}  --percent {args.percent}"
           f"{'  --cpu-cache-compute' if args.cpu_cache_compute else ''}  --gpu-mem {args.gpu_mem}  --cpu-mem "
           f"{args.cpu_mem}  bf16  h2o {h2o}  {args.repeats} rounds  threads "
-          f"{env.get('OMP_NUM_THREADS', 'default')}  run {run_id}")
+          f"{env.get('OMP_NUM_THREADS', 'default')}  OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}  run {run_id}  "
+          f"[{regime({'policy': {'percent': args.percent}})}]")
     print(f"largest batch that fits: {batches}")
     print(table([rows[s] for s in systems], COLUMNS))
     print("\n".join(ratio_lines(rows, paired)))
-    print(f"({time.perf_counter() - started:.0f} s; records appended to {args.log_file})")
+    print(f"disk tier read rate before each round (direct I/O): {', '.join(gbs(p) for p in probes)}")
+    print(f"({time.perf_counter() - started:.0f} s; load average {load0} at start, {load_avg()} at end; records "
+          f"appended to {args.log_file})")
     return 0
 
 

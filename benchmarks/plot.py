@@ -15,6 +15,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from bench_common import regime
+
 
 def load(paths: list) -> list:
     recs = []
@@ -40,22 +42,35 @@ def system(rec: dict) -> str:
 
 
 def setting(rec: dict) -> str:
+    """Model, lengths and regime (disk-streamed or memory-resident weights) with the placement that made it."""
     p = rec["policy"]
     where = p.get("percent") or (f"max_memory cpu {p['cpu_mem'] / 2**20:.0f} MiB"
                                  if rec.get("system") != "transformers" and p.get("cpu_mem") else "all in memory")
-    return f"{rec['model']} {rec['prompt_len']}+{rec['gen_len']} [{where}]"
+    return f"{rec['model']} {rec['prompt_len']}+{rec['gen_len']} {regime(rec)} [{where}]"
 
 
 def plot_vs_batch(plt, recs: list, path: str) -> None:
-    series = defaultdict(list)
+    """flexh2o: one line per setting through its points in batch order, each labelled with its KV policy (the
+    median where a point ran several times); peers: one marker per setting."""
+    ours, peers = defaultdict(lambda: defaultdict(list)), defaultdict(list)
     for r in recs:
-        series[f"{setting(r)} {system(r)}"].append((r["num_seqs"], r["total_throughput"]))
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, pts in sorted(series.items()):
-        xs, ys = zip(*_median_by_x(pts))
-        ax.plot(xs, ys, marker="o", label=name)
+        if r.get("system"):
+            peers[f"{setting(r)} {system(r)}"].append((r["num_seqs"], r["total_throughput"]))
+        else:
+            ours[setting(r)][(r["num_seqs"], system(r).replace("flexh2o ", ""))].append(r["total_throughput"])
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for name, pts in sorted(ours.items()):
+        xs = sorted(pts)
+        line, = ax.plot([x[0] for x in xs], [statistics.median(pts[x]) for x in xs], marker="o",
+                        label=f"flexh2o, {name}")
+        for x in xs:
+            ax.annotate(x[1], (x[0], statistics.median(pts[x])), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, color=line.get_color())
+    for name, pts in sorted(peers.items()):
+        for x, y in _median_by_x(pts):
+            ax.plot([x], [y], marker="s", linestyle="none", label=name)
     ax.set(xlabel="sequences per run (gpu batch x num gpu batches)", ylabel="total throughput (generated tok/s)",
-           title="Throughput vs batch size", xscale="log")
+           title="Throughput vs batch size (each policy at the batch it ran)")
     _finish(fig, ax, path)
 
 
@@ -80,18 +95,21 @@ def plot_vs_budget(plt, recs: list, path: str) -> None:
 
 
 def plot_predicted(plt, recs: list, path: str) -> bool:
-    pts = [(r["predicted"][k], r[k], k) for r in recs for k in ("decode_throughput", "total_throughput")
+    pts = [(r["predicted"][k], r[k], k, regime(r)) for r in recs for k in ("decode_throughput", "total_throughput")
            if (r.get("predicted") or {}).get(k)]
     if not pts:
         return False
-    fig, ax = plt.subplots(figsize=(6, 6))
+    fig, ax = plt.subplots(figsize=(7, 7))
     for k, marker in (("decode_throughput", "o"), ("total_throughput", "s")):
-        sel = [(p, m) for p, m, kk in pts if kk == k]
-        if sel:
-            ax.scatter(*zip(*sel), marker=marker, label=k.replace("_", " "))
-    hi = max(max(p, m) for p, m, _ in pts) * 1.1
+        for reg, color in (("disk-streamed weights", "tab:red"), ("memory-resident", "tab:blue")):
+            sel = [(p, m) for p, m, kk, rg in pts if kk == k and rg == reg]
+            if sel:
+                ax.scatter(*zip(*sel), marker=marker, color=color, facecolors="none" if k == "total_throughput"
+                           else color, label=f"{k.replace('_', ' ')}, {reg}")
+    hi = max(max(p, m) for p, m, _, _ in pts) * 1.1
     ax.plot([0, hi], [0, hi], "k-", lw=0.8, label="measured = predicted")
     ax.fill_between([0, hi], [0, 0.7 * hi], [0, 1.3 * hi], color="gray", alpha=0.15, label="within 30%")
+    ax.plot([0, hi], [0, 0.8 * hi], "k--", lw=0.6, label="80% of the model (issue 4 decode target)")
     ax.set(xlabel="predicted (tok/s)", ylabel="measured (tok/s)", title="Measured vs predicted", xlim=(0, hi),
            ylim=(0, hi))
     _finish(fig, ax, path)

@@ -18,8 +18,8 @@ import os
 import sys
 import time
 
-from bench_common import (add_prediction, bench_env, default_hw_profile, describe_policy, flag_args, mib, point_key,
-                          run_flexh2o, table)
+from bench_common import (bench_env, describe_policy, disk_read_probe, flag_args, gbs, hardware_args, load_avg, mib,
+                          point_key, run_flexh2o, table)
 
 
 def expand(config: dict) -> list:
@@ -53,13 +53,13 @@ def load_done(path: str) -> dict:
     return done
 
 
-def run_point(point: dict, timeout: float, env: dict, hw: str) -> dict:
-    out = run_flexh2o(flag_args(point), timeout, env)
+def run_point(point: dict, timeout: float, env: dict, hw, disk_bw=None) -> dict:
+    before = load_avg()
+    out = run_flexh2o(flag_args(point) + hardware_args(hw), timeout, env)
     rec = out.record or {}
-    if out.record:
-        add_prediction(rec, flag_args(point), hw)
     rec["sweep"] = {"key": point_key(point), "label": point.get("label", ""), "status": out.status,
-                    "argv": out.argv, "message": out.message, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+                    "argv": out.argv, "message": out.message, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "loadavg_before": before, "loadavg_after": load_avg(), "disk_read_bw_probe_at_start": disk_bw}
     return rec
 
 
@@ -81,7 +81,10 @@ def summary_rows(points: list, done: dict) -> list:
                        gpu=mib(rec["peak_bytes"]["gpu"]), rss=mib(rec["peak_bytes"]["cpu_rss"]),
                        pred=f"{pred['total_throughput']:.1f}" if pred.get("total_throughput") else "-",
                        dec_ratio=f"{rec['decode_ratio_measured_to_predicted']:.2f}"
-                       if rec.get("decode_ratio_measured_to_predicted") else "-")
+                       if rec.get("decode_ratio_measured_to_predicted") else "-",
+                       bottleneck=(pred.get("bottleneck") or {}).get("decode", "-"),
+                       disk=mib(rec["peak_bytes"].get("disk")),
+                       load=f"{s.get('loadavg_before', ['-'])[0]}")
         rows.append(row)
     return rows
 
@@ -89,8 +92,8 @@ def summary_rows(points: list, done: dict) -> list:
 COLUMNS = (("label", "label"), ("model", "model"), ("len", "len"), ("percent", "percent"), ("batch", "batch"),
            ("kv", "kv"), ("prefill s", "prefill"), ("decode s", "decode"), ("total tok/s", "total"),
            ("decode tok/s", "dec_tp"), ("pred total", "pred"),
-           ("decode meas/pred", "dec_ratio"), ("gpu MiB", "gpu"), ("rss MiB", "rss"),
-           ("status", "status"))
+           ("decode meas/pred", "dec_ratio"), ("model bottleneck", "bottleneck"), ("peak gpu MiB", "gpu"),
+           ("peak disk MiB", "disk"), ("rss MiB", "rss"), ("load 1m", "load"), ("status", "status"))
 
 
 def main(argv=None) -> int:
@@ -103,8 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="run only points whose label contains this text")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a default flag for every point, e.g. --set gpu_mem=15GB (repeatable)")
-    ap.add_argument("--hw", default=default_hw_profile(),
-                    help="hardware profile for cost-model predictions when flexh2o-run gives none ('none': skip)")
+    ap.add_argument("--hardware", help="hardware profile passed to flexh2o-run for its predictions (default: "
+                    "flexh2o-run's own, configs/hardware/cpu_measured.json on a CPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the command lines, run nothing")
     args = ap.parse_args(argv)
     with open(args.config) as f:
@@ -124,19 +127,22 @@ def main(argv=None) -> int:
           file=sys.stderr)
     if args.dry_run:
         for p in todo:
-            print("flexh2o-run " + " ".join(flag_args(p)))
+            print("flexh2o-run " + " ".join(flag_args(p) + hardware_args(args.hardware)))
         return 0
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     started = time.perf_counter()
+    disk0 = disk_read_probe(env) if todo else None
+    print(f"load average at start {load_avg()}; disk tier read rate {gbs(disk0)}", file=sys.stderr)
     for i, point in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] flexh2o-run {' '.join(flag_args(point))}", file=sys.stderr, flush=True)
-        rec = run_point(point, args.timeout, env, None if args.hw == "none" else args.hw)
+        rec = run_point(point, args.timeout, env, args.hardware, disk0)
         with open(out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         done[rec["sweep"]["key"]] = rec
         if rec["sweep"]["status"] != "ok":
             print(f"    {rec['sweep']['status']}: {rec['sweep']['message']}", file=sys.stderr)
-    print(f"ran {len(todo)} points in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    print(f"ran {len(todo)} points in {time.perf_counter() - started:.0f} s; load average at end {load_avg()}; disk "
+          f"tier read rate {gbs(disk_read_probe(env)) if todo else '-'}", file=sys.stderr)
     print(table(summary_rows(points, done), COLUMNS))
     return 0
 

@@ -79,10 +79,11 @@ def build_model(args, cfg, dtype: torch.dtype, workdir: str):
     model = OPTForCausalLM.from_pretrained(ckpt, device_map="auto", max_memory=max_memory, offload_folder=offload,
                                            dtype=dtype)
     model.eval()
-    dmap = getattr(model, "hf_device_map", {})
+    dmap = getattr(model, "hf_device_map", None) or {}  # absent when the whole model fits one device
     on_disk = [m for m, d in dmap.items() if d == "disk"]
+    used = sorted({str(d) for d in dmap.values()}) or sorted({p.device.type for p in model.parameters()})
     return model, {"device_map": "auto", "max_memory": max_memory, "offload_folder": offload,
-                   "devices_used": sorted({str(d) for d in dmap.values()}), "modules_on_disk": len(on_disk),
+                   "devices_used": used, "modules_on_disk": len(on_disk),
                    "weight_bytes_on_disk": _disk_param_bytes(cfg, dtype, on_disk)}
 
 
@@ -91,7 +92,8 @@ def _disk_param_bytes(cfg, dtype: torch.dtype, on_disk: list) -> int:
     from flexh2o.models import layer_specs
     size = torch.empty((), dtype=dtype).element_size()
     names = {s.name: s.numel for layer in layer_specs(cfg) for s in layer}
-    return sum(n * size for name, n in names.items() if any(name == m or name.startswith(m + ".") for m in on_disk))
+    return sum(n * size for name, n in names.items()
+               if any(m == "" or name == m or name.startswith(m + ".") for m in on_disk))  # "": the whole model
 
 
 class StepClock:
