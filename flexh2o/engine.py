@@ -9,7 +9,7 @@ import torch
 
 from flexh2o import models
 from flexh2o.kv import attention
-from flexh2o.kv.cache import KVCache
+from flexh2o.kv.cache import KVBlock, KVCache
 from flexh2o.memory_plan import plan_memory
 from flexh2o.placement import block_homes
 from flexh2o.run_config import RunConfig
@@ -153,9 +153,7 @@ class _Run:
         if layer == 0:
             self.abuf[batch] = self.eng.family.embed(self.cfg, w, ids, pos.clamp(min=0))
         elif layer <= self.cfg.num_layers:
-            attend = self._attend(step, layer, batch, pos)
-            self.abuf[batch] = self.eng.family.block(self.cfg, w, layer - 1, self.abuf[batch], pos.clamp(min=0),
-                                                     attend)
+            self.abuf[batch] = self._block(step, layer, batch, w, pos)
         else:
             logits = self.eng.family.head(self.cfg, w, self.abuf.pop(batch)[:, -1:])[:, 0]  # (b, vocab)
             self._emit(step, batch, logits)
@@ -168,17 +166,29 @@ class _Run:
         prev = self.tokens[batch, :, step - 1:step]
         return prev.to(dev), (self.lens[batch] + step - 1).view(-1, 1).to(dev)
 
-    def _attend(self, step, layer, batch, pos):
-        def attend(q, k, v):
-            if step == 0:
-                out, blk = attention.prefill(q, k, v, pos, self.policy, layer - 1, self.slots, self.rc.attn_chunk,
-                                             scores=self.slots < self.t + self.gen_len)
-                self.cbuf[layer, batch], self.dirty[layer, batch] = blk, None
+    def _block(self, step, layer, batch, w, pos):
+        """A decoder layer for one GPU batch; prefill runs it over sub-batches of rows so its transient
+        buffers stay bounded, packing each sub-batch's kept tokens into its rows of one fresh cache block."""
+        x, fam = self.abuf[batch], self.eng.family
+        if step > 0:
+            def attend(q, k, v):
+                out, slot = attention.decode(q, k, v, pos[:, 0], self.cbuf[layer, batch], self.policy, layer - 1)
+                self.dirty[layer, batch] = slot
                 return out
-            out, slot = attention.decode(q, k, v, pos[:, 0], self.cbuf[layer, batch], self.policy, layer - 1)
-            self.dirty[layer, batch] = slot
-            return out
-        return attend
+            return fam.block(self.cfg, w, layer - 1, x, pos.clamp(min=0), attend)
+        b = x.shape[0]
+        blk = KVBlock.empty(b, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device)
+        scores = self.slots < self.t + self.gen_len  # an eviction can happen
+        outs, rows = [], self.rc.prefill_rows()
+        for r in range(0, b, rows):
+            sl = slice(r, r + rows)
+
+            def attend(q, k, v, sl=sl):
+                return attention.prefill(q, k, v, pos[sl], self.policy, layer - 1, blk.rows(sl), self.rc.attn_chunk,
+                                         scores)
+            outs.append(fam.block(self.cfg, w, layer - 1, x[sl], pos[sl].clamp(min=0), attend))
+        self.cbuf[layer, batch], self.dirty[layer, batch] = blk, None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend_on_cpu(self, cache_layer: int, batch: int) -> bool:
         return self.rc.cpu_cache_compute and self.cache.homes[cache_layer][batch] == "cpu"

@@ -93,15 +93,17 @@ def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
     cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
     if rc.dtype != rc.compute:  # decode reads K and V of one block in the compute dtype
         cache += 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
-    b, t = rc.gpu_batch_size, rc.prompt_len
-    chunk = prefill_chunk(b, cfg.num_heads, t, rc.attn_chunk)
-    qkv = 4 * b * t * cfg.hidden * c  # q, k, v and the attention output of a prefill
-    attention = 3 * b * cfg.num_heads * chunk * t * 4 + qkv
+    b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
+    chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk)
+    qkv = 4 * m * t * cfg.hidden * c  # q, k, v and the attention output of a prefill sub-batch
+    probs = 3 if rc.policy().needs_scores else 1  # scoring policies materialise fp32 probabilities
+    attention = probs * m * cfg.num_heads * chunk * t * 4 + qkv
     decode_attn = 3 * b * cfg.num_heads * rc.cache_slots() * 4
-    mlp = min(b * t, max(1, MLP_ELEMENTS // cfg.ffn)) * cfg.ffn * c * 2 + b * t * cfg.hidden * c
+    mlp = min(m * t, max(1, MLP_ELEMENTS // cfg.ffn)) * cfg.ffn * c * 2 + m * t * cfg.hidden * c
     logits = b * cfg.vocab * 4 * 2
     acts = (1 if rc.percent.act_gpu == 100 else 2) * act_block_bytes(rc)  # a layer's output beside its input
-    return weights + cache + max(attention, decode_attn, mlp) + logits + acts
+    sub_batches = m * t * cfg.hidden * c if m < b else 0  # sub-batch outputs before they are joined
+    return weights + cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
 
 
 def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:

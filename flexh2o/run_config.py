@@ -10,6 +10,8 @@ from flexh2o.config import ModelConfig
 from flexh2o.kv.policies import Budget, make_policy
 from flexh2o.placement import Percent
 
+PREFILL_BYTES = 64 << 20  # target size of one prefill sub-batch's transient buffers
+
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32}
 
@@ -45,6 +47,7 @@ class RunConfig:
     attn_chunk: int = 256  # prefill queries per attention chunk
     io_threads: int = 2
     max_positions: Optional[int] = None  # allow going past the model's table (Llama only)
+    prefill_batch: Optional[int] = None  # sequences per prefill sub-batch; None: bounded by PREFILL_BYTES
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):
@@ -76,6 +79,14 @@ class RunConfig:
 
     def cache_slots(self) -> int:
         return self.policy().slots(self.prompt_len, self.gen_len)
+
+    def prefill_rows(self) -> int:
+        """Sequences prefilled together, so a layer's transient buffers (q, k, v, output, MLP) stay near
+        PREFILL_BYTES however large the GPU batch is."""
+        if self.prefill_batch:
+            return min(self.prefill_batch, self.gpu_batch_size)
+        per_seq = 6 * self.prompt_len * self.model.hidden * self.compute.itemsize
+        return max(1, min(self.gpu_batch_size, PREFILL_BYTES // per_seq))
 
     def with_(self, **kw) -> "RunConfig":
         return replace(self, **kw)

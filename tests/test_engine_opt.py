@@ -119,3 +119,27 @@ def test_save_pretrained_round_trip_through_convert_and_run(tmp_path, offload_di
                      "--output-file", str(out), "--no-warmup"]) == 0
     got = [r["tokens"] for r in json.loads(out.read_text())]
     assert got == [hf_greedy(model, p, 5)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_prefill_in_sub_batches(tiny_ref, offload_dir, rows):
+    """Prefill split into sub-batches of `rows` sequences: the same tokens and logits as HF (full cache), and
+    H2O's kept sets unchanged."""
+    from flexh2o.kv.policies import Budget
+    prompts, ref = tiny_ref
+    _assert_same(_run(TINY, prompts, offload_dir, [30, 30, 30, 30], 3, 2, prefill_batch=rows), ref)
+    whole = _run(TINY, prompts, offload_dir, [0, 100, 0, 100], 3, 2, kv_policy="h2o", budget=Budget(2, 2))
+    split = _run(TINY, prompts, offload_dir, [0, 100, 0, 100], 3, 2, kv_policy="h2o", budget=Budget(2, 2),
+                 prefill_batch=rows)
+    assert torch.equal(whole.tokens, split.tokens) and whole.kept == split.kept
+    torch.testing.assert_close(whole.last_logits, split.last_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_bound_the_plan():
+    from flexh2o.memory_plan import plan_memory
+    rc = RunConfig(from_name("opt-1.3b"), Percent.parse([0, 100, 100, 0]), gpu_batch_size=64, prompt_len=512,
+                   gen_len=32)
+    assert rc.prefill_rows() < 64
+    small = plan_memory(rc).bytes["gpu"]["buffers"]
+    big = plan_memory(rc.with_(prefill_batch=64)).bytes["gpu"]["buffers"]
+    assert small < big

@@ -20,8 +20,9 @@ def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
     return max(1, min(max_chunk, t, WORKSPACE // (4 * b * heads * t)))
 
 
-def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int, scores: bool = True) -> tuple:
-    """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> (out (b, n, t, d), KVBlock).
+def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int, scores: bool = True):
+    """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> out (b, n, t, d); the kept tokens
+    are packed into `blk` (an empty block, or rows of one).
 
     Probabilities are materialised (chunk by chunk) only when the policy scores tokens and `scores` says an
     eviction can happen; otherwise the fused attention kernel runs."""
@@ -49,21 +50,20 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, slots: int, chunk: int, 
     kpos = pos[:, None, :].expand(b, kv, t)
     cur = pos.max(-1).values  # (b,)
     keep = policy.prefill_keep(kpos, score, layer, cur)
-    return out, _pack(k, v, kpos, score, keep, slots)
+    _pack(k, v, kpos, score, keep, blk)
+    return out
 
 
-def _pack(k, v, pos, score, keep, slots: int) -> KVBlock:
-    """Move kept tokens into the first slots of a fresh block; the rest are empty."""
+def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
+    """Move kept tokens into the first slots of an empty block; the rest stay empty."""
     b, kv, t, d = k.shape
-    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :slots]  # kept first
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :blk.pos.shape[-1]]  # kept first
     m = order.shape[-1]
-    blk = KVBlock.empty(b, kv, slots, d, k.dtype, k.device)
     take = keep.gather(-1, order)
     blk.k[:, :, :m] = k.gather(2, order[..., None].expand(b, kv, m, d))
     blk.v[:, :, :m] = v.gather(2, order[..., None].expand(b, kv, m, d))
     blk.pos[:, :, :m] = torch.where(take, pos.gather(-1, order), -1)
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
-    return blk
 
 
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> tuple:

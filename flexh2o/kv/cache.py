@@ -32,6 +32,10 @@ class KVBlock:
                        torch.full((b, heads, slots), -1, dtype=torch.int64, device=device),
                        torch.zeros(b, heads, slots, dtype=torch.float32, device=device))
 
+    def rows(self, sl: slice) -> "KVBlock":
+        """A view of some sequences of the block."""
+        return KVBlock(self.k[sl], self.v[sl], self.pos[sl], self.score[sl])
+
     def nbytes(self) -> int:
         return sum(getattr(self, f).numel() * getattr(self, f).element_size() for f in FIELDS)
 
