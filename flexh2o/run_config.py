@@ -10,7 +10,7 @@ from flexh2o.config import ModelConfig
 from flexh2o.kv.policies import Budget, make_policy
 from flexh2o.placement import Percent
 
-PREFILL_BYTES = 64 << 20  # target size of one prefill sub-batch's transient buffers
+PREFILL_BYTES = 32 << 20  # target size of one prefill sub-batch's transient buffers
 
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32}

@@ -12,7 +12,7 @@ from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies.base import KVPolicy
 
 
-WORKSPACE = 64 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
+WORKSPACE = 16 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
 
 
 def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
