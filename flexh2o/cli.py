@@ -165,7 +165,11 @@ def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
     if hw is None:
         return None
     from flexh2o.cost_model import predict
-    return predict(rc, hw).as_dict()
+    try:
+        return predict(rc, hw).as_dict()
+    except (ValueError, KeyError) as e:  # predictions are advisory: a profile without this dtype only warns
+        print(f"flexh2o-run: warning: no prediction ({' '.join(str(e).split())})", file=sys.stderr)
+        return None
 
 
 def _auto_policy(rc: RunConfig, hw: Optional[dict]) -> RunConfig:

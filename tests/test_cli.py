@@ -141,3 +141,10 @@ def test_policy_auto_and_predictions(capsys, tmp_path, offload_dir):
 
 def test_policy_auto_needs_a_profile(capsys):
     _fails(capsys, SMALL + ["--policy", "auto", "--hardware", "/nonexistent.json"], "nonexistent")
+
+
+def test_prediction_is_advisory(capsys):
+    """A profile that lacks the compute dtype warns; the run (here a dry run) still goes ahead."""
+    assert cli.main(["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--compute-dtype", "float16",
+                     "--dry-run"]) == 0
+    assert "warning: no prediction" in capsys.readouterr().err
