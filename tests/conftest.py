@@ -46,6 +46,15 @@ def ragged_prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list:
     return [torch.randint(4, vocab, (ln,), generator=g).tolist() for ln in lens]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin-waiting, several times faster on a shared 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def offload_dir(tmp_path):
     d = tmp_path / "offload"

@@ -52,13 +52,7 @@ H2O_EXTRA = [  # the main policy (on OPT) also gets every placement with the oth
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is several times faster on a shared 2-core runner."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

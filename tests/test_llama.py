@@ -31,13 +31,7 @@ PLACEMENTS = {  # name: --percent (weights gpu/cpu, cache gpu/cpu, activations g
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waiting, which makes each matmul ~50x slower on a busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _configs(tied: bool) -> tuple:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytestmark = pytest.mark.eval
+pytestmark = [pytest.mark.eval, pytest.mark.usefixtures("one_thread")]
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
@@ -28,15 +28,6 @@ from flexh2o.weights.format import CheckpointReader  # noqa: E402
 
 PASSAGE = 256
 ATOL = 1e-3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: on a shared 2-core machine OpenMP spin-waiting makes two threads several times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import platform
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -159,3 +159,16 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     """A tqdm bar on stderr (a no-op object when disabled)."""
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False, dynamic_ncols=True)
+
+
+@dataclass
+class EvalResult:
+    """Rows of one evaluation task (one dict per policy, budget and text or task) with its settings."""
+
+    task: str
+    settings: object
+    rows: list = field(default_factory=list)
+    machine: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"task": self.task, "settings": asdict(self.settings), "machine": self.machine, "rows": self.rows}

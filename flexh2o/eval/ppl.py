@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from flexh2o.eval.common import EVICTING, TEXTS, EvalModel, budget_tokens, forced_run, load_text, machine, progress_bar
+from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, budget_tokens,
+                                 forced_run, load_text, machine, progress_bar)
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,7 @@ def text_windows(tokens: list, context: int, count: int) -> list:
     return [tokens[i * (context + gap): i * (context + gap) + context] for i in range(count)]
 
 
-@dataclass
-class PplResult:
-    settings: PplSettings
-    rows: list = field(default_factory=list)  # one dict per (policy, budget, text)
-    machine: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"task": "ppl", "settings": asdict(self.settings), "machine": self.machine, "rows": self.rows}
-
-
-def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> PplResult:
+def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> EvalResult:
     """Every policy at every budget, plus full, over the same windows."""
     names, windows = [], []
     for text in s.texts:
@@ -73,7 +64,7 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> PplResul
     ids = torch.tensor(windows)  # (n, context)
     prompts, targets = ids[:, :s.prefix].tolist(), ids[:, s.prefix:]
     jobs = [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
-    result = PplResult(s, machine=machine())
+    result = EvalResult("ppl", s, machine=machine())
     steps = targets.shape[1]
     late = max(s.context // 2 - s.prefix, 0)  # first scored step predicting a token in the second half
     bar = progress_bar(len(jobs) * steps * len(windows), "ppl", progress)
@@ -93,7 +84,7 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> PplResul
     return result
 
 
-def format_ppl(result: PplResult, key: str = "ppl") -> str:
+def format_ppl(result: EvalResult, key: str = "ppl") -> str:
     """Markdown: one table per text, policies x budgets, perplexity and its change against full."""
     s, out = result.settings, []
     for text in s.texts:
@@ -118,7 +109,7 @@ def _find(rows: list, policy: str, budget: str) -> dict:
     return next(r for r in rows if r["policy"] == policy and r["budget"] == budget)
 
 
-def plot_ppl(result: PplResult, path: str, key: str = "ppl") -> Optional[str]:
+def plot_ppl(result: EvalResult, path: str, key: str = "ppl") -> Optional[str]:
     """Perplexity vs budget per policy, one panel per text; None when matplotlib is missing."""
     try:
         import matplotlib

@@ -10,11 +10,12 @@ has seen the question, so nothing steers it towards the fact that will be asked 
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from flexh2o.eval.common import EVICTING, EvalModel, budget_tokens, forced_run, load_text, machine, progress_bar
+from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, budget_tokens,
+                                 forced_run, load_text, machine, progress_bar)
 
 TASKS = ("passkey", "kv")
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Jack", "Kate", "Laura", "Mark",
@@ -97,21 +98,11 @@ def _filler(tok, text: str, rng: random.Random, count: int) -> list:
     return ids[:count]
 
 
-@dataclass
-class RecallResult:
-    settings: RecallSettings
-    rows: list = field(default_factory=list)  # one dict per (policy, budget, task)
-    machine: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"task": "recall", "settings": asdict(self.settings), "machine": self.machine, "rows": self.rows}
-
-
-def run_recall(model: EvalModel, s: RecallSettings, progress: bool = True) -> RecallResult:
+def run_recall(model: EvalModel, s: RecallSettings, progress: bool = True) -> EvalResult:
     """Exact-match accuracy of every task for full and every policy at every budget."""
     samples = make_samples(model.tokenizer, s)
     jobs = [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
-    result = RecallResult(s, machine=machine())
+    result = EvalResult("recall", s, machine=machine())
     total = sum(len(x.prompt) + len(x.forced) for x in samples) * len(jobs)
     bar = progress_bar(total, "recall", progress)
     try:
@@ -146,7 +137,7 @@ def _answer_hits(model: EvalModel, policy: str, tokens, group: list) -> torch.Te
     return scorer.correct[:, group[0].answer_start:]
 
 
-def format_recall(result: RecallResult) -> str:
+def format_recall(result: EvalResult) -> str:
     """Markdown: one table per task, exact match (answer-token accuracy) per policy and budget."""
     s, out = result.settings, []
     for task in s.tasks:
