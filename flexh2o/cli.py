@@ -14,20 +14,11 @@ from flexh2o.kv.policies import POLICIES, resolve_budget
 from flexh2o.memory_plan import largest_batch, parse_bytes, plan_memory
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig, parse_dtype
-from flexh2o.storage.base import TierFullError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
-        raise UsageError(f"{message} (see flexh2o-run --help)")
-
-
-class UsageError(ValueError):
-    pass
+from flexh2o.console import Parser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
+    p = Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
     a = p.add_argument
     a("--model", default="opt-125m", help="opt-125m ... opt-175b (facebook/ prefix accepted)")
     a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), or _DUMMY_ for seeded weights")
@@ -69,19 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return _run(args)
-    except (UsageError, ValueError, TierFullError, OSError) as e:
-        print(f"flexh2o-run: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("flexh2o-run: interrupted; offload files removed", file=sys.stderr)
-        return 130
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+    return run_main("flexh2o-run", lambda: _run(build_parser().parse_args(argv)),
+                    "interrupted; offload files removed")
 
 
 def _run(args) -> int:

@@ -5,14 +5,15 @@ import argparse
 import sys
 from typing import Optional
 
+from flexh2o.console import Parser, run_main
 from flexh2o.weights.convert import convert
 from flexh2o.weights.format import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flexh2o-convert",
-                                description="Convert a Hugging Face checkpoint folder (OPT or Llama; safetensors or "
-                                            ".bin, sharded or not) or a llama .gguf file into flexh2o's format.")
+    p = Parser(prog="flexh2o-convert",
+               description="Convert a Hugging Face checkpoint folder (OPT or Llama; safetensors or "
+                           ".bin, sharded or not) or a llama .gguf file into flexh2o's format.")
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder (with config.json) or a .gguf file")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float16", help="stored dtype (default float16)")
@@ -41,20 +42,16 @@ class _Bar:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_main("flexh2o-convert", lambda: _convert(build_parser().parse_args(argv)),
+                    "interrupted; nothing written")
+
+
+def _convert(args) -> int:
     bar = _Bar(sys.stderr.isatty())
     try:
         result = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=bar)
-    except (ValueError, OSError) as e:
+    finally:
         bar.close()
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"flexh2o-convert: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        bar.close()
-        print("flexh2o-convert: interrupted; nothing written", file=sys.stderr)
-        return 130
-    bar.close()
     print(f"converted {result.config.name} ({result.config.family}): {result.num_tensors} tensors, "
           f"{result.num_bytes / 2**20:.1f} MiB ({result.num_bytes} bytes) as {args.dtype} in "
           f"{result.seconds:.1f} s -> {args.dst}")

@@ -26,6 +26,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from flexh2o.console import Parser, run_main
 from flexh2o.run_config import parse_dtype
 
 GiB = 1 << 30
@@ -231,7 +232,7 @@ def summary(prof: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flexh2o-profile", description=__doc__.split("\n")[0])
+    p = Parser(prog="flexh2o-profile", description=__doc__.split("\n")[0])
     p.add_argument("--output", help="write the JSON profile here (default: print it)")
     p.add_argument("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"),
                    help="where to measure disk bandwidth (a run directory is made and removed)")
@@ -245,30 +246,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available here")
-        dtypes = args.dtype or (["float16"] if device.startswith("cuda") else ["float32", "bfloat16"])
-        for d in dtypes:
-            parse_dtype(d)
-        prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
-        if args.name:
-            prof["name"] = args.name
-        env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
-        prof["command"] = " ".join(env + ["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
-        text = json.dumps(prof, indent=1)
-        if args.output:
-            with open(args.output, "w") as f:
-                f.write(text + "\n")
-        else:
-            print(text)
-        print(summary(prof), file=sys.stderr)
-        return 0
-    except (ValueError, OSError) as e:
-        print(f"flexh2o-profile: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run_main("flexh2o-profile", lambda: _profile(build_parser().parse_args(argv), argv))
+
+
+def _profile(args, argv: Optional[list]) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+    dtypes = args.dtype or (["float16"] if device.startswith("cuda") else ["float32", "bfloat16"])
+    for d in dtypes:
+        parse_dtype(d)
+    prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
+    if args.name:
+        prof["name"] = args.name
+    env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
+    prof["command"] = " ".join(env + ["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
+    text = json.dumps(prof, indent=1)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    print(summary(prof), file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

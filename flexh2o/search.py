@@ -20,6 +20,7 @@ from flexh2o.memory_plan import (act_block_bytes, cache_block_bytes, fmt_bytes, 
 from flexh2o.models import layer_specs
 from flexh2o.placement import TIERS, Percent, weight_homes
 from flexh2o.profile import Rates
+from flexh2o.console import Parser, run_main
 from flexh2o.run_config import RunConfig, parse_dtype
 
 
@@ -195,14 +196,9 @@ def _size(n: int) -> str:
     return str(n)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        raise ValueError(f"{message} (see flexh2o-plan --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="flexh2o-plan", description="Search --percent and batch sizes for the highest predicted "
-                "throughput on a hardware profile, without running anything.")
+    p = Parser(prog="flexh2o-plan", description="Search --percent and batch sizes for the highest predicted "
+               "throughput on a hardware profile, without running anything.")
     a = p.add_argument
     a("--model", required=True, help="opt-125m ... opt-175b (facebook/ prefix accepted)")
     a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile, or configs/hardware/*.json)")
@@ -271,24 +267,23 @@ def describe(results: list) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        rc, hw = plan_from_args(args)
-        results = search(rc, hw, args.step, args.max_num_gpu_batches, limit=args.top)
-        if not results:
-            raise ValueError(f"nothing fits: even one sequence of {rc.model.name} overflows the tiers; raise "
-                             "--gpu-mem/--cpu-mem/--disk-mem")
-        best_rc, best = results[0]
-        print(f"{rc.model.name} {rc.prompt_len}+{rc.gen_len} kv policy {rc.kv_policy} "
-              f"(cache slots {rc.cache_slots()}) on {hw.get('name', args.hardware)} ({rc.device})")
-        print(describe(results))
-        print(f"best: predicted {best.total_throughput:.2f} tokens/s total "
-              f"(prefill {best.prefill_throughput:.1f}, decode {best.decode_throughput:.2f} tokens/s)")
-        print(command_line(best_rc))
-        return 0
-    except (ValueError, OSError) as e:
-        print(f"flexh2o-plan: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run_main("flexh2o-plan", lambda: _plan(build_parser().parse_args(argv)))
+
+
+def _plan(args) -> int:
+    rc, hw = plan_from_args(args)
+    results = search(rc, hw, args.step, args.max_num_gpu_batches, limit=args.top)
+    if not results:
+        raise ValueError(f"nothing fits: even one sequence of {rc.model.name} overflows the tiers; raise "
+                         "--gpu-mem/--cpu-mem/--disk-mem")
+    best_rc, best = results[0]
+    print(f"{rc.model.name} {rc.prompt_len}+{rc.gen_len} kv policy {rc.kv_policy} "
+          f"(cache slots {rc.cache_slots()}) on {hw.get('name', args.hardware)} ({rc.device})")
+    print(describe(results))
+    print(f"best: predicted {best.total_throughput:.2f} tokens/s total "
+          f"(prefill {best.prefill_throughput:.1f}, decode {best.decode_throughput:.2f} tokens/s)")
+    print(command_line(best_rc))
+    return 0
 
 
 if __name__ == "__main__":

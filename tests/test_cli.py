@@ -148,3 +148,13 @@ def test_prediction_is_advisory(capsys):
     assert cli.main(["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--compute-dtype", "float16",
                      "--dry-run"]) == 0
     assert "warning: no prediction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,prog", [("flexh2o.cli", "flexh2o-run"), ("flexh2o.convert_cli", "flexh2o-convert"),
+                                         ("flexh2o.search", "flexh2o-plan"), ("flexh2o.profile", "flexh2o-profile"),
+                                         ("flexh2o.eval.cli", "flexh2o-eval")])
+def test_every_script_reports_a_bad_flag_in_one_line(capsys, module, prog):
+    import importlib
+    assert importlib.import_module(module).main(["--no-such-flag"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: "), err

