@@ -36,9 +36,6 @@ class KVBlock:
         """A view of some sequences of the block."""
         return KVBlock(self.k[sl], self.v[sl], self.pos[sl], self.score[sl])
 
-    def nbytes(self) -> int:
-        return sum(getattr(self, f).numel() * getattr(self, f).element_size() for f in FIELDS)
-
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
         return (self.pos >= 0).sum(-1)

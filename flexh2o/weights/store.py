@@ -24,10 +24,6 @@ def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
         yield part.to(dtype)
 
 
-def dummy_tensor(spec: WeightSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat(list(dummy_chunks(spec, seed, dtype))).view(spec.shape)
-
-
 def write_chunks(tier, handle, chunks) -> None:
     """Write consecutive flat chunks into a handle without building the whole tensor first."""
     if hasattr(tier, "write_from"):
@@ -86,15 +82,6 @@ class WeightStore:
                 copied += t.numel() * t.element_size()
             out[s.name] = t
         return out, copied
-
-    def bytes_per_tier(self) -> dict:
-        out = {}
-        for layer in self.specs:
-            for s in layer:
-                out.setdefault(self.homes[s.name], 0)
-        for name, spec in self._unique():
-            out[self.homes[name]] += spec.numel * self.dtype.itemsize
-        return out
 
     def close(self) -> None:
         for name, h in self.handles.items():
