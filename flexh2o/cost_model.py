@@ -9,7 +9,10 @@ Seconds are charged to the resource that does the work:
             cache copies), since they share the cores and the memory bus; with --cpu-cache-compute on CUDA also the
             host-side decode attention, which the compute thread waits for (the GPU idles meanwhile)
 With overlap each layer takes as long as its busiest resource (the schedule prefetches the next layer's weights and
-the next batch's cache while computing); without overlap it takes the sum. A phase sums its layers.
+the next batch's cache while computing); without overlap it takes the sum. A phase sums its layers. On a CPU-only
+run the I/O thread and the compute share the cores: while a layer both reads the disk and computes, each runs at
+the profile's busy rate (disk_read_bw_busy, compute_busy), and the one left runs at its idle rate (contended()).
+Matmul rates depend on the rows multiplied at once (batch x tokens): the profile's matmul_flops_by_rows.
 Throughput is FlexGen's: generated tokens (num_seqs x gen_len) / (prefill + decode).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from flexh2o.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
 from flexh2o.models import layer_specs
 from flexh2o.placement import block_homes, weight_homes
-from flexh2o.profile import Rates
+from flexh2o.profile import GRAIN, Rates
 from flexh2o.run_config import RunConfig
 
 ALIGN = 4096  # the disk tier pads every file to this
@@ -57,6 +60,7 @@ class _Terms(dict):
 
     def add(self, name: str, seconds: float) -> None:
         self[name] = self.get(name, 0.0) + seconds
+
 
     def resources(self) -> dict:
         out: dict = {}
@@ -123,6 +127,8 @@ class _Model:
         self.block_padded = 2 * _padded(b * kv * s * d * self.w) + _padded(b * kv * s * 8) + _padded(b * kv * s * 4)
         self.evicts = rc.budget is not None and self.slots < rc.prompt_len + rc.gen_len
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.policy().needs_scores else 0)
+        # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
+        self.contended = not self.cuda and rc.overlap and r.disk_read_busy is not None
 
     # ---- per layer ---------------------------------------------------------------------------------------------
     def layer(self, layer: int, prefill: bool) -> _Terms:
@@ -132,7 +138,7 @@ class _Model:
         t = self.rc.prompt_len if prefill else 1
         if layer == 0:
             self.matmul(st, self.params2d[0], t, prefill, nb)
-            self.overhead(st, OPS["embed"] * nb)
+            self.overhead(st, OPS["embed"] * nb, t)
         elif layer <= self.cfg.num_layers:
             self.matmul(st, self.params2d[layer], t, prefill, nb)
             self.elementwise(st, t, nb)
@@ -141,7 +147,7 @@ class _Model:
             ops = OPS["block"] + (OPS["evict"] if self.evicts else 0)
             if prefill:
                 ops += OPS["chunk"] * (-(-t // self.rc.attn_chunk) - 1)
-            self.overhead(st, ops * nb)
+            self.overhead(st, ops * nb, t)
         else:
             self.matmul(st, self.params2d[layer], 1, False, nb)  # the head sees the last token only
             st.add("compute.sample", nb * _div(4 * self.rc.gpu_batch_size * self.cfg.vocab * 4, self.mem(), "mem"))
@@ -151,6 +157,18 @@ class _Model:
         if layer <= self.cfg.num_layers:
             self.activations(st, t, load=False)
         return st
+
+    def layer_seconds(self, res: dict) -> float:
+        """A layer's time from its resources' seconds: the sum without overlap, else the busiest one; on a CPU-only
+        run disk and compute share the cores while both run, each at its busy rate, and whichever finishes first
+        leaves the other its idle rate for the rest (see contended())."""
+        if not self.rc.overlap:
+            return sum(res.values())
+        disk, compute = res.get("disk", 0.0), res.get("compute", 0.0)
+        if self.contended and disk > 0 and compute > 0:
+            both = contended(disk, compute, self.r.disk_read / self.r.disk_read_busy, 1.0 / self.r.compute_busy)
+            return max([both] + [v for k, v in res.items() if k not in ("disk", "compute")])
+        return max(res.values(), default=0.0)
 
     def disk_write(self, padded: int, files: int) -> float:
         return _div(padded, self.r.disk_write, "disk_write_bw") + files * self.r.write_latency
@@ -171,13 +189,16 @@ class _Model:
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
 
     def matmul(self, st: _Terms, params: int, t: int, prefill: bool, nb: int) -> None:
-        """Dense layers: 2 FLOPs per parameter per token; decode-shaped ones also read the weights once per batch."""
+        """Dense layers: 2 FLOPs per parameter per token, at the rate of the rows multiplied at once (a GPU batch's
+        tokens; prefill runs sub-batches of rc.prefill_rows() sequences); decode-shaped ones also read the weights
+        once per batch."""
         b, r = self.rc.gpu_batch_size, self.r
         flops = 2 * b * t * params
         if prefill and t > 1:
-            sec = flops / r.matmul
+            rows = min(b, self.rc.prefill_rows()) * t
+            sec = flops / r.matmul_rate(rows, prefill=True)
         else:
-            sec = max(flops / r.decode_matmul, _div(params * self.c, self.mem(), "mem"))
+            sec = max(flops / r.matmul_rate(b * t, prefill=False), _div(params * self.c, self.mem(), "mem"))
         st.add("compute.matmul", nb * sec)
 
     def elementwise(self, st: _Terms, t: int, nb: int) -> None:
@@ -185,8 +206,11 @@ class _Model:
         n = self.rc.gpu_batch_size * t * (5 * self.cfg.hidden + self.cfg.ffn) * self.c * 2
         st.add("compute.elementwise", nb * _div(n, self.mem(), "mem"))
 
-    def overhead(self, st: _Terms, ops: int) -> None:
-        st.add("compute.overhead", ops * self.r.op_overhead)
+    def overhead(self, st: _Terms, ops: int, t: int = 1) -> None:
+        """Per-op cost. Ops on a GPU batch's hidden states (b x t x hidden elements) at or above torch's parallel
+        grain wake the OpenMP threads each time (parallel_op_s); smaller ones run on one thread (op_overhead_s)."""
+        big = self.rc.gpu_batch_size * t * self.cfg.hidden >= GRAIN and self.r.parallel_op is not None
+        st.add("compute.overhead", ops * (self.r.parallel_op if big else self.r.op_overhead))
 
     def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool) -> None:
         """Attention of `n` batches. Prefill: all prompt tokens against each other (chunked, unmasked FLOPs);
@@ -259,12 +283,22 @@ class _Model:
         for layer, count in [(0, 1), (L + 1, 1)] + list(kinds.values()):
             st = self.layer(layer, prefill)
             res = st.resources()
-            total += count * (max(res.values(), default=0.0) if self.rc.overlap else sum(res.values()))
+            total += count * self.layer_seconds(res)
             for k, v in st.items():
                 terms[k] = terms.get(k, 0.0) + count * v
             for k, v in res.items():
                 busy[k] = busy.get(k, 0.0) + count * v
         return total, terms, max(busy, key=busy.get) if busy else None
+
+
+def contended(disk: float, compute: float, disk_slowdown: float, compute_slowdown: float) -> float:
+    """Seconds for `disk` and `compute` seconds of idle-rate work run side by side on shared cores: while both run,
+    each goes `slowdown` times slower; once one is done the other runs at its idle rate."""
+    # each one's time if the other ran throughout (a profile's noise can put a busy rate above its idle one)
+    d, c = disk * max(1.0, disk_slowdown), compute * max(1.0, compute_slowdown)
+    if c <= d:
+        return c + (1.0 - c / d) * disk
+    return d + (1.0 - d / c) * compute
 
 
 def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Prediction:

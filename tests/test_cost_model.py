@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from flexh2o.config import ModelConfig
-from flexh2o.cost_model import predict
+from flexh2o.cost_model import OPS, contended, predict
 from flexh2o.kv.policies import Budget
 from flexh2o.memory_plan import plan_memory
 from flexh2o.placement import Percent
+from flexh2o.profile import Rates
 from flexh2o.run_config import RunConfig
 from flexh2o.search import command_line, main as plan_main, search
 
@@ -126,6 +127,62 @@ def test_missing_dtype_is_a_clear_error():
         predict(toy_rc(), hw(matmul_flops={"bfloat16": 1e12}))
 
 
+def test_matmul_rate_by_rows_is_interpolated_in_log_rows():
+    # table 1 -> 1e9, 4 -> 3e9, 16 -> 4e9 FLOP/s; rows 2 is halfway between 1 and 4 in log2: 2e9
+    table = {"float32": {"1": 1e9, "4": 3e9, "16": 4e9}}
+    r = Rates.from_profile(hw(matmul_flops_by_rows=table), torch.float32)
+    assert [r.matmul_rate(n, prefill=False) for n in (1, 2, 4, 8, 16)] == pytest.approx([1e9, 2e9, 3e9, 3.5e9, 4e9])
+    assert r.matmul_rate(1000, prefill=True) == 4e9  # clamped to the table's ends
+    # decode of the toy, weights in memory, batch 2 (rows 2 -> 2e9 FLOP/s): blocks 2 x 2 x 2 x 12,582,912 FLOP
+    # + head 2 x 2 x 524,288 = 102,760,448 FLOP -> 0.051380224 s
+    p = predict(toy_rc(b=2), hw(matmul_flops_by_rows=table))
+    assert p.terms["decode"]["compute.matmul"] == pytest.approx(102_760_448 / 2e9)
+    # without a table: the single decode figure, as before
+    assert predict(toy_rc(b=2), hw(decode_matmul_flops=2e9)).terms["decode"]["compute.matmul"] == \
+        pytest.approx(102_760_448 / 2e9)
+    with pytest.raises(ValueError, match="matmul_flops_by_rows for float32"):
+        Rates.from_profile(hw(matmul_flops_by_rows={"bfloat16": {"1": 1e9}}), torch.float32)
+
+
+def test_contended_overlap_hand_computed():
+    # 1 s of disk and 0.5 s of compute, both 2x slower while they share the cores: compute ends at 1.0 s having
+    # let the disk do half its work; the other half takes 0.5 s at the idle rate -> 1.5 s
+    assert contended(1.0, 0.5, 2.0, 2.0) == pytest.approx(1.5)
+    assert contended(0.5, 1.0, 2.0, 2.0) == pytest.approx(1.5)  # symmetric
+    assert contended(1.0, 0.5, 1.0, 1.0) == pytest.approx(1.0)  # no slowdown: plain overlap, the max
+    assert contended(1.0, 1.0, 1.0, 1.0) == pytest.approx(1.0)
+
+
+def test_cpu_overlap_uses_the_busy_rates():
+    # weights on disk (105,496,576 B per step), idle 1e8 B/s, busy 5e7 B/s (2x); compute 2x slower while reading.
+    # Layer by layer: disk D = bytes / 1e8, compute C = matmul FLOP / 1e9 (batch 4, decode, as in the first test);
+    # each block: D = 0.50385 s, C = 0.100663 s -> contended = 2C + (1 - 2C/2D) D = D + C = 0.604516 s
+    profile = hw(disk_read_bw=1e8, disk_read_bw_busy=5e7, compute_busy=0.5, decode_matmul_flops=1e9)
+    rc = toy_rc((0, 0, 100, 0, 100, 0))
+    p = predict(rc, profile)
+    plain = predict(rc, hw(disk_read_bw=1e8, decode_matmul_flops=1e9))
+    block_d, block_c = 4 * 12_596_224 / 1e8, 2 * 4 * 12_582_912 / 1e9
+    head_d, head_c = 4 * 526_336 / 1e8, 2 * 4 * 524_288 / 1e9
+    embed_d = 4 * 655_360 / 1e8  # the embedding's lookup does no matmul: disk alone
+    want = embed_d + 2 * (block_d + block_c) + (head_d + head_c)
+    assert p.decode_s_per_token == pytest.approx(want, rel=1e-6)
+    assert plain.decode_s_per_token == pytest.approx(STEP_WEIGHT_BYTES / 1e8, rel=1e-6)
+    # no overlap: no sharing to model, the plain sum
+    assert predict(rc.with_(overlap=False), profile).decode_s_per_token == \
+        pytest.approx(predict(rc.with_(overlap=False), hw(disk_read_bw=1e8, decode_matmul_flops=1e9))
+                      .decode_s_per_token)
+
+
+def test_ops_over_the_parallel_grain_cost_a_thread_wake_up():
+    # toy hidden 1024: a decode batch of 31 (31,744 elements) stays under torch's grain of 32,768; 32 reaches it
+    profile = hw(op_overhead_s=1e-5, parallel_op_s=5e-5)
+    small = predict(toy_rc(b=31), profile).terms["decode"]["compute.overhead"]
+    big = predict(toy_rc(b=32), profile).terms["decode"]["compute.overhead"]
+    ops = OPS["embed"] + 2 * OPS["block"] + OPS["head"]  # full policy: no eviction ops
+    assert small == pytest.approx(ops * 1e-5)
+    assert big == pytest.approx(ops * 5e-5)
+
+
 def test_search_keeps_only_fitting_plans_and_beats_a_naive_one():
     profile = hw(disk_read_bw=1e9, disk_write_bw=1e9, cpu_mem_bw=1e10, decode_matmul_flops=1e11, matmul_flops=1e11,
                  op_overhead_s=1e-5)
@@ -191,3 +248,22 @@ def _load(name: str) -> dict:
 def _named(name: str) -> ModelConfig:
     from flexh2o.config import from_name
     return from_name(name)
+
+
+def test_quick_profile_has_every_figure_the_model_reads(tmp_path, capsys):
+    from flexh2o.profile import main as profile_main
+    out = tmp_path / "hw.json"
+    assert profile_main(["--quick", "--dtype", "float32", "--offload-dir", str(tmp_path / "off"),
+                         "--output", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    table = prof["matmul_flops_by_rows"]["float32"]
+    assert sorted(int(k) for k in table) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert all(v > 0 for v in table.values())
+    for key in ("disk_read_bw", "disk_write_bw", "disk_read_bw_busy", "op_overhead_s", "parallel_op_s"):
+        assert prof[key] > 0, key
+    assert 0 < prof["compute_busy"] <= 1
+    assert not any((tmp_path / "off").iterdir())  # the run directory is removed
+    r = Rates.from_profile(prof, torch.float32)
+    assert r.matmul_by_rows and r.disk_read_busy == prof["disk_read_bw_busy"]
+    assert predict(toy_rc((0, 0, 100, 0, 100, 0)), prof).decode_s_per_token > 0
+    assert "matmul by rows float32" in capsys.readouterr().err
