@@ -67,40 +67,46 @@ class Outcome:
     argv: list = field(default_factory=list)
 
 
-def run_flexh2o(argv: list, timeout: float, env: dict) -> Outcome:
-    """One flexh2o-run process with its own --log-file; returns its JSON record."""
-    fd, log = tempfile.mkstemp(prefix="flexh2o-bench-", suffix=".jsonl")
-    os.close(fd)
-    cmd = [sys.executable, "-m", "flexh2o.cli"] + argv + ["--log-file", log]
-    try:
-        return _finish(cmd, timeout, env, log)
-    finally:
-        os.unlink(log)
+def run_flexh2o(argv: list, timeout: float, env: dict, mem_cap: Optional[int] = None) -> Outcome:
+    """One flexh2o-run process with its own --log-file; returns its JSON record. mem_cap: bytes, see memcap.py."""
+    return _run([sys.executable, "-m", "flexh2o.cli"] + argv, "flexh2o-bench-", timeout, env, mem_cap)
 
 
-def run_peer(argv: list, timeout: float, env: dict) -> Outcome:
+def run_peer(argv: list, timeout: float, env: dict, mem_cap: Optional[int] = None) -> Outcome:
     """One benchmarks/baselines/hf_accelerate.py process (same record fields as flexh2o-run)."""
-    fd, log = tempfile.mkstemp(prefix="hf-bench-", suffix=".jsonl")
+    script = os.path.join(REPO, "benchmarks", "baselines", "hf_accelerate.py")
+    return _run([sys.executable, script] + argv, "hf-bench-", timeout, env, mem_cap)
+
+
+def _run(cmd: list, prefix: str, timeout: float, env: dict, mem_cap: Optional[int]) -> Outcome:
+    """Run cmd + --log-file (a temporary file), under a memory cgroup of mem_cap bytes when given; the record
+    gets the cgroup's figures under "mem_cap"."""
+    from memcap import MemCap
+    fd, log = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
     os.close(fd)
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "baselines", "hf_accelerate.py")] + argv + [
-        "--log-file", log]
+    shown = ["flexh2o-run" if c == "flexh2o.cli" else c for c in cmd if c not in (sys.executable, "-m")]
+    cap = MemCap(mem_cap, os.path.basename(log)) if mem_cap else None
     try:
-        return _finish(cmd, timeout, env, log)
+        try:
+            p = subprocess.run(cmd + ["--log-file", log], env=env, capture_output=True, text=True,
+                               timeout=timeout, cwd=REPO, preexec_fn=cap.preexec if cap else None)
+        except subprocess.TimeoutExpired:
+            return Outcome("timeout", None, f"over {timeout:.0f} s", shown)
+        lines = [ln for ln in open(log) if ln.strip()]
+        stats = cap.stats() if cap else None
+        if p.returncode == 0 and lines:
+            record = json.loads(lines[-1])
+            if stats:
+                record["mem_cap"] = stats
+            return Outcome("ok", record, "", shown)
+        if stats and p.returncode == -9:
+            return Outcome("error", None, f"killed at the memory cap ({stats})", shown)
+        tail = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        return Outcome("refused" if p.returncode == 2 else "error", None, tail, shown)
     finally:
         os.unlink(log)
-
-
-def _finish(cmd: list, timeout: float, env: dict, log: str) -> Outcome:
-    shown = ["flexh2o-run" if c == "flexh2o.cli" else c for c in cmd[:-2] if c not in (sys.executable, "-m")]
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return Outcome("timeout", None, f"over {timeout:.0f} s", shown)
-    lines = [ln for ln in open(log) if ln.strip()]
-    if p.returncode == 0 and lines:
-        return Outcome("ok", json.loads(lines[-1]), "", shown)
-    tail = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
-    return Outcome("refused" if p.returncode == 2 else "error", None, tail, shown)
+        if cap:
+            cap.close()
 
 
 def dry_run_batches(argv: list, env: dict) -> dict:
@@ -125,11 +131,12 @@ def load_avg() -> list:
 
 
 def disk_read_probe(env: dict, offload_dir: Optional[str] = None) -> Optional[float]:
-    """Direct-I/O read bandwidth of the disk tier right now (bytes/s; flexh2o.profile.disk_rates: best of 3 reads
-    of 256 MiB), in a child process with the benchmark environment; None when it cannot be measured."""
+    """Direct-I/O read bandwidth of the disk tier right now (bytes/s; flexh2o.profile.disk_rates: median of 5 reads
+    of 256 MiB in 4 and 16 MiB files), in a child process with the benchmark environment; None when it cannot be
+    measured."""
     where = offload_dir or os.path.join(os.path.expanduser("~"), "flexh2o_offload")
     code = ("import json, sys; from flexh2o.profile import disk_rates; "
-            "print(json.dumps(disk_rates(sys.argv[1], False)))")
+            "print(json.dumps(disk_rates(sys.argv[1], False, False)))")
     try:
         p = subprocess.run([sys.executable, "-c", code, where], env=env, capture_output=True, text=True, cwd=REPO,
                            timeout=120)

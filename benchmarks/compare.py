@@ -12,23 +12,46 @@ round and the table shows medians; every record carries the load average before 
     python benchmarks/compare.py --repeats 3
     # memory-resident weights: flexh2o's weights in its cpu tier, Accelerate's max_memory holds them all
     python benchmarks/compare.py --percent "0 100 100 0 100 0" --cpu-mem 1GB --repeats 3
+    # the same disk-streamed caps, and every process under a hard 1.25 GiB memory cgroup (page cache included), so
+    # that Accelerate's memory-mapped "disk" weights cannot stay cached between steps (needs root; see memcap.py)
+    python benchmarks/compare.py --repeats 3 --mem-cap 1.25GB
+
+The peers' checkpoint (flexh2o's dummy weights, converted) is written once per invocation, outside any cap, and
+its page cache is dropped before every peer run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 from bench_common import (add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs, h2o_flags,
                           hardware_args, load_avg, median, mib, regime, run_flexh2o, run_peer, table)
+from memcap import MemCap, drop_cached
+
+from flexh2o.memory_plan import parse_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ("full", "h2o", "accelerate", "transformers")
 
 
-def commands(args, batches: dict) -> dict:
+def prepare_checkpoint(args, env: dict, workdir: str) -> str:
+    """The peers' checkpoint, written once (uncapped) by hf_accelerate.py --prepare."""
+    ckpt = os.path.join(workdir, "ckpt")
+    script = os.path.join(HERE, "baselines", "hf_accelerate.py")
+    p = subprocess.run([sys.executable, script, "--prepare", "--checkpoint", ckpt, "--model", args.model, "--dtype",
+                        "bfloat16"], env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"writing the peers' checkpoint failed: {p.stderr.strip().splitlines()[-1:]}")
+    return ckpt
+
+
+def commands(args, batches: dict, ckpt: str) -> dict:
     """system -> (runner, argv)."""
     base = {"model": args.model, "path": "_DUMMY_", "percent": args.percent, "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem,
@@ -36,7 +59,7 @@ def commands(args, batches: dict) -> dict:
     peer_batch = args.peer_batch or batches["full"]
     peer = ["--model", args.model, "--batch-size", str(peer_batch), "--prompt-len", str(args.prompt_len),
             "--gen-len", str(args.gen_len), "--dtype", "bfloat16", "--cpu-mem", args.cpu_mem, "--gpu-mem",
-            args.gpu_mem]
+            args.gpu_mem, "--checkpoint", ckpt, "--offload-dir", os.path.dirname(ckpt)]  # removed at the end
     hw = hardware_args(args.hardware)
     return {
         "full": (run_flexh2o, flag_args({**base, "kv_policy": "full", "gpu_batch_size": batches["full"]}) + hw),
@@ -61,6 +84,10 @@ def summarize(system: str, recs: list, failures: list) -> dict:
                gpu=mib(max(r["peak_bytes"]["gpu"] or 0 for r in recs)),
                disk=mib(max(r["peak_bytes"]["disk"] or 0 for r in recs)),
                note=failures[-1] if failures else "")
+    caps = [r["mem_cap"] for r in recs if r.get("mem_cap")]
+    if caps:
+        row["cg_peak"] = mib(max(c["peak_charged"] or 0 for c in caps))
+        row["cg_hits"] = str(max(c["times_at_limit"] or 0 for c in caps))
     ratios = [r["decode_ratio_measured_to_predicted"] for r in recs if r.get("decode_ratio_measured_to_predicted")]
     if ratios:
         row["vs_bound"] = f"{median(ratios):.2f}"
@@ -83,7 +110,8 @@ COLUMNS = (("system", "system"), ("weights", "where"), ("runs ok", "runs"), ("ba
            ("prefill s", "prefill"), ("decode s", "decode"), ("decode tok/s", "dec_tp"),
            ("model decode tok/s", "pred_dec"), ("decode / model", "vs_bound"), ("model bottleneck", "bottleneck"),
            ("peak gpu MiB", "gpu"),
-           ("peak rss MiB", "rss"), ("peak disk MiB", "disk"), ("note", "note"))
+           ("peak rss MiB", "rss"), ("peak disk MiB", "disk"), ("cgroup peak MiB", "cg_peak"),
+           ("times at cap", "cg_hits"), ("note", "note"))
 
 
 def ratio_lines(rows: dict, paired: dict) -> list:
@@ -109,14 +137,24 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-mem", default="64MB", help="flexh2o's cpu tier and Accelerate's max_memory['cpu']")
     add_h2o_args(ap)
     ap.add_argument("--peer-batch", type=int, help="batch of the peers (default: flexh2o full's largest batch)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --mem-cap all "
+                    "but transformers, which needs the whole model in memory)")
+    ap.add_argument("--mem-cap", help="run every process in a memory cgroup of this size (its memory and page "
+                    "cache), e.g. 1.25GB; needs root")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")
     ap.add_argument("--hardware", help="hardware profile for flexh2o-run's predictions (default: flexh2o-run's)")
     ap.add_argument("--log-file", default=os.path.join(HERE, "results", "compare.jsonl"))
     args = ap.parse_args(argv)
-    env, systems = bench_env(args.threads), args.systems.split(",")
+    env = bench_env(args.threads)
+    systems = (args.systems or ",".join(s for s in SYSTEMS if not (args.mem_cap and s == "transformers"))).split(",")
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        sys.exit(f"compare.py: unknown system {bad[0]!r}; choose from {', '.join(SYSTEMS)}")
+    mem_cap = parse_bytes(args.mem_cap) if args.mem_cap else None
+    if mem_cap:
+        MemCap(mem_cap, "probe").close()  # fails early, with what to do, where cgroups are not writable
     base = {"model": args.model, "percent": args.percent, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "gpu_batch_size": 1,
             "cpu_cache_compute": args.cpu_cache_compute,
@@ -124,8 +162,20 @@ def main(argv=None) -> int:
     batches = dry_run_batches(flag_args(base), env)
     if min(batches.values()) < 1:
         sys.exit(f"compare.py: not even batch 1 fits these caps ({batches}): raise --gpu-mem/--cpu-mem")
-    cmds = commands(args, batches)
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
+    offload = os.path.join(os.path.expanduser("~"), "flexh2o_offload")
+    os.makedirs(offload, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="hf-ckpt-", dir=offload)
+    try:
+        return _compare(args, env, systems, batches, mem_cap, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: str) -> int:
+    peers = [s for s in systems if s in ("accelerate", "transformers")]
+    ckpt = prepare_checkpoint(args, env, workdir) if peers else os.path.join(workdir, "ckpt")
+    cmds = commands(args, batches, ckpt)
     run_id, started, load0 = time.strftime("%Y%m%d-%H%M%S"), time.perf_counter(), load_avg()
     recs, failures = {s: [] for s in systems}, {s: [] for s in systems}
     paired = {s: [] for s in systems}
@@ -136,14 +186,16 @@ def main(argv=None) -> int:
             runner, argv_ = cmds[system]
             print(f"[round {rep + 1}/{args.repeats}] {system}: {' '.join(argv_)}", file=sys.stderr, flush=True)
             before = load_avg()
-            out = runner(argv_, args.timeout, env)
+            if system in peers:
+                drop_cached(ckpt)
+            out = runner(argv_, args.timeout, env, mem_cap)
             paired[system].append(out.record["total_throughput"] if out.record else None)
             if out.status != "ok":
                 failures[system].append(f"{out.status}: {out.message}")
                 continue
             out.record["compare"] = {"run_id": run_id, "system": system, "round": rep, "argv": out.argv,
                                      "loadavg_before": before, "loadavg_after": load_avg(),
-                                     "disk_read_bw_probe": probes[-1],
+                                     "disk_read_bw_probe": probes[-1], "mem_cap": mem_cap,
                                      "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
             recs[system].append(out.record)
             with open(args.log_file, "a") as f:
@@ -152,7 +204,8 @@ def main(argv=None) -> int:
     h2o = " ".join(flag_args(h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len))[2:])
     print(f"\n{args.model}  prompt {args.prompt_len} + gen {args.gen_len}  --percent {args.percent}"
           f"{'  --cpu-cache-compute' if args.cpu_cache_compute else ''}  --gpu-mem {args.gpu_mem}  --cpu-mem "
-          f"{args.cpu_mem}  bf16  h2o {h2o}  {args.repeats} rounds  threads "
+          f"{args.cpu_mem}{'  --mem-cap ' + args.mem_cap if mem_cap else ''}  bf16  h2o {h2o}  {args.repeats} "
+          f"rounds  threads "
           f"{env.get('OMP_NUM_THREADS', 'default')}  OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}  run {run_id}  "
           f"[{regime({'policy': {'percent': args.percent}})}]")
     print(f"largest batch that fits: {batches}")

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         if full.get("status") == "ok" and h2o.get("status") == "ok":
             line += f", total throughput {h2o['tp'] / full['tp']:.2f}x"
         print(line)
-    print(f"disk tier read rate (direct I/O, best of 3 x 256 MiB): {gbs(disk0)} before, {gbs(disk_read_probe(env))} "
+    print(f"disk tier read rate (direct I/O, median of 5 x 256 MiB): {gbs(disk0)} before, {gbs(disk_read_probe(env))} "
           f"after")
     print(f"({time.perf_counter() - started:.0f} s; load average {load0} before, {load_avg()} after; records appended "
           f"to {args.log_file})")

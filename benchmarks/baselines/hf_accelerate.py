@@ -12,6 +12,10 @@ flexh2o `full` fits) and the peak RSS is recorded for comparison. `--gpu-mem` is
 
     python benchmarks/baselines/hf_accelerate.py --mode accelerate --model opt-125m --batch-size 8 \
         --prompt-len 256 --gen-len 32 --cpu-mem 1GB --log-file out.jsonl
+
+`--checkpoint DIR` keeps the converted checkpoint in DIR (written there when missing; `--prepare` writes it and
+exits): benchmarks/compare.py writes it once, outside any memory cap, so that a capped run (--mem-cap) measures
+generation and not the one-off copy of the dummy weights.
 """
 from __future__ import annotations
 
@@ -58,22 +62,31 @@ def dummy_state_dict(cfg, dtype: torch.dtype, seed: int) -> dict:
         return {name: t.clone() for name, t in eng.weights.handles.items()}
 
 
-def build_model(args, cfg, dtype: torch.dtype, workdir: str):
-    """(model, how it was placed). Plain: all in memory. Accelerate: save_pretrained + device_map="auto"."""
+def write_checkpoint(cfg, dtype: torch.dtype, seed: int, ckpt: str) -> None:
+    """flexh2o's seeded dummy weights as a transformers OPT checkpoint (save_pretrained) in `ckpt`."""
     from transformers import OPTForCausalLM
-    sd = dummy_state_dict(cfg, dtype, args.seed)
+    sd = dummy_state_dict(cfg, dtype, seed)
     with torch.device("meta"):
         model = OPTForCausalLM(hf_config(cfg, dtype))
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"weight names differ: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.eval()
+    tmp = ckpt + ".partial"
+    model.save_pretrained(tmp)
+    os.replace(tmp, ckpt)  # a checkpoint dir exists only once complete
+
+
+def build_model(args, cfg, dtype: torch.dtype, workdir: str):
+    """(model, how it was placed). Plain: all in memory. Accelerate: device_map="auto" under max_memory."""
+    from transformers import OPTForCausalLM
+    ckpt = args.checkpoint or os.path.join(workdir, "ckpt")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        write_checkpoint(cfg, dtype, args.seed, ckpt)
     if args.mode == "plain":
+        model = OPTForCausalLM.from_pretrained(ckpt, dtype=dtype)
+        model.eval()
         return model, {"device_map": "all in memory (cpu)"}
-    ckpt = os.path.join(workdir, "ckpt")
-    model.save_pretrained(ckpt)
-    del model, sd
     offload = os.path.join(workdir, "offload")
     max_memory = {"cpu": parse_bytes(args.cpu_mem)}
     model = OPTForCausalLM.from_pretrained(ckpt, device_map="auto", max_memory=max_memory, offload_folder=offload,
@@ -122,6 +135,12 @@ def run(args) -> dict:
     dtype = parse_dtype(args.dtype)
     ids = torch.tensor(synthetic_prompts(args.batch_size, args.prompt_len, cfg.vocab, args.seed))  # (b, t)
     os.makedirs(args.offload_dir, exist_ok=True)
+    if args.prepare:
+        if not args.checkpoint:
+            raise SystemExit("hf_accelerate.py: --prepare needs --checkpoint DIR")
+        if not os.path.exists(os.path.join(args.checkpoint, "config.json")):
+            write_checkpoint(cfg, dtype, args.seed, args.checkpoint)
+        return {}
     workdir = tempfile.mkdtemp(prefix="hf-peer-", dir=args.offload_dir)
     try:
         model, placement = build_model(args, cfg, dtype, workdir)
@@ -174,8 +193,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-file")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--checkpoint", help="converted checkpoint dir to use, written there when missing")
+    p.add_argument("--prepare", action="store_true", help="only write --checkpoint, then exit")
     args = p.parse_args(argv)
     rec = run(args)
+    if args.prepare:
+        print(f"checkpoint ready in {args.checkpoint}")
+        return 0
     if args.log_file:
         with open(args.log_file, "a") as f:
             f.write(json.dumps(rec) + "\n")
