@@ -6,6 +6,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from flexh2o.jsonfile import read_json
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -109,11 +111,11 @@ def load_converted_config(path: str) -> ModelConfig:
     f = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(f):
         raise ValueError(f"{path} is not a converted checkpoint (no {CONFIG_FILE}): run flexh2o-convert first")
-    with open(f) as fh:
-        try:
-            return ModelConfig.from_dict(json.load(fh))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"{f} is corrupt: {e}") from None
+    d = read_json(f, "run flexh2o-convert again", dict)
+    try:
+        return ModelConfig.from_dict(d)
+    except TypeError as e:
+        raise ValueError(f"{f} is corrupt ({e}): run flexh2o-convert again") from None
 
 
 def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:

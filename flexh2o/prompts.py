@@ -2,11 +2,12 @@
 FlexGen-style synthetic benchmark prompts."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
 import torch
+
+from flexh2o.jsonfile import read_json
 
 
 def synthetic_prompts(num: int, prompt_len: int, vocab: int, seed: int = 0) -> list:
@@ -20,11 +21,7 @@ def load_prompts(path: str, vocab: int, tokenizer=None) -> list:
     if not os.path.isfile(path):
         raise ValueError(f"--prompt-file {path} does not exist")
     if path.endswith(".json"):
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"--prompt-file {path} is not valid JSON: {e}") from None
+        data = read_json(path, "a .json --prompt-file holds a list of token-id lists")
         if not isinstance(data, list) or not data or not all(
                 isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                 for p in data):

@@ -8,11 +8,11 @@ are re-checked with plan_memory itself. `flexh2o-plan` prints the best few and t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional
 
 from flexh2o import config as model_configs
+from flexh2o.jsonfile import read_json
 from flexh2o.cost_model import predict_with, tier_counts, weight_layout
 from flexh2o.kv.policies import POLICIES, resolve_budget
 from flexh2o.memory_plan import (act_block_bytes, cache_block_bytes, fmt_bytes, parse_bytes, plan_memory,
@@ -220,14 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_profile(path: str) -> dict:
-    try:
-        with open(path) as f:
-            hw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
-    if not isinstance(hw, dict):
-        raise ValueError(f"hardware profile {path} must hold a JSON object")
-    return hw
+    return read_json(path, "pass a hardware profile written by flexh2o-profile (--hardware)", dict)
 
 
 def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:

@@ -158,3 +158,17 @@ def test_every_script_reports_a_bad_flag_in_one_line(capsys, module, prog):
     assert importlib.import_module(module).main(["--no-such-flag"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: "), err
+
+
+def test_read_json_errors_are_one_line_naming_file_and_fix(tmp_path):
+    from flexh2o.jsonfile import read_json
+    bad, wrong, missing = tmp_path / "bad.json", tmp_path / "list.json", tmp_path / "none.json"
+    bad.write_text("{not json\n")
+    wrong.write_text("[1, 2]")
+    for path, what in ((bad, "is corrupt (not valid JSON"), (wrong, "does not hold a JSON dict"),
+                       (missing, "cannot be read (No such file")):
+        with pytest.raises(ValueError) as e:
+            read_json(str(path), "do X", dict)
+        msg = str(e.value)
+        assert msg.startswith(str(path)) and what in msg and msg.endswith(": do X") and "\n" not in msg
+    assert read_json(str(wrong), "do X", list) == [1, 2]

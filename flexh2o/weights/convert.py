@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from flexh2o.jsonfile import read_json
 from flexh2o.config import ModelConfig, from_hf_config
 from flexh2o.weights.format import CheckpointWriter, dtype_of
 
@@ -76,11 +76,7 @@ def _hf_source(src: str) -> Tuple[ModelConfig, Source]:
     cfg_path = os.path.join(src, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{cfg_path} is missing: SRC must be a Hugging Face model folder or a .gguf file")
-    try:
-        with open(cfg_path) as fh:
-            d = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_path} is unreadable: {str(e).splitlines()[0]}") from None
+    d = read_json(cfg_path, "SRC must be a complete Hugging Face model folder", dict)
     name = os.path.basename(os.path.normpath(os.path.abspath(src)))
     try:
         cfg = from_hf_config(_normalise_hf_config(d), name)
@@ -105,11 +101,10 @@ def _hf_weight_files(src: str) -> list:
     for index, single, pattern in HF_WEIGHTS:
         index_path = os.path.join(src, index)
         if os.path.isfile(index_path):
-            try:
-                with open(index_path) as fh:
-                    shards = sorted(set(json.load(fh)["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{index_path} is unreadable: {str(e).splitlines()[0]}") from None
+            weight_map = read_json(index_path, "download the complete checkpoint", dict).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index_path} has no weight_map: download the complete checkpoint")
+            shards = sorted(set(weight_map.values()))
             paths = [os.path.join(src, s) for s in shards]
             for p in paths:
                 if not os.path.isfile(p):

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import torch
 
+from flexh2o.jsonfile import read_json
 from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
 from flexh2o.models import unique_specs
 
@@ -231,11 +232,7 @@ def _load_index(index: str) -> dict:
     """index.json -> {name: entry}, with every entry's fields checked."""
     if not os.path.isfile(index):
         raise ValueError(f"{index} is missing; {FIX}")
-    try:
-        with open(index) as fh:
-            d = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{index} is unreadable ({str(e).splitlines()[0]}); {FIX}") from None
+    d = read_json(index, FIX)
     if not isinstance(d, dict) or d.get("format") != FORMAT_VERSION or not isinstance(d.get("tensors"), dict):
         raise ValueError(f"{index} is not a flexh2o index (format {FORMAT_VERSION}); {FIX}")
     for name, e in d["tensors"].items():
