@@ -91,7 +91,8 @@ def _run(cmd: list, prefix: str, timeout: float, env: dict, mem_cap: Optional[in
             p = subprocess.run(cmd + ["--log-file", log], env=env, capture_output=True, text=True,
                                timeout=timeout, cwd=REPO, preexec_fn=cap.preexec if cap else None)
         except subprocess.TimeoutExpired:
-            return Outcome("timeout", None, f"over {timeout:.0f} s", shown)
+            return Outcome("timeout", None, f"over {timeout:.0f} s" + (f" (memory cgroup: {cap.stats()})" if cap
+                                                                       else ""), shown)
         lines = [ln for ln in open(log) if ln.strip()]
         stats = cap.stats() if cap else None
         if p.returncode == 0 and lines:

@@ -190,16 +190,18 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
                 drop_cached(ckpt)
             out = runner(argv_, args.timeout, env, mem_cap)
             paired[system].append(out.record["total_throughput"] if out.record else None)
-            if out.status != "ok":
+            meta = {"run_id": run_id, "system": system, "round": rep, "argv": out.argv, "loadavg_before": before,
+                    "loadavg_after": load_avg(), "disk_read_bw_probe": probes[-1], "mem_cap": mem_cap,
+                    "timeout_s": args.timeout, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+            if out.status != "ok":  # recorded too, so that tables show what did not finish and why
                 failures[system].append(f"{out.status}: {out.message}")
-                continue
-            out.record["compare"] = {"run_id": run_id, "system": system, "round": rep, "argv": out.argv,
-                                     "loadavg_before": before, "loadavg_after": load_avg(),
-                                     "disk_read_bw_probe": probes[-1], "mem_cap": mem_cap,
-                                     "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-            recs[system].append(out.record)
+                record = {"model": args.model, "status": out.status, "message": out.message, "compare": meta}
+            else:
+                record = out.record
+                record["compare"] = meta
+                recs[system].append(record)
             with open(args.log_file, "a") as f:
-                f.write(json.dumps(out.record) + "\n")
+                f.write(json.dumps(record) + "\n")
     rows = {s: summarize(s, recs[s], failures[s]) for s in systems}
     h2o = " ".join(flag_args(h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len))[2:])
     print(f"\n{args.model}  prompt {args.prompt_len} + gen {args.gen_len}  --percent {args.percent}"

@@ -46,7 +46,8 @@ def setting(rec: dict) -> str:
     p = rec["policy"]
     where = p.get("percent") or (f"max_memory cpu {p['cpu_mem'] / 2**20:.0f} MiB"
                                  if rec.get("system") != "transformers" and p.get("cpu_mem") else "all in memory")
-    return f"{rec['model']} {rec['prompt_len']}+{rec['gen_len']} {regime(rec)} [{where}]"
+    cap = f" cgroup {rec['mem_cap']['limit'] / 2**30:.2f} GiB" if rec.get("mem_cap") else ""
+    return f"{rec['model']} {rec['prompt_len']}+{rec['gen_len']} {regime(rec)} [{where}]{cap}"
 
 
 def plot_vs_batch(plt, recs: list, path: str) -> None:

@@ -140,6 +140,8 @@ def compare(path: str) -> str:
     recs = load(path)
     run_id = max(r["compare"]["run_id"] for r in recs)
     recs = [r for r in recs if r["compare"]["run_id"] == run_id]
+    failed = [r for r in recs if r.get("status", "ok") != "ok"]  # compare.py records runs that did not finish too
+    recs = [r for r in recs if r.get("status", "ok") == "ok"]
     by = defaultdict(list)
     for r in recs:
         by[r["compare"]["system"]].append(r)
@@ -167,7 +169,10 @@ def compare(path: str) -> str:
                 "rss": mib(max(r["peak_bytes"]["cpu_rss"] for r in rs)),
                 "gpu": mib(max(r["peak_bytes"]["gpu"] or 0 for r in rs)),
                 "load": f"{min(r['compare']['loadavg_before'][0] for r in rs):.1f}-"
-                        f"{max(r['compare']['loadavg_before'][0] for r in rs):.1f}"}
+                        f"{max(r['compare']['loadavg_before'][0] for r in rs):.1f}",
+                "cg": mib(max(r["mem_cap"]["peak_charged"] or 0 for r in rs)) if rs[0].get("mem_cap") else "-",
+                "cg_hits": str(max(r["mem_cap"]["times_at_limit"] or 0 for r in rs)) if rs[0].get("mem_cap")
+                else "-"}
     order = [s for s in ("full", "h2o", "accelerate", "transformers") if s in by]
     rows = {s: row(s, by[s]) for s in order}
     cols = [("system", lambda r: r["system"]), ("weights", lambda r: r["where"]), ("runs", lambda r: r["n"]),
@@ -179,8 +184,11 @@ def compare(path: str) -> str:
             ("model bottleneck", lambda r: r["bottleneck"]), ("decode / disk bound", lambda r: r["bound"]),
             ("peak gpu MiB", lambda r: r["gpu"]), ("peak RSS MiB", lambda r: r["rss"]),
             ("load 1m", lambda r: r["load"])]
-    r0 = recs[0]
-    head = (f"run {run_id}: {r0['model']} {r0['prompt_len']}+{r0['gen_len']}, {regime(by['full'][0]) if 'full' in by else ''}, "
+    if any(r.get("mem_cap") for r in recs):
+        cols[-1:-1] = [("cgroup peak MiB", lambda r: r["cg"]), ("times at cap", lambda r: r["cg_hits"])]
+    r0 = (recs or failed)[0]
+    head = (f"run {run_id}: {r0['model']} {r0.get('prompt_len', '?')}+{r0.get('gen_len', '?')}, "
+            f"{regime(by['full'][0]) if 'full' in by else ''}, "
             f"{max(len(v) for v in by.values())} rounds; disk probe per round "
             + ", ".join(sorted({f"{r['compare']['disk_read_bw_probe'] / 1e9:.2f}" for r in recs
                                 if r["compare"].get("disk_read_bw_probe")})) + " GB/s")
@@ -192,6 +200,12 @@ def compare(path: str) -> str:
             per = [pa[k] / pb[k] for k in sorted(pa) if k in pb]
             lines.append(f"- {a} / {b}: **{rows[a]['total'] / rows[b]['total']:.2f}x** (ratio of medians; per round "
                          f"{', '.join(f'{x:.2f}' for x in per)})")
+    for r in failed:
+        m = r["compare"]
+        lines.append(f"- {m['system']} round {m['round'] + 1} did not finish: {r['status']} ({r['message']})")
+    cap = r0["compare"].get("mem_cap")
+    if cap:
+        head += f"; every process in a memory cgroup of {cap / 2**30:.2f} GiB (memory + page cache)"
     return head + "\n\n" + md([rows[s] for s in order], cols) + "\n\n" + "\n".join(lines)
 
 
