@@ -188,8 +188,9 @@ def compare(path: str) -> str:
         cols[-1:-1] = [("cgroup peak MiB", lambda r: r["cg"]), ("times at cap", lambda r: r["cg_hits"])]
     r0 = (recs or failed)[0]
     head = (f"run {run_id}: {r0['model']} {r0.get('prompt_len', '?')}+{r0.get('gen_len', '?')}, "
-            f"{regime(by['full'][0]) if 'full' in by else ''}, "
-            f"{max(len(v) for v in by.values())} rounds; disk probe per round "
+            + (f"{regime(by['full'][0])}, " if 'full' in by else "") +
+            f"{max([len(v) for v in by.values()] + [1 + r['compare']['round'] for r in failed])} rounds; disk probe "
+            "per round "
             + ", ".join(sorted({f"{r['compare']['disk_read_bw_probe'] / 1e9:.2f}" for r in recs
                                 if r["compare"].get("disk_read_bw_probe")})) + " GB/s")
     lines = []
@@ -206,7 +207,8 @@ def compare(path: str) -> str:
     cap = r0["compare"].get("mem_cap")
     if cap:
         head += f"; every process in a memory cgroup of {cap / 2**30:.2f} GiB (memory + page cache)"
-    return head + "\n\n" + md([rows[s] for s in order], cols) + "\n\n" + "\n".join(lines)
+    body = md([rows[s] for s in order], cols) if order else "(no run finished)"
+    return head + "\n\n" + body + "\n\n" + "\n".join(lines)
 
 
 def runs(path: str) -> str:
