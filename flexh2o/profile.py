@@ -11,7 +11,7 @@ repeats after a warm-up (a typical moment, not the best one). Keys (all per seco
                          on a small VM and ~5 us when threads spin
   gpu_mem_bw, cpu_mem_bw (memcpy rate), convert_bw (float16 -> float32, source bytes), h2d_bw, d2h_bw,
   disk_read_bw, disk_write_bw (direct I/O through flexh2o's disk tier), disk_read_latency_s and
-  disk_write_latency_s (seconds per file: open, one 4 KiB transfer, close), cpu_flops, op_overhead_s.
+  disk_write_latency_s (seconds per file: open, one 4 KiB transfer, close), cpu_flops (host-side decode attention).
   disk_read_bw is timed on files of a decoder layer's tensor sizes (4 and 16 MiB), as the engine reads them.
   disk_read_bw_busy, compute_busy (CPU only): the disk read rate while matmuls keep the cores busy, and the matmul
   rate while the disk is read, as a fraction of its idle rate: with overlap the engine's I/O thread and its compute
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import math
+import os
 import platform
 import statistics
 import sys
