@@ -195,7 +195,8 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
                     "timeout_s": args.timeout, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
             if out.status != "ok":  # recorded too, so that tables show what did not finish and why
                 failures[system].append(f"{out.status}: {out.message}")
-                record = {"model": args.model, "status": out.status, "message": out.message, "compare": meta}
+                record = {"model": args.model, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+                          "status": out.status, "message": out.message, "compare": meta}
             else:
                 record = out.record
                 record["compare"] = meta
