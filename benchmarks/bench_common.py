@@ -12,6 +12,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
+from memcap import MemCap
+
 META_KEYS = ("label", "note")  # point keys that are not flexh2o-run flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +83,6 @@ def run_peer(argv: list, timeout: float, env: dict, mem_cap: Optional[int] = Non
 def _run(cmd: list, prefix: str, timeout: float, env: dict, mem_cap: Optional[int]) -> Outcome:
     """Run cmd + --log-file (a temporary file), under a memory cgroup of mem_cap bytes when given; the record
     gets the cgroup's figures under "mem_cap"."""
-    from memcap import MemCap
     fd, log = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
     os.close(fd)
     shown = ["flexh2o-run" if c == "flexh2o.cli" else c for c in cmd if c not in (sys.executable, "-m")]

@@ -48,13 +48,11 @@ class MemCap:
         """The cap, the group's peak charge (memory + page cache) and how often it hit the cap (or OOM-killed)."""
         peak = self._read_int("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
         if self.v2:
-            events = dict(line.split() for line in _read(os.path.join(self.path, "memory.events")).splitlines())
-            hits, oom = int(events.get("max", 0)), int(events.get("oom_kill", 0))
+            events = self._read_keyed("memory.events")
+            hits, oom = events.get("max", 0), events.get("oom_kill", 0)
         else:
             hits = self._read_int("memory.failcnt")
-            oom = dict(line.split() for line in _read(os.path.join(self.path, "memory.oom_control")).splitlines()
-                       ).get("oom_kill")
-            oom = int(oom) if oom is not None else None
+            oom = self._read_keyed("memory.oom_control").get("oom_kill")  # absent on older kernels
         return {"limit": self.limit, "peak_charged": peak, "times_at_limit": hits, "oom_kills": oom}
 
     def close(self) -> None:
@@ -70,6 +68,10 @@ class MemCap:
         except FileNotFoundError:
             if not missing_ok:
                 raise
+
+    def _read_keyed(self, name: str) -> dict:
+        """A cgroup file of "key value" lines -> {key: int}."""
+        return {k: int(v) for k, v in (line.split() for line in _read(os.path.join(self.path, name)).splitlines())}
 
     def _read_int(self, name: str) -> Optional[int]:
         text = _read(os.path.join(self.path, name)).strip()

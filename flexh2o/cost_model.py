@@ -61,7 +61,6 @@ class _Terms(dict):
     def add(self, name: str, seconds: float) -> None:
         self[name] = self.get(name, 0.0) + seconds
 
-
     def resources(self) -> dict:
         out: dict = {}
         for name, s in self.items():

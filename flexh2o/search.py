@@ -12,8 +12,8 @@ import sys
 from typing import Optional
 
 from flexh2o import config as model_configs
-from flexh2o.jsonfile import read_json
 from flexh2o.cost_model import predict_with, tier_counts, weight_layout
+from flexh2o.jsonfile import read_json
 from flexh2o.kv.policies import POLICIES, resolve_budget
 from flexh2o.memory_plan import (act_block_bytes, cache_block_bytes, fmt_bytes, parse_bytes, plan_memory,
                                  working_bytes)

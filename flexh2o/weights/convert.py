@@ -12,8 +12,8 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
-from flexh2o.jsonfile import read_json
 from flexh2o.config import ModelConfig, from_hf_config
+from flexh2o.jsonfile import read_json
 from flexh2o.weights.format import CheckpointWriter, dtype_of
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)

@@ -15,8 +15,8 @@ import sys
 import tempfile
 import torch
 
-from flexh2o.jsonfile import read_json
 from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
+from flexh2o.jsonfile import read_json
 from flexh2o.models import unique_specs
 
 FORMAT_VERSION = 1
