@@ -151,10 +151,16 @@ def main(argv=None) -> int:
     systems = (args.systems or ",".join(s for s in SYSTEMS if not (args.mem_cap and s == "transformers"))).split(",")
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
-        sys.exit(f"compare.py: unknown system {bad[0]!r}; choose from {', '.join(SYSTEMS)}")
-    mem_cap = parse_bytes(args.mem_cap) if args.mem_cap else None
-    if mem_cap:
-        MemCap(mem_cap, "probe").close()  # fails early, with what to do, where cgroups are not writable
+        print(f"compare.py: error: unknown system {bad[0]!r} in --systems; choose from {', '.join(SYSTEMS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        mem_cap = parse_bytes(args.mem_cap) if args.mem_cap else None
+        if mem_cap:
+            MemCap(mem_cap, "probe").close()  # fails early, with what to do, where cgroups are not writable
+    except (ValueError, RuntimeError) as e:
+        print(f"compare.py: error: {e}", file=sys.stderr)
+        return 2
     base = {"model": args.model, "percent": args.percent, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "gpu_batch_size": 1,
             "cpu_cache_compute": args.cpu_cache_compute,
