@@ -123,7 +123,7 @@ def dry_run_batches(argv: list, env: dict) -> dict:
 
 def hardware_args(hw: Optional[str]) -> list:
     """flexh2o-run fills "predicted" (and the measured/predicted ratios) in every record itself from its cost model
-    (default on CPU: configs/hardware/cpu_measured.json); pass --hardware only when a profile is named."""
+    (default on CPU: flexh2o/configs/hardware/cpu_measured.json); pass --hardware only when a profile is named."""
     return ["--hardware", hw] if hw else []
 
 

@@ -34,7 +34,7 @@ from bench_common import (add_h2o_args, bench_env, disk_read_probe, dry_run_batc
                           hardware_args, load_avg, median, mib, regime, run_flexh2o, run_peer, table)
 from memcap import MemCap, drop_cached
 
-from flexh2o.memory_plan import parse_bytes
+from flexh2o.units import parse_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ("full", "h2o", "accelerate", "transformers")

@@ -1,6 +1,6 @@
 """Run a grid of flexh2o-run points described in a JSON file under configs/, one process per point.
 
-    python benchmarks/sweep.py configs/cpu_scaled.json --out benchmarks/results/cpu_scaled.jsonl --timeout 300
+    python benchmarks/sweep.py flexh2o/configs/cpu_scaled.json --out benchmarks/results/cpu_scaled.jsonl --timeout 300
 
 Config file: {"description": ..., "defaults": {flag: value}, "groups": [{flag: value | [values] | [{flags}]}]}.
 Keys are flexh2o-run flags with '_' for '-' (true = bare flag, null/false = left out, "percent" a string); "label"
@@ -98,7 +98,7 @@ COLUMNS = (("label", "label"), ("model", "model"), ("len", "len"), ("percent", "
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run a flexh2o sweep grid (resumable).")
-    ap.add_argument("config", help="JSON sweep file (see configs/)")
+    ap.add_argument("config", help="JSON sweep file (see flexh2o/configs/)")
     ap.add_argument("--out", help="results file (JSON lines); default benchmarks/results/<config name>.jsonl")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per point")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every point (default: torch's choice)")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a default flag for every point, e.g. --set gpu_mem=15GB (repeatable)")
     ap.add_argument("--hardware", help="hardware profile passed to flexh2o-run for its predictions (default: "
-                    "flexh2o-run's own, configs/hardware/cpu_measured.json on a CPU)")
+                    "flexh2o-run's own, flexh2o/configs/hardware/cpu_measured.json on a CPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the command lines, run nothing")
     args = ap.parse_args(argv)
     with open(args.config) as f:

@@ -10,14 +10,14 @@ import torch
 from flexh2o import models
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock, KVCache
-from flexh2o.memory_plan import plan_memory
+from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.placement import block_homes
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
 from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, LOAD_WEIGHT, STORE_ACT,
                                    STORE_CACHE, block_schedule)
 from flexh2o.schedule.run import Executor
-from flexh2o.tiers import make_tiers
+from flexh2o.storage.factory import make_tiers
 from flexh2o.weights.store import WeightStore
 
 

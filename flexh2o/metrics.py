@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
-from flexh2o.memory_plan import fmt_bytes
+from flexh2o.units import fmt_bytes
 
 
 @dataclass

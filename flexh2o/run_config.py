@@ -12,15 +12,6 @@ from flexh2o.placement import Percent
 
 PREFILL_BYTES = 32 << 20  # target size of one prefill sub-batch's transient buffers
 
-DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "fp32": torch.float32}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: choose float16, bfloat16 or float32")
-    return DTYPES[name]
-
 
 @dataclass(frozen=True)
 class RunConfig:

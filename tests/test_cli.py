@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flexh2o import cli
+from flexh2o.cli import run as cli
 
 SMALL = ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "3", "--gpu-batch-size", "2", "--dtype",
          "bfloat16", "--no-warmup"]
@@ -129,7 +129,7 @@ def test_policy_auto_and_predictions(capsys, tmp_path, offload_dir):
     argv = ["--model", "opt-125m", "--prompt-len", "16", "--gen-len", "3", "--dtype", "bfloat16", "--no-warmup",
             "--policy", "auto", "--gpu-mem", "200MB", "--cpu-mem", "300MB", "--disk-mem", "2GB",
             "--offload-dir", offload_dir, "--hardware",
-            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "hardware",
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "flexh2o", "configs", "hardware",
                          "cpu_measured.json"), "--log-file", str(log)]
     assert cli.main(argv + ["--dry-run"]) == 0
     out = capsys.readouterr()
@@ -150,9 +150,11 @@ def test_prediction_is_advisory(capsys):
     assert "warning: no prediction" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module,prog", [("flexh2o.cli", "flexh2o-run"), ("flexh2o.convert_cli", "flexh2o-convert"),
-                                         ("flexh2o.search", "flexh2o-plan"), ("flexh2o.profile", "flexh2o-profile"),
-                                         ("flexh2o.eval.cli", "flexh2o-eval")])
+@pytest.mark.parametrize("module,prog", [("flexh2o.cli.run", "flexh2o-run"),
+                                         ("flexh2o.cli.convert", "flexh2o-convert"),
+                                         ("flexh2o.cli.plan", "flexh2o-plan"),
+                                         ("flexh2o.cli.profile", "flexh2o-profile"),
+                                         ("flexh2o.cli.eval", "flexh2o-eval")])
 def test_every_script_reports_a_bad_flag_in_one_line(capsys, module, prog):
     import importlib
     assert importlib.import_module(module).main(["--no-such-flag"]) == 2

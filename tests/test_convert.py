@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from flexh2o.config import CONFIG_FILE  # noqa: E402
-from flexh2o.convert_cli import main  # noqa: E402
+from flexh2o.cli.convert import main  # noqa: E402
 from flexh2o.models import unique_specs  # noqa: E402
 from flexh2o.weights.convert import convert, unpermute_rope  # noqa: E402
 from flexh2o.weights.format import INDEX_FILE, CheckpointReader, CheckpointWriter  # noqa: E402

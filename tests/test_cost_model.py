@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from flexh2o.config import ModelConfig
-from flexh2o.cost_model import OPS, contended, predict
+from flexh2o.planning.cost_model import OPS, contended, predict
 from flexh2o.kv.policies import Budget
-from flexh2o.memory_plan import plan_memory
+from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.placement import Percent
-from flexh2o.profile import Rates
+from flexh2o.planning.hardware import Rates
 from flexh2o.run_config import RunConfig
-from flexh2o.search import command_line, main as plan_main, search
+from flexh2o.cli.plan import main as plan_main
+from flexh2o.planning.search import command_line, search
 
-HW_DIR = os.path.join(os.path.dirname(__file__), "..", "configs", "hardware")
+HW_DIR = os.path.join(os.path.dirname(__file__), "..", "flexh2o", "configs", "hardware")
 FAST = 1e18  # a rate that makes its term vanish
 
 # hidden 1024 so every fp32 tensor is a multiple of 4096 bytes (the disk tier pads files to that): no padding
@@ -202,7 +203,7 @@ def test_search_keeps_only_fitting_plans_and_beats_a_naive_one():
 @pytest.mark.parametrize("percent", [(100, 0, 100, 0, 100, 0), (30, 50, 20, 40, 0, 100), (0, 0, 0, 0, 0, 0)])
 def test_search_memory_arithmetic_matches_plan_memory(percent, nb):
     # the search sizes plans from memory_plan's pieces (affine in the batch size); it must agree with plan_memory
-    from flexh2o.search import _counts, _Fit
+    from flexh2o.planning.search import _counts, _Fit
     base = toy_rc(kv_policy="h2o", budget=Budget(8, 8))
     fit, memo = _Fit(base), {}
     for b in (1, 5, 32):
@@ -218,7 +219,7 @@ def test_command_line_parses_back():
     cmd = command_line(rc).split()
     i = cmd.index("--percent")
     assert Percent.parse(cmd[i + 1:i + 7]) == rc.percent
-    cli = pytest.importorskip("flexh2o.cli")
+    cli = pytest.importorskip("flexh2o.cli.run")
     args = cli.build_parser().parse_args(cmd[1:] + ["--device", "cpu"])
     back = cli.build_run_config(args, rc.model, None)
     for field in ("percent", "gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "cpu_cache_compute",
@@ -251,7 +252,7 @@ def _named(name: str) -> ModelConfig:
 
 
 def test_quick_profile_has_every_figure_the_model_reads(tmp_path, capsys):
-    from flexh2o.profile import main as profile_main
+    from flexh2o.cli.profile import main as profile_main
     out = tmp_path / "hw.json"
     assert profile_main(["--quick", "--dtype", "float32", "--offload-dir", str(tmp_path / "off"),
                          "--output", str(out)]) == 0

@@ -105,7 +105,7 @@ def test_save_pretrained_round_trip_through_convert_and_run(tmp_path, offload_di
 
     from transformers import OPTConfig, OPTForCausalLM
 
-    from flexh2o import cli, convert_cli
+    from flexh2o.cli import convert as convert_cli, run as cli
     torch.manual_seed(0)
     model = OPTForCausalLM(OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
                                      num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32))
@@ -136,7 +136,7 @@ def test_prefill_in_sub_batches(tiny_ref, offload_dir, rows):
 
 
 def test_prefill_rows_bound_the_plan():
-    from flexh2o.memory_plan import plan_memory
+    from flexh2o.planning.memory_plan import plan_memory
     rc = RunConfig(from_name("opt-1.3b"), Percent.parse([0, 100, 100, 0]), gpu_batch_size=64, prompt_len=512,
                    gen_len=32)
     assert rc.prefill_rows() < 64

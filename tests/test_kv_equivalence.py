@@ -17,7 +17,7 @@ from flexh2o.engine import Engine
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies import Budget, make_policy, resolve_budget
-from flexh2o.memory_plan import plan_memory
+from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 

@@ -7,7 +7,8 @@ import torch
 from flexh2o.config import ModelConfig, from_name
 from flexh2o.engine import Engine
 from flexh2o.kv.policies import resolve_budget
-from flexh2o.memory_plan import largest_batch, parse_bytes, plan_memory
+from flexh2o.planning.memory_plan import largest_batch, plan_memory
+from flexh2o.units import parse_bytes
 from flexh2o.placement import Percent, weight_homes
 from flexh2o.models import layer_specs
 from flexh2o.run_config import RunConfig

@@ -155,7 +155,7 @@ def test_eval_cli_smoke(ckpts, gguf_path, tmp_path, capsys):
     """flexh2o-eval ppl and recall end to end on a tiny setting: tables printed, JSON written, full <= evicting."""
     import json
 
-    from flexh2o.eval.cli import main
+    from flexh2o.cli.eval import main
     base = ["--model", ckpts["bfloat16"], "--tokenizer", gguf_path, "--no-progress", "--policies", "h2o,local"]
     out = str(tmp_path / "ppl.json")
     assert main(["ppl", *base, "--context", "32", "--windows", "2", "--texts", "macbeth", "--budgets", "12",

@@ -35,11 +35,12 @@ import torch  # noqa: E402
 
 from flexh2o import config as model_configs  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
-from flexh2o.memory_plan import parse_bytes  # noqa: E402
+from flexh2o.units import parse_bytes  # noqa: E402
 from flexh2o.metrics import thread_settings  # noqa: E402
 from flexh2o.placement import Percent  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.run_config import RunConfig, parse_dtype  # noqa: E402
+from flexh2o.dtypes import parse_dtype
+from flexh2o.run_config import RunConfig  # noqa: E402
 
 
 def hf_config(cfg, dtype: torch.dtype):

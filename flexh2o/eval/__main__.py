@@ -1,6 +1,6 @@
 """`python -m flexh2o.eval` = `flexh2o-eval`."""
 import sys
 
-from flexh2o.eval.cli import main
+from flexh2o.cli.eval import main
 
 sys.exit(main())

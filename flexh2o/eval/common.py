@@ -19,7 +19,8 @@ import torch
 from flexh2o.config import ModelConfig, load_converted_config
 from flexh2o.kv.policies import POLICIES, Budget, resolve_budget
 from flexh2o.placement import Percent
-from flexh2o.run_config import RunConfig, parse_dtype
+from flexh2o.dtypes import parse_dtype
+from flexh2o.run_config import RunConfig
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
 
 EVICTING = tuple(p for p in POLICIES if p != "full")  # h2o, local, streaming, random

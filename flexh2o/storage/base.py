@@ -63,6 +63,11 @@ class Tier:
         pass
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` as a flat uint8 tensor (no copy when `t` is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def nbytes_of(shape: tuple, dtype: torch.dtype) -> int:
     n = dtype.itemsize
     for d in shape:

@@ -17,11 +17,11 @@ from typing import Iterable, Optional
 
 import torch
 
-from flexh2o.storage.base import Tier, nbytes_of
+from flexh2o.storage.base import Tier, as_bytes, nbytes_of
+from flexh2o.storage.offload_dir import OWNER_FILE
+from flexh2o.units import ALIGN, padded as round_up
 
-ALIGN = 4096  # direct-I/O alignment of buffer address, file offset and length
 STAGE_BYTES = 16 << 20  # staging buffer used to stream writes (bounds extra RAM per store)
-OWNER_FILE = "owner.pid"  # written by offload_dir.make_run_dir; removed by close() so the run dir can go
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,6 @@ class DiskHandle:
         return round_up(self.nbytes)
 
 
-def round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` whose data pointer is ALIGN-aligned (a slice of one ALIGN bytes larger)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
@@ -52,11 +48,6 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 def _memview(buf: torch.Tensor) -> memoryview:
     """A writable memoryview over a contiguous uint8 CPU tensor (the caller keeps `buf` alive)."""
     return memoryview((ctypes.c_ubyte * buf.numel()).from_address(buf.data_ptr())).cast("B")
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of `t` as a flat uint8 tensor (no copy when `t` is contiguous)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def probe_direct_io(directory: str) -> bool:
@@ -165,7 +156,7 @@ class DiskTier(Tier):
         turn into read-modify-write of whole blocks anyway; one sequential write of the tensor is cheaper."""
         if tuple(tensor.shape) != handle.shape:
             raise ValueError(f"disk store: tensor shape {tuple(tensor.shape)} != handle shape {handle.shape}")
-        data = _as_bytes(tensor.to(dtype=handle.dtype))
+        data = as_bytes(tensor.to(dtype=handle.dtype))
         self.write_from(handle, (data[i:i + STAGE_BYTES] for i in range(0, data.numel(), STAGE_BYTES)))
 
     def write_from(self, handle: DiskHandle, chunks: Iterable[torch.Tensor]) -> None:
@@ -177,7 +168,7 @@ class DiskTier(Tier):
         fd = self._open(handle.path, os.O_WRONLY)
         try:
             for chunk in chunks:
-                data = _as_bytes(chunk.detach().cpu())
+                data = as_bytes(chunk.detach().cpu())
                 total += data.numel()
                 if total > handle.nbytes:
                     raise ValueError(f"disk write: more than {handle.nbytes} bytes for {handle.path}")

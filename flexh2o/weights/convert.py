@@ -14,7 +14,8 @@ import torch
 
 from flexh2o.config import ModelConfig, from_hf_config
 from flexh2o.jsonfile import read_json
-from flexh2o.weights.format import CheckpointWriter, dtype_of
+from flexh2o.dtypes import parse_dtype
+from flexh2o.weights.format import CheckpointWriter
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
 Source = Iterator[Tuple[str, str, Optional[str], torch.Tensor]]  # (file, source key, engine name or None, tensor)
@@ -43,7 +44,7 @@ def convert(src: str, dst: str, dtype: str = "float16", overwrite: bool = False,
             progress: Optional[Progress] = None) -> ConvertResult:
     """Convert SRC (HF folder or .gguf file) into a flexh2o checkpoint at DST; nothing is left at DST on error."""
     start = time.perf_counter()
-    dtype_of(dtype)
+    parse_dtype(dtype)
     if os.path.isfile(src) and src.endswith(".gguf"):
         cfg, source = _gguf_source(src)
     elif os.path.isdir(src):

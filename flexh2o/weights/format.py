@@ -17,30 +17,19 @@ import torch
 
 from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
 from flexh2o.jsonfile import read_json
+from flexh2o.dtypes import DTYPES, dtype_name, parse_dtype
 from flexh2o.models import unique_specs
+from flexh2o.storage.base import as_bytes
 
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 TENSOR_DIR = "tensors"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 FIX = "re-run flexh2o-convert"
-
-
-def dtype_of(name: str) -> torch.dtype:
-    """'float16' | 'bfloat16' | 'float32' -> torch dtype; ValueError otherwise."""
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}: choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def file_name(name: str) -> str:
     """Tensor name -> a safe file name inside tensors/."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".bin"
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's storage as a writable byte view (works for bfloat16, which numpy lacks)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _check_byteorder() -> None:
@@ -58,8 +47,8 @@ class CheckpointWriter:
         _check_byteorder()
         self.dst = os.path.abspath(dst)
         self.cfg = cfg
-        self.dtype_name = dtype
-        self.dtype = dtype_of(dtype)
+        self.dtype = parse_dtype(dtype)
+        self.dtype_name = dtype_name(self.dtype)
         self.specs = unique_specs(cfg)
         self.entries: dict = {}
         self.num_bytes = 0
@@ -90,7 +79,7 @@ class CheckpointWriter:
         fname = file_name(name)
         path = os.path.join(self.stage, TENSOR_DIR, fname)
         with open(path + ".tmp", "wb") as fh:
-            fh.write(_as_bytes(t))
+            fh.write(memoryview(as_bytes(t).numpy()))
         os.replace(path + ".tmp", path)
         nbytes = t.numel() * t.element_size()
         self.entries[name] = {"file": fname, "shape": list(t.shape), "dtype": self.dtype_name, "nbytes": nbytes}
@@ -193,7 +182,7 @@ class CheckpointReader:
     def _read_raw(self, name: str, out: torch.Tensor) -> None:
         path = self.file_of(name)
         with open(path, "rb", buffering=0) as fh:
-            got = fh.readinto(_as_bytes(out))
+            got = fh.readinto(memoryview(as_bytes(out).numpy()))
         if got != self.entries[name]["nbytes"]:
             raise ValueError(f"{path} is truncated: {got} of {self.entries[name]['nbytes']} bytes; {FIX}")
 

@@ -11,10 +11,12 @@ import torch
 
 from flexh2o import config as model_configs
 from flexh2o.kv.policies import POLICIES, resolve_budget
-from flexh2o.memory_plan import largest_batch, parse_bytes, plan_memory
+from flexh2o.planning.memory_plan import largest_batch, plan_memory
+from flexh2o.units import parse_bytes
 from flexh2o.placement import Percent
-from flexh2o.run_config import RunConfig, parse_dtype
-from flexh2o.console import Parser, run_main
+from flexh2o.dtypes import parse_dtype
+from flexh2o.run_config import RunConfig
+from flexh2o.cli.console import Parser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,20 +133,18 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
 
 
 def _hardware(path: Optional[str], device: str) -> Optional[dict]:
-    from flexh2o.search import load_profile
+    from flexh2o.planning.hardware import load_profile
     if path is None:
-        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "hardware",
-                               "cpu_measured.json")
-        if device != "cpu" or not os.path.isfile(shipped):
+        if device != "cpu":
             return None
-        path = shipped
+        path = "cpu_measured"
     return load_profile(path)
 
 
 def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
     if hw is None:
         return None
-    from flexh2o.cost_model import predict
+    from flexh2o.planning.cost_model import predict
     try:
         return predict(rc, hw).as_dict()
     except (ValueError, KeyError) as e:  # predictions are advisory: a profile without this dtype only warns
@@ -153,7 +153,7 @@ def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
 
 
 def _auto_policy(rc: RunConfig, hw: Optional[dict]) -> RunConfig:
-    from flexh2o.search import command_line, search
+    from flexh2o.planning.search import command_line, search
     if hw is None:
         raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")
     found = search(rc, hw)

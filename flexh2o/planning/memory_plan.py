@@ -10,6 +10,7 @@ from flexh2o.models import layer_specs
 from flexh2o.models.common import MLP_ELEMENTS
 from flexh2o.placement import TIERS, block_homes, weight_homes
 from flexh2o.run_config import RunConfig
+from flexh2o.units import fmt_bytes
 
 KINDS = ("weights", "cache", "activations", "buffers")
 
@@ -119,30 +120,3 @@ def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def parse_bytes(text: str) -> int:
-    """'16GB', '512MiB', '1.5G', '1000' -> bytes (powers of 1024 for every suffix)."""
-    s = text.strip().upper().replace("IB", "B")
-    units = {"TB": 1 << 40, "GB": 1 << 30, "MB": 1 << 20, "KB": 1 << 10, "T": 1 << 40, "G": 1 << 30,
-             "M": 1 << 20, "K": 1 << 10, "B": 1}
-    for u, mult in units.items():
-        if s.endswith(u):
-            s, m = s[: -len(u)], mult
-            break
-    else:
-        m = 1
-    try:
-        value = float(s)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as a size: use a number with a unit, e.g. 16GB or 512MB") from None
-    if value < 0:
-        raise ValueError(f"size {text!r} is negative")
-    return int(value * m)

@@ -3,25 +3,18 @@
 Enumerates weight splits (gpu/cpu in steps of `step`, disk the rest), cache and activation placements, numbers of
 GPU batches and batch sizes; keeps the plans that fit every tier and ranks them by predicted total throughput.
 Fits are computed from memory_plan's own pieces (block sizes, working_bytes), memoized, and the returned plans
-are re-checked with plan_memory itself. `flexh2o-plan` prints the best few and the flexh2o-run command line of the best.
+are re-checked with plan_memory itself.
+`flexh2o-plan` (cli/plan.py) prints the best few and the flexh2o-run command line of the best.
 """
 from __future__ import annotations
 
-import argparse
-import sys
-from typing import Optional
-
-from flexh2o import config as model_configs
-from flexh2o.cost_model import predict_with, tier_counts, weight_layout
-from flexh2o.jsonfile import read_json
-from flexh2o.kv.policies import POLICIES, resolve_budget
-from flexh2o.memory_plan import (act_block_bytes, cache_block_bytes, fmt_bytes, parse_bytes, plan_memory,
-                                 working_bytes)
+from flexh2o.planning.cost_model import predict_with, tier_counts, weight_layout
+from flexh2o.kv.policies import resolve_budget
+from flexh2o.planning.memory_plan import act_block_bytes, cache_block_bytes, plan_memory, working_bytes
 from flexh2o.models import layer_specs
 from flexh2o.placement import TIERS, Percent, weight_homes
-from flexh2o.profile import Rates
-from flexh2o.console import Parser, run_main
-from flexh2o.run_config import RunConfig, parse_dtype
+from flexh2o.planning.hardware import Rates
+from flexh2o.run_config import RunConfig
 
 
 def weight_splits(step: int) -> list:
@@ -194,90 +187,3 @@ def _size(n: int) -> str:
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="flexh2o-plan", description="Search --percent and batch sizes for the highest predicted "
-               "throughput on a hardware profile, without running anything.")
-    a = p.add_argument
-    a("--model", required=True, help="opt-125m ... opt-175b (facebook/ prefix accepted)")
-    a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile, or configs/hardware/*.json)")
-    a("--prompt-len", type=int, default=512)
-    a("--gen-len", type=int, default=32)
-    a("--kv-policy", choices=sorted(POLICIES), default=None, help="default: h2o with a budget, else full")
-    a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
-    a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
-    a("--gpu-mem", help="gpu tier capacity (default: the profile's)")
-    a("--cpu-mem", help="cpu tier capacity (default: the profile's)")
-    a("--disk-mem", help="disk tier capacity (default: the profile's)")
-    a("--dtype", default="float16", help="storage dtype of weights and cache")
-    a("--device", choices=["cpu", "cuda"], help="default: the profile's device")
-    a("--overlap", default="true", choices=["true", "false"])
-    a("--step", type=int, default=10, help="percent step of the placement search")
-    a("--max-num-gpu-batches", type=int, default=32)
-    a("--top", type=int, default=5, help="plans to print")
-    return p
-
-
-def load_profile(path: str) -> dict:
-    return read_json(path, "pass a hardware profile written by flexh2o-profile (--hardware)", dict)
-
-
-def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
-    value = arg if arg is not None else hw.get(f"{tier}_mem")
-    if value is None:
-        raise ValueError(f"give --{tier}-mem (the hardware profile has no {tier}_mem)")
-    return parse_bytes(value) if isinstance(value, str) else int(value)
-
-
-def plan_from_args(args) -> tuple:
-    """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
-    hw = load_profile(args.hardware)
-    cfg = model_configs.from_name(args.model)
-    policy = args.kv_policy or ("h2o" if args.hh_ratio is not None or args.kv_budget is not None else "full")
-    if policy == "full" and (args.hh_ratio is not None or args.kv_budget is not None):
-        raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
-    if args.top < 1 or args.max_num_gpu_batches < 1:
-        raise ValueError("--top and --max-num-gpu-batches must be at least 1")
-    device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
-    rc = RunConfig(cfg, Percent(), 1, 1, args.prompt_len, args.gen_len, dtype=parse_dtype(args.dtype),
-                   device=device, overlap=args.overlap == "true", kv_policy=policy,
-                   budget=resolve_budget(policy, args.prompt_len, args.hh_ratio, None, args.kv_budget),
-                   gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
-                   disk_mem=_capacity(args.disk_mem, hw, "disk"))
-    return rc, hw
-
-
-def describe(results: list) -> str:
-    rows = [f"{'#':>2} {'percent':<22} {'batch':>10} {'ccc':>3} {'tok/s':>9} {'prefill s':>9} {'decode s':>9} "
-            f"{'bound':>8}  {'gpu':>9} {'cpu':>9} {'disk':>9}"]
-    for i, (rc, p) in enumerate(results, 1):
-        used = [fmt_bytes(sum(p.bytes[t].values())) for t in TIERS]
-        rows.append(f"{i:>2} {str(rc.percent):<22} {f'{rc.gpu_batch_size}x{rc.num_gpu_batches}':>10} "
-                    f"{'y' if rc.cpu_cache_compute else 'n':>3} {p.total_throughput:>9.2f} {p.prefill_s:>9.2f} "
-                    f"{p.decode_s:>9.2f} {p.bottleneck['decode']:>8}  " + " ".join(f"{u:>9}" for u in used))
-    return "\n".join(rows)
-
-
-def main(argv: Optional[list] = None) -> int:
-    return run_main("flexh2o-plan", lambda: _plan(build_parser().parse_args(argv)))
-
-
-def _plan(args) -> int:
-    rc, hw = plan_from_args(args)
-    results = search(rc, hw, args.step, args.max_num_gpu_batches, limit=args.top)
-    if not results:
-        raise ValueError(f"nothing fits: even one sequence of {rc.model.name} overflows the tiers; raise "
-                         "--gpu-mem/--cpu-mem/--disk-mem")
-    best_rc, best = results[0]
-    print(f"{rc.model.name} {rc.prompt_len}+{rc.gen_len} kv policy {rc.kv_policy} "
-          f"(cache slots {rc.cache_slots()}) on {hw.get('name', args.hardware)} ({rc.device})")
-    print(describe(results))
-    print(f"best: predicted {best.total_throughput:.2f} tokens/s total "
-          f"(prefill {best.prefill_throughput:.1f}, decode {best.decode_throughput:.2f} tokens/s)")
-    print(command_line(best_rc))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

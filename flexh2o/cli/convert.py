@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Optional
 
-from flexh2o.console import Parser, run_main
+from flexh2o.cli.console import Parser, run_main
 from flexh2o.weights.convert import convert
 from flexh2o.weights.format import DTYPES
 

@@ -22,13 +22,13 @@ from typing import Optional
 
 import torch
 
-from flexh2o.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
+from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
 from flexh2o.models import layer_specs
 from flexh2o.placement import block_homes, weight_homes
-from flexh2o.profile import GRAIN, Rates
+from flexh2o.planning.hardware import GRAIN, Rates
 from flexh2o.run_config import RunConfig
+from flexh2o.units import padded
 
-ALIGN = 4096  # the disk tier pads every file to this
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
 ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
 SCORE_PASSES = 2  # more of them when the policy accumulates attention scores (H2O)
@@ -76,10 +76,6 @@ def _div(nbytes: float, rate: Optional[float], what: str) -> float:
     return nbytes / rate
 
 
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 def weight_layout(cfg, shares: tuple, dtype: torch.dtype) -> tuple:
     """Per layer: ((tier, bytes, bytes padded for disk files, number of tensors) per home tier, elements of the
     matrices used in matmuls). Depends only on the model, the weight shares and the storage dtype."""
@@ -91,7 +87,7 @@ def weight_layout(cfg, shares: tuple, dtype: torch.dtype) -> tuple:
         for s in layer:
             nbytes = s.numel * dtype.itemsize
             got = per_tier.get(homes[s.name], (0, 0, 0))
-            per_tier[homes[s.name]] = (got[0] + nbytes, got[1] + _padded(nbytes), got[2] + 1)
+            per_tier[homes[s.name]] = (got[0] + nbytes, got[1] + padded(nbytes), got[2] + 1)
         weights.append(tuple(sorted((t, *v) for t, v in per_tier.items())))
         params2d.append(sum(s.numel for s in layer if len(s.shape) == 2 and not (i == 0 and "embed" in s.name)))
     return tuple(weights), tuple(params2d)
@@ -123,7 +119,7 @@ class _Model:
         self.slots = rc.cache_slots()
         self.block = cache_block_bytes(rc)
         b, kv, s, d = rc.gpu_batch_size, self.cfg.kv_heads, self.slots, self.cfg.head_dim
-        self.block_padded = 2 * _padded(b * kv * s * d * self.w) + _padded(b * kv * s * 8) + _padded(b * kv * s * 4)
+        self.block_padded = 2 * padded(b * kv * s * d * self.w) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
         self.evicts = rc.budget is not None and self.slots < rc.prompt_len + rc.gen_len
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.policy().needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
@@ -178,9 +174,9 @@ class _Model:
     def weight_io(self, st: _Terms, layer: int) -> None:
         """Weights of one layer, loaded once for all GPU batches, converted to the compute dtype."""
         r = self.r
-        for tier, nbytes, padded, files in self.weights[layer]:
+        for tier, nbytes, on_disk, files in self.weights[layer]:
             if tier == "disk":
-                st.add("disk.weights_read", _div(padded, r.disk_read, "disk_read_bw") + files * r.read_latency)
+                st.add("disk.weights_read", _div(on_disk, r.disk_read, "disk_read_bw") + files * r.read_latency)
             if self.cuda and tier != "gpu":
                 st.add("h2d.weights", _div(nbytes, r.h2d, "h2d_bw"))
             if self.w != self.c:  # a memory pass: on the host for a CPU run, on the device otherwise
@@ -261,9 +257,9 @@ class _Model:
         nbytes = self.rc.gpu_batch_size * t * self.cfg.hidden * self.c
         for tier, n in self.act_counts:
             if tier == "disk" and load:
-                st.add("disk.act_read", n * (_div(_padded(nbytes), r.disk_read, "disk_read_bw") + r.read_latency))
+                st.add("disk.act_read", n * (_div(padded(nbytes), r.disk_read, "disk_read_bw") + r.read_latency))
             elif tier == "disk":
-                st.add("disk.act_write", n * self.disk_write(_padded(nbytes), 1))
+                st.add("disk.act_write", n * self.disk_write(padded(nbytes), 1))
             if tier != "gpu" and self.cuda:
                 st.add("h2d.act" if load else "d2h.act", n * _div(nbytes, r.h2d if load else r.d2h, "h2d/d2h"))
             elif tier == "cpu" and not load:

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Optional
 
-from flexh2o.console import Parser, run_main
+from flexh2o.cli.console import Parser, run_main
 from flexh2o.eval.common import EVICTING, TEXTS
 
 

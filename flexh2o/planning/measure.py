@@ -1,125 +1,24 @@
-"""flexh2o-profile: measure this machine's compute rates and bandwidths into a JSON hardware profile.
-
-The profile feeds flexh2o.cost_model through `Rates.from_profile`. Every rate is the median of several timed
-repeats after a warm-up (a typical moment, not the best one). Keys (all per second, bytes or FLOPs):
-  matmul_flops / decode_matmul_flops / attention_flops / decode_attention_flops   {dtype name: FLOP/s}
-  matmul_flops_by_rows   {dtype name: {rows: FLOP/s}}: x @ W.T for a weight set larger than the CPU caches, by the
-                         number of rows of x (batch x tokens); small row counts are memory-bound and much slower
-  op_overhead_s          seconds per op of the engine's own decode step (small tensors, run serially)
-  parallel_op_s          seconds of one elementwise op on a tensor just over torch's parallel grain (2 x 32768
-                         elements): OpenMP wakes its threads for it, which costs ~50 us with OMP_WAIT_POLICY=PASSIVE
-                         on a small VM and ~5 us when threads spin
-  gpu_mem_bw, cpu_mem_bw (memcpy rate), convert_bw (float16 -> float32, source bytes), h2d_bw, d2h_bw,
-  disk_read_bw, disk_write_bw (direct I/O through flexh2o's disk tier), disk_read_latency_s and
-  disk_write_latency_s (seconds per file: open, one 4 KiB transfer, close), cpu_flops (host-side decode attention).
-  disk_read_bw is timed on files of a decoder layer's tensor sizes (4 and 16 MiB), as the engine reads them.
-  disk_read_bw_busy, compute_busy (CPU only): the disk read rate while matmuls keep the cores busy, and the matmul
-  rate while the disk is read, as a fraction of its idle rate: with overlap the engine's I/O thread and its compute
-  share the same cores, so neither runs at its idle rate.
-On a CPU-only machine the gpu tier is host memory, so gpu_mem_bw = cpu_mem_bw and h2d/d2h are null (free).
+"""Measure this machine's compute rates and bandwidths into a JSON hardware profile.
 
 Run it on a quiet machine: set OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads then sleep instead of spinning, which
 matters when the engine's I/O threads share the cores), and the same OMP_NUM_THREADS as the runs it predicts.
+The keys it writes are described in flexh2o.planning.hardware.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import psutil
 import torch
 import torch.nn.functional as F
 
-from flexh2o.console import Parser, run_main
-from flexh2o.run_config import parse_dtype
-
-GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class Rates:
-    """The profile's figures for one compute dtype (per second). h2d/d2h None: host and device share memory."""
-
-    matmul: float  # FLOP/s of prefill GEMMs, decode GEMMs, prefill and decode attention bmm
-    decode_matmul: float
-    attention: float
-    decode_attention: float
-    gpu_mem: float  # bytes/s: memcpy on the compute device and on the host, fp16 -> fp32 conversion (source bytes)
-    cpu_mem: float
-    convert: float
-    h2d: Optional[float]
-    d2h: Optional[float]
-    disk_read: Optional[float]
-    disk_write: Optional[float]
-    cpu_flops: float  # host-side decode attention (--cpu-cache-compute)
-    op_overhead: float  # seconds per op on the compute thread
-    read_latency: float = 0.0  # seconds per disk file read / written (open, first transfer, close)
-    write_latency: float = 0.0
-    matmul_by_rows: tuple = ()  # ((rows, FLOP/s), ...) ascending; empty: matmul / decode_matmul
-    disk_read_busy: Optional[float] = None  # disk read rate while compute runs (CPU-only overlap)
-    compute_busy: float = 1.0  # fraction of its idle rate that compute keeps while the disk is read
-    parallel_op: Optional[float] = None  # seconds per op on tensors of >= GRAIN elements (None: op_overhead)
-
-    def matmul_rate(self, rows: int, prefill: bool) -> float:
-        """FLOP/s of x @ W.T with `rows` rows of x: interpolated in log(rows) from the measured table, clamped to
-        its ends; without a table, the prefill (large) or decode (skinny) figure."""
-        table = self.matmul_by_rows
-        if not table:
-            return self.matmul if prefill else self.decode_matmul
-        if rows <= table[0][0]:
-            return table[0][1]
-        for (r0, f0), (r1, f1) in zip(table, table[1:]):
-            if rows <= r1:
-                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return f0 + w * (f1 - f0)
-        return table[-1][1]
-
-    @staticmethod
-    def from_profile(hw: dict, dtype: torch.dtype) -> "Rates":
-        """Rates for `dtype` from a profile dict; per-dtype figures may be {dtype name: value} or one number."""
-        name = str(dtype).replace("torch.", "")
-
-        def f(*keys: str, default: Optional[float] = None) -> Optional[float]:
-            for key in keys:
-                v = _figure(hw, key, name)
-                if v is not None:
-                    return v
-            return default
-        mm, cpu_mem = f("matmul_flops"), f("cpu_mem_bw")
-        if mm is None or cpu_mem is None:
-            raise ValueError(f"hardware profile {hw.get('name', '?')} needs at least matmul_flops and cpu_mem_bw")
-        by_rows = hw.get("matmul_flops_by_rows") or {}
-        table = by_rows.get(name) if isinstance(by_rows, dict) else None
-        if by_rows and table is None:
-            raise ValueError(f"hardware profile {hw.get('name', '?')} has no matmul_flops_by_rows for {name}: run "
-                             f"flexh2o-profile --dtype {name}")
-        rows = tuple(sorted((int(k), float(v)) for k, v in (table or {}).items()))
-        return Rates(mm, f("decode_matmul_flops", default=mm), f("attention_flops", default=mm),
-                     f("decode_attention_flops", "attention_flops", default=mm),
-                     f("gpu_mem_bw", default=cpu_mem), cpu_mem, f("convert_bw", default=cpu_mem),
-                     f("h2d_bw"), f("d2h_bw"), f("disk_read_bw"), f("disk_write_bw"),
-                     f("cpu_flops", default=mm), f("op_overhead_s", default=0.0),
-                     f("disk_read_latency_s", default=0.0), f("disk_write_latency_s", default=0.0),
-                     rows, f("disk_read_bw_busy"), f("compute_busy", default=1.0), f("parallel_op_s"))
-
-
-def _figure(hw: dict, key: str, dtype: str) -> Optional[float]:
-    v = hw.get(key)
-    if isinstance(v, dict):
-        if dtype not in v:
-            raise ValueError(f"hardware profile {hw.get('name', '?')} has no {key} for {dtype} (it has "
-                             f"{', '.join(v)}): run flexh2o-profile --dtype {dtype}")
-        v = v[dtype]
-    return None if v is None else float(v)
+from flexh2o.dtypes import dtype_name, parse_dtype
+from flexh2o.planning.hardware import GRAIN
 
 
 def median_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -234,7 +133,7 @@ def op_overhead(device: torch.device) -> float:
     thread wake-up (~50 us on a 2-core VM) that the engine's back-to-back ops mostly do not. (The tiny model's own
     matmuls and memory passes are counted in too; they are a few percent of it.)"""
     from flexh2o.config import ModelConfig
-    from flexh2o.cost_model import OPS
+    from flexh2o.planning.cost_model import OPS
     from flexh2o.engine import Engine
     from flexh2o.placement import Percent
     from flexh2o.prompts import synthetic_prompts
@@ -250,9 +149,6 @@ def op_overhead(device: torch.device) -> float:
         decode = statistics.median(eng.generate(prompts, gen).decode_s for _ in range(3))
     ops_per_step = nb * (OPS["embed"] + cfg.num_layers * OPS["block"] + OPS["head"])
     return decode / (gen - 1) / ops_per_step
-
-
-GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: elementwise ops on fewer elements run on one thread
 
 
 def parallel_op(device: torch.device) -> float:
@@ -360,9 +256,8 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool) 
         prof["gpu_mem"] = torch.cuda.get_device_properties(dev).total_memory
     rates = [compute_rates(parse_dtype(d), dev, quick) for d in dtypes]
     for key in rates[0]:
-        prof[key] = {str(parse_dtype(d)).replace("torch.", ""): r[key] for d, r in zip(dtypes, rates)}
-    prof["matmul_flops_by_rows"] = {str(parse_dtype(d)).replace("torch.", ""): matmul_rows_rates(parse_dtype(d), dev,
-                                                                                                quick)
+        prof[key] = {dtype_name(parse_dtype(d)): r[key] for d, r in zip(dtypes, rates)}
+    prof["matmul_flops_by_rows"] = {dtype_name(parse_dtype(d)): matmul_rows_rates(parse_dtype(d), dev, quick)
                                     for d in dtypes}
     prof.update(memory_rates(dev, quick))
     prof["cpu_flops"] = cpu_attention_flops(quick)
@@ -397,47 +292,3 @@ def summary(prof: dict) -> str:
         if prof.get(key) is not None:
             lines.append(f"{key:<24}{prof[key] * 1e6:.1f} us")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="flexh2o-profile", description=__doc__.split("\n")[0])
-    p.add_argument("--output", help="write the JSON profile here (default: print it)")
-    p.add_argument("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"),
-                   help="where to measure disk bandwidth (a run directory is made and removed)")
-    p.add_argument("--no-disk", action="store_true", help="skip the disk measurement")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", action="append", help="compute dtype to time (repeatable; default: float32 and "
-                   "bfloat16 on CPU, float16 on CUDA)")
-    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (< 10 s)")
-    p.add_argument("--name", help="profile name (default: host-device)")
-    return p
-
-
-def main(argv: Optional[list] = None) -> int:
-    return run_main("flexh2o-profile", lambda: _profile(build_parser().parse_args(argv), argv))
-
-
-def _profile(args, argv: Optional[list]) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
-    dtypes = args.dtype or (["float16"] if device.startswith("cuda") else ["float32", "bfloat16"])
-    for d in dtypes:
-        parse_dtype(d)
-    prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
-    if args.name:
-        prof["name"] = args.name
-    env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
-    prof["command"] = " ".join(env + ["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
-    text = json.dumps(prof, indent=1)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    print(summary(prof), file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

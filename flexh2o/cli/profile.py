@@ -1,0 +1,58 @@
+"""flexh2o-profile: measure this machine's compute rates and bandwidths into a JSON hardware profile."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from flexh2o.cli.console import Parser, run_main
+from flexh2o.dtypes import parse_dtype
+from flexh2o.planning.measure import measure, summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="flexh2o-profile", description=__doc__.split("\n")[0].split(": ", 1)[1])
+    p.add_argument("--output", help="write the JSON profile here (default: print it)")
+    p.add_argument("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"),
+                   help="where to measure disk bandwidth (a run directory is made and removed)")
+    p.add_argument("--no-disk", action="store_true", help="skip the disk measurement")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", action="append", help="compute dtype to time (repeatable; default: float32 and "
+                   "bfloat16 on CPU, float16 on CUDA)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (< 10 s)")
+    p.add_argument("--name", help="profile name (default: host-device)")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    return run_main("flexh2o-profile", lambda: _profile(build_parser().parse_args(argv), argv))
+
+
+def _profile(args, argv: Optional[list]) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+    dtypes = args.dtype or (["float16"] if device.startswith("cuda") else ["float32", "bfloat16"])
+    for d in dtypes:
+        parse_dtype(d)
+    prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
+    if args.name:
+        prof["name"] = args.name
+    env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
+    prof["command"] = " ".join(env + ["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
+    text = json.dumps(prof, indent=1)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    print(summary(prof), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
