@@ -1,0 +1,149 @@
+"""Group-wise asymmetric min/max quantization (FlexGen's scheme): 4 or 8 bits a value, groups of `group_size`
+values along one dimension, a scale (the step between levels) and a minimum per group.
+
+Layout of a tensor of shape S grouped along dimension d (n = S[d], g = ceil(n / group_size) groups):
+  data  uint8, S[:d] + (g, group_size * bits / 8) + S[d+1:]   two 4-bit values a byte (low nibble first)
+  meta  the storage dtype, S[:d] + (g,) + S[d+1:] + (2,)       [..., 0] = scale, [..., 1] = minimum
+Every dimension before d keeps its index, so a KV cache grouped along head_dim (the last) still has its slots at
+dimension 2 and one slot is written as one slot. A ragged tail is padded with copies of the last value (never
+truncated; the padding never changes a group's min or max). The minimum is rounded down and the scale up to the
+storage dtype, so every value is within half a step of its level; a constant group has scale 0 and is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """bits (4 or 8) a value, values per group, and the grouped dimension (negative counts from the end)."""
+
+    bits: int = 4
+    group_size: int = 64
+    group_dim: int = 0
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"--compress-bits {self.bits}: choose 4 or 8")
+        if self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"--compress-group-size {self.group_size}: use an even number of values, at least 2")
+
+    @property
+    def levels(self) -> int:
+        """The largest quantized level (15 at 4 bits)."""
+        return (1 << self.bits) - 1
+
+    def along(self, dim: int) -> "CompressionSpec":
+        return replace(self, group_dim=dim)
+
+    def dim(self, ndim: int) -> int:
+        """The grouped dimension of an ndim-dimensional tensor, as a non-negative index."""
+        if not -ndim <= self.group_dim < ndim:
+            raise ValueError(f"cannot group dimension {self.group_dim} of a {ndim}-dimensional tensor")
+        return self.group_dim % ndim
+
+    def layout(self, shape: tuple, dtype: torch.dtype) -> tuple:
+        """((data shape, torch.uint8), (meta shape, dtype)) of a tensor of `shape` stored as `dtype`."""
+        shape = tuple(int(s) for s in shape)
+        d = self.dim(len(shape))
+        groups = -(-shape[d] // self.group_size)
+        data = shape[:d] + (groups, self.group_size * self.bits // 8) + shape[d + 1:]
+        meta = shape[:d] + (groups,) + shape[d + 1:] + (2,)
+        return (data, torch.uint8), (meta, dtype)
+
+
+def stored_bytes(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec] = None) -> int:
+    """Bytes a tensor of `shape` and storage `dtype` takes in a tier: plain, or compressed under `spec`."""
+    if spec is None:
+        return _numel(shape) * dtype.itemsize
+    return sum(_numel(s) * dt.itemsize for s, dt in spec.layout(shape, dtype))
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class CompressedTensor:
+    """A compressed tensor: `data` and `meta` as in the module docstring; `length` = original size of the grouped
+    dimension. Slicing dimensions before the grouped one works on data and meta alike (see `map`)."""
+
+    data: torch.Tensor
+    meta: torch.Tensor
+    length: int
+    spec: CompressionSpec
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    @property
+    def shape(self) -> tuple:
+        d = self.spec.dim(self.data.dim() - 1)
+        s = tuple(self.data.shape)
+        return s[:d] + (self.length,) + s[d + 2:]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.meta.numel() * self.meta.element_size()
+
+    def map(self, fn: Callable) -> "CompressedTensor":
+        """fn applied to data and meta (indexing of leading dimensions, .to(device), ...)."""
+        return CompressedTensor(fn(self.data), fn(self.meta), self.length, self.spec)
+
+
+def quantize(x: torch.Tensor, spec: CompressionSpec, dtype: Optional[torch.dtype] = None) -> CompressedTensor:
+    """x (any float dtype) -> CompressedTensor whose scale and minimum are stored as `dtype` (default x.dtype)."""
+    dtype = dtype or x.dtype
+    d, n, size = spec.dim(x.dim()), x.shape[spec.dim(x.dim())], spec.group_size
+    groups = -(-n // size)
+    xf = x.float()
+    if groups * size != n:  # pad with copies of the last value: min and max unchanged
+        xf = xf.index_select(d, torch.arange(groups * size, device=x.device).clamp_(max=n - 1))
+    g = xf.view(x.shape[:d] + (groups, size) + x.shape[d + 1:])  # (..., groups, size, ...)
+    lo = _round_down(g.amin(d + 1), dtype)  # (..., groups, ...)
+    scale = _round_up((g.amax(d + 1) - lo.float()) / spec.levels, dtype)
+    lo_f, scale_f = lo.float().unsqueeze(d + 1), scale.float().unsqueeze(d + 1)
+    q = ((g - lo_f) / torch.where(scale_f > 0, scale_f, 1.0)).round_().clamp_(0, spec.levels).to(torch.uint8)
+    if spec.bits == 4:
+        pairs = q.view(x.shape[:d] + (groups, size // 2, 2) + x.shape[d + 1:])
+        q = pairs.select(d + 2, 0) | (pairs.select(d + 2, 1) << 4)  # (..., groups, size / 2, ...)
+    return CompressedTensor(q.contiguous(), torch.stack([scale, lo], -1), n, spec)
+
+
+def dequantize(ct: CompressedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The expanded tensor (ct.shape) in `dtype` (default the storage dtype); arithmetic in fp32."""
+    spec, data = ct.spec, ct.data
+    d = spec.dim(data.dim() - 1)
+    groups = data.shape[d]
+    if spec.bits == 4:
+        q = torch.stack([data & 0xF, data >> 4], d + 2)  # (..., groups, size / 2, 2, ...)
+        q = q.view(data.shape[:d + 1] + (spec.group_size,) + data.shape[d + 2:])
+    else:
+        q = data
+    meta = ct.meta.float()
+    x = q.float().mul_(meta[..., 0].unsqueeze(d + 1)).add_(meta[..., 1].unsqueeze(d + 1))  # (..., groups, size, ...)
+    x = x.view(data.shape[:d] + (groups * spec.group_size,) + data.shape[d + 2:])
+    if groups * spec.group_size != ct.length:
+        x = x.narrow(d, 0, ct.length).contiguous()
+    return x.to(dtype or ct.dtype)
+
+
+def _round_down(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 v -> the largest `dtype` value <= v."""
+    r = v.to(dtype)
+    return torch.where(r.float() > v, torch.nextafter(r, torch.full_like(r, float("-inf"))), r)
+
+
+def _round_up(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 v -> the smallest `dtype` value >= v."""
+    r = v.to(dtype)
+    return torch.where(r.float() < v, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
