@@ -118,7 +118,7 @@ class _Run:
 
     def free_weight(self, op):
         self.eng.tiers["gpu"].refund(self.wbuf.pop((op.layer, "copied")))
-        del self.wbuf[op.layer]
+        self.eng.weights.release(self.wbuf.pop(op.layer))
 
     def load_cache(self, op):
         if op.step == 0:

@@ -27,6 +27,7 @@ class Job:
     warmup: bool = True
     progress: bool = False
     predicted: Optional[dict] = None
+    dtype_reason: str = ""  # why these storage/compute dtypes (planning/dtype_choice.py)
 
 
 def run_job(rc: RunConfig, job: Job) -> RunReport:
@@ -48,7 +49,7 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
         peaks = peak_bytes(eng, rss)
     report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
                        gen.decode_s, peaks, moved, eng.plan.bytes, threads=thread_settings(),
-                       predicted=job.predicted or {})
+                       predicted=job.predicted or {}, dtype_reason=job.dtype_reason)
     if not job.warmup:
         report.warmup = "no warm-up (--no-warmup)"
     if job.output_file:

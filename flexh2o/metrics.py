@@ -26,6 +26,7 @@ class RunReport:
     warmup: str = "one untimed warm-up generation (gen_len 2) before the timed run"
     threads: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
+    dtype_reason: str = ""
 
     @property
     def prefill_throughput(self) -> float:
@@ -65,6 +66,9 @@ class RunReport:
                  f"peak memory  {peaks}",
                  f"moved per step (logical bytes loaded from each home tier)  {moved}",
                  f"({self.warmup}; excluded from timings)"]
+        if self.dtype_reason:
+            lines.insert(2, f"dtypes  storage {self.policy['dtype']}  compute {self.policy['compute_dtype']}: "
+                         f"{self.dtype_reason}")
         if self.predicted:
             lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "
                          f"{self.predicted.get('decode_throughput', 0):.1f} tok/s")

@@ -46,6 +46,20 @@ def ragged_prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list:
     return [torch.randint(4, vocab, (ln,), generator=g).tolist() for ln in lens]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def flexh2o_cache(tmp_path_factory):
+    """Every test (and every process it starts) caches dtype probes and hardware profiles in a temporary dir,
+    never in the user's ~/.cache/flexh2o."""
+    before = os.environ.get("FLEXH2O_CACHE_DIR")
+    path = tmp_path_factory.mktemp("flexh2o-cache")
+    os.environ["FLEXH2O_CACHE_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("FLEXH2O_CACHE_DIR", None)
+    else:
+        os.environ["FLEXH2O_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors: one intra-op thread avoids OpenMP spin-waiting, several times faster on a shared 2-core box."""

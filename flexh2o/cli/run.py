@@ -14,7 +14,6 @@ from flexh2o.kv.policies import POLICIES, resolve_budget
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.units import parse_bytes
 from flexh2o.placement import Percent
-from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.console import Parser, run_main
 
@@ -34,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tokenizer", help="local tokenizer file or folder (never downloaded)")
     a("--output-file", help="write generated tokens (and text) as JSON")
     a("--log-file", help="append one JSON record of this run")
-    a("--dtype", default="float16", help="storage dtype of weights and cache")
-    a("--compute-dtype", default=None, help="default: float32 on CPU for float16 storage, else the storage dtype")
+    a("--dtype", default="auto", help="storage dtype of weights and cache, or auto (the compute dtype when all is "
+      "in memory and fits, else 16 bits; see flexh2o/planning/dtype_choice.py)")
+    a("--compute-dtype", default="auto", help="auto: on CUDA the storage dtype where fast, on CPU the fastest in a "
+      "cached probe of this machine")
     a("--device", default=None, help="cuda or cpu (default: cuda when present)")
     a("--overlap", default="true", choices=["true", "false"])
     a("--cpu-cache-compute", action="store_true", help="decode attention next to a cpu-tier cache")
@@ -78,7 +79,7 @@ def _run(args) -> int:
     rc = build_run_config(args, cfg, prompts)
     hw = _hardware(args.hardware, rc.device)
     if args.policy == "auto":
-        rc = _auto_policy(rc, hw)
+        rc = _auto_policy(args, rc, hw)
     if prompts is None:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     predicted = _predict(rc, hw)
@@ -92,7 +93,8 @@ def _run(args) -> int:
     _check_output_path(args.output_file, "--output-file")
     _check_output_path(args.log_file, "--log-file")
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, args.log_file,
-              tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted)
+              tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
+              dtype_reason=args.dtype_choice.reason)
     report = run_job(rc, job)
     print(report.summary())
     return 0
@@ -119,10 +121,12 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     if prompts and not auto and args.gpu_batch_size == "4" and "--gpu-batch-size" not in sys.argv:
         gbs = max(1, -(-len(prompts) // nb))  # default batch: the prompts given
     rc = RunConfig(cfg, Percent.parse(args.percent), gbs, nb, prompt_len, args.gen_len, args.path,
-                   parse_dtype(args.dtype), parse_dtype(args.compute_dtype) if args.compute_dtype else None, device,
+                   torch.float16, None, device,
                    args.overlap == "true", args.cpu_cache_compute, policy,
                    resolve_budget(policy, prompt_len, args.hh_ratio, args.recent_ratio, args.kv_budget),
                    args.num_sinks, args.seed, gpu_mem, cpu_mem, disk_mem, args.offload_dir)
+    if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
+        rc = _choose_dtypes(args, rc)
     if auto:
         best = largest_batch(rc)
         if best == 0:
@@ -130,6 +134,17 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
         rc = rc.with_(gpu_batch_size=best)
         print(f"--gpu-batch-size auto: picked {best} (largest that fits, policy {policy})", file=sys.stderr)
     return rc
+
+
+def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
+    """Storage and compute dtypes from --dtype/--compute-dtype (planning/dtype_choice.py decides); the choice is
+    kept on args for the run's report, a note about a much faster pair goes to stderr."""
+    from flexh2o.planning.dtype_choice import choose_dtypes
+    choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits)
+    if choice.note:
+        print(f"flexh2o-run: {choice.note}", file=sys.stderr)
+    args.dtype_choice = choice
+    return rc.with_(dtype=choice.dtype, compute_dtype=choice.compute)
 
 
 def _hardware(path: Optional[str], device: str) -> Optional[dict]:
@@ -152,11 +167,18 @@ def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
         return None
 
 
-def _auto_policy(rc: RunConfig, hw: Optional[dict]) -> RunConfig:
+def _auto_policy(args, rc: RunConfig, hw: Optional[dict]) -> RunConfig:
+    """The searched placement and batch; the dtypes are the fastest pair for which the search finds a fit."""
     from flexh2o.planning.search import command_line, search
     if hw is None:
         raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")
-    found = search(rc, hw)
+    tried = {}
+
+    def fits(r: RunConfig) -> bool:
+        tried[r] = search(r, hw)
+        return bool(tried[r])
+    rc = _choose_dtypes(args, rc, fits=fits)
+    found = tried[rc] if rc in tried else search(rc, hw)
     if not found:
         plan_memory(rc).check()
         raise ValueError("--policy auto found no placement that fits: raise --gpu-mem/--cpu-mem/--disk-mem")

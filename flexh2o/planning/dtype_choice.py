@@ -1,0 +1,182 @@
+"""The one decision of a run's storage (--dtype) and compute (--compute-dtype) dtypes, 'auto' or explicit.
+
+CUDA: the storage dtype where the device computes it fast (bfloat16 needs compute capability 8.0), else float32.
+CPU: a probe (a few hundred ms, cached per machine in machine.cache_dir()) times decode- and prefill-shaped linears
+in each candidate dtype and the conversion of the weights from each storage dtype into a reused buffer (what the
+engine does every step when the two differ); each (storage, compute) pair gets an estimate of the run's linear
+time (conversion once per step, decode matmuls per step and GPU batch, prefill matmuls by rows) and the fastest
+allowed pair wins. --dtype auto stores weights and cache at the compute dtype when every one of them lives in
+memory and the plan still fits (then a step converts nothing); with a disk share, or when the wider dtype would
+overflow a tier, it keeps 16 bits (half the bytes over the slow link). An explicit pair that the probe puts at
+NOTE_RATIO times the best one or slower gets a one-line note naming the faster choice.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from flexh2o.dtypes import dtype_name, parse_dtype
+from flexh2o.planning import machine
+
+CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
+SIXTEEN = (torch.bfloat16, torch.float16)
+DECODE_ROWS, PREFILL_ROWS = 4, 64
+PROBE_SHAPE = (1024, 1024)  # (out, in) of each probe weight; PROBE_WEIGHTS of them (32 MiB in float32)
+PROBE_WEIGHTS = 8
+NOTE_RATIO = 2.0
+PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What ran and why (the summary and the JSON record carry `reason`); `note`: a faster pair, when much faster."""
+
+    dtype: torch.dtype
+    compute: torch.dtype
+    reason: str
+    note: Optional[str] = None
+
+
+def _median_s(fn: Callable[[], object], repeat: int = 2) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times), 1e-9)
+
+
+def probe_timings() -> dict:
+    """Seconds, for PROBE_WEIGHTS weights of PROBE_SHAPE: {'decode': {dtype: s}, 'prefill': {dtype: s} (one weight),
+    'convert': {'src->dst': s}} (decode: DECODE_ROWS rows over all weights; prefill: PREFILL_ROWS rows, one weight;
+    convert: all weights copied into a reused buffer of the compute dtype)."""
+    base = torch.rand(PROBE_WEIGHTS, *PROBE_SHAPE, generator=torch.Generator().manual_seed(0)) - 0.5
+    ws = {d: list(base.to(d).unbind()) for d in CANDIDATES}
+    out: dict = {"decode": {}, "prefill": {}, "convert": {}}
+    for d in CANDIDATES:
+        x1 = torch.randn(DECODE_ROWS, PROBE_SHAPE[1]).to(d)
+        xp = torch.randn(PREFILL_ROWS, PROBE_SHAPE[1]).to(d)
+        out["decode"][dtype_name(d)] = _median_s(lambda: [F.linear(x1, w) for w in ws[d]])
+        out["prefill"][dtype_name(d)] = _median_s(lambda: F.linear(xp, ws[d][0]))
+    for src in CANDIDATES:
+        for dst in CANDIDATES:
+            if src != dst and torch.float32 in (src, dst):  # never between two 16-bit dtypes
+                buf = torch.empty(PROBE_SHAPE, dtype=dst)
+                out["convert"][f"{dtype_name(src)}->{dtype_name(dst)}"] = _median_s(
+                    lambda: [buf.copy_(w) for w in ws[src]])
+    return out
+
+
+def cached_probe(measure: Callable[[], dict] = probe_timings) -> tuple:
+    """(timings, was_cached): this machine's probe from the cache dir, measured and written there the first time."""
+    fp = machine.fingerprint("cpu")
+    name = f"dtype_probe-{machine.fingerprint_key(fp)}.json"
+    got = machine.read_cached(name)
+    if got and got.get("version") == PROBE_VERSION and isinstance(got.get("timings"), dict):
+        return got["timings"], True
+    timings = measure()
+    machine.write_cached(name, {"version": PROBE_VERSION, "fingerprint": fp, "timings": timings})
+    return timings, False
+
+
+def estimate(timings: dict, rc, storage: torch.dtype, compute: torch.dtype) -> float:
+    """Relative seconds of the run's linears in (storage, compute), from the probe (see the module docstring)."""
+    s, c = dtype_name(storage), dtype_name(compute)
+    convert = 0.0 if s == c else timings["convert"].get(f"{s}->{c}", float("inf"))
+    per_row = timings["prefill"][c] * PROBE_WEIGHTS / PREFILL_ROWS  # prefill seconds per row over all weights
+    decode = max(timings["decode"][c], per_row * rc.gpu_batch_size) * rc.num_gpu_batches
+    prefill = per_row * rc.num_seqs * rc.prompt_len
+    return (1 + rc.gen_len) * convert + prefill + (rc.gen_len - 1) * decode
+
+
+def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
+                  probe: Optional[Callable[[], tuple]] = None, fits: Optional[Callable] = None) -> DtypeChoice:
+    """Storage and compute dtypes for `rc` (its placement, batch, lengths and capacities) from the two flags
+    ('auto' or None = choose; else a dtype name). The fastest allowed pair by the probe whose `fits(rc with the
+    pair)` holds (default: the memory plan at rc's placement fits; a converting pair needs compute-side buffers),
+    else the fastest. The CLI's one call; RunConfig then holds both explicitly."""
+    storage = None if dtype_arg in (None, "auto") else parse_dtype(dtype_arg)
+    compute = None if compute_arg in (None, "auto") else parse_dtype(compute_arg)
+    if rc.device.startswith("cuda"):
+        return _cuda_choice(rc, storage, compute)
+    timings, cached = (probe or cached_probe)()
+    fits = fits or (lambda r: _plan_fits(r))
+    ranked = sorted(allowed_pairs(rc, storage, compute), key=lambda p: estimate(timings, rc, *p))
+    s, c = next((p for p in ranked if fits(rc.with_(dtype=p[0], compute_dtype=p[1]))), ranked[0])
+    mine = estimate(timings, rc, s, c)
+    others = {}
+    for s2, c2 in allowed_pairs(rc, storage, None):
+        others[dtype_name(c2)] = min(others.get(dtype_name(c2), float("inf")), estimate(timings, rc, s2, c2))
+    reason = (f"compute {dtype_name(c)} ({'explicit' if compute else 'auto'}; probe{' (cached)' if cached else ''} "
+              "of this CPU, relative linear time " + ", ".join(f"{k} {v / mine:.2f}" for k, v in others.items())
+              + f"), storage {dtype_name(s)} ({'explicit' if storage else _storage_why(rc, s, c)})")
+    if (s, c) != ranked[0]:
+        reason += f"; {dtype_name(ranked[0][0])}/{dtype_name(ranked[0][1])} would not fit"
+    note = None
+    if storage is not None or compute is not None:
+        best = min(allowed_pairs(rc, None, None), key=lambda p: estimate(timings, rc, *p))
+        ratio = mine / estimate(timings, rc, *best)
+        if ratio >= NOTE_RATIO:
+            note = (f"note: --dtype {dtype_name(s)} --compute-dtype {dtype_name(c)} is about {ratio:.1f}x slower "
+                    f"on this CPU than --dtype {dtype_name(best[0])} --compute-dtype {dtype_name(best[1])} (dtype "
+                    "probe); leave both at auto to get the faster one")
+    return DtypeChoice(s, c, reason, note)
+
+
+def allowed_pairs(rc, storage: Optional[torch.dtype], compute: Optional[torch.dtype]) -> list:
+    """(storage, compute) pairs open to the choice: explicit flags fix their side; auto storage is the compute
+    dtype when everything is memory-homed and fits at it, else a 16-bit dtype."""
+    out = []
+    for c in ([compute] if compute else CANDIDATES):
+        if storage is not None:
+            out.append((storage, c))
+        elif _memory_resident(rc) and _fits(rc, c):
+            out.append((c, c))
+        else:
+            out.extend((s, c) for s in SIXTEEN)
+    return out
+
+
+def _storage_why(rc, s, c) -> str:
+    if not _memory_resident(rc):
+        return "auto: weights or cache on disk, 16 bits halve the bytes read"
+    if s == c:
+        return "auto: every weight and cache block in memory and the plan fits, so no step converts"
+    return f"auto: {dtype_name(c)} storage would overflow a tier"
+
+
+def _memory_resident(rc) -> bool:
+    p = rc.percent
+    return p.shares("weights")[2] == 0 and p.shares("cache")[2] == 0
+
+
+def _fits(rc, dtype: torch.dtype) -> bool:
+    return _plan_fits(rc.with_(dtype=dtype, compute_dtype=dtype))
+
+
+def _plan_fits(rc) -> bool:
+    from flexh2o.planning.memory_plan import plan_memory
+    return plan_memory(rc).overflow() is None
+
+
+def cuda_fast(dtype: torch.dtype, capability: tuple) -> bool:
+    """Whether a CUDA device of this compute capability has fast matmuls in dtype."""
+    return dtype != torch.bfloat16 or tuple(capability) >= (8, 0)
+
+
+def _cuda_choice(rc, storage, compute) -> DtypeChoice:
+    cap = torch.cuda.get_device_capability(torch.device(rc.device))
+    s = storage or torch.float16
+    if compute is not None:
+        return DtypeChoice(s, compute, f"explicit --compute-dtype, storage {dtype_name(s)}")
+    if cuda_fast(s, cap):
+        return DtypeChoice(s, s, f"auto: the storage dtype {dtype_name(s)} is fast on compute capability "
+                           f"{cap[0]}.{cap[1]}")
+    return DtypeChoice(s, torch.float32, f"auto: {dtype_name(s)} needs compute capability 8.0 for fast matmuls "
+                       f"(this GPU has {cap[0]}.{cap[1]}), so float32")

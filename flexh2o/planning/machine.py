@@ -1,0 +1,91 @@
+"""This machine: its fingerprint (what decides the speed of a profile or a dtype probe) and the per-user cache dir.
+
+The fingerprint holds the CPU model name and the flags that decide low-precision speed (avx512f, avx512_bf16, amx,
+f16c), the core count, torch's version and intra-op threads, and the GPU's name and memory when CUDA is present.
+Measurements taken here (hardware profile, dtype probe) are cached under cache_dir(), keyed by the fingerprint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from typing import Optional
+
+import torch
+
+FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "f16c", "avx2")
+COMPARED = ("cpu_model", "cpu_flags", "cores", "torch", "threads", "gpu", "gpu_mem")  # keys a mismatch names
+
+
+def cache_dir() -> str:
+    """$FLEXH2O_CACHE_DIR, else $XDG_CACHE_HOME/flexh2o, else ~/.cache/flexh2o (not created here)."""
+    if os.environ.get("FLEXH2O_CACHE_DIR"):
+        return os.environ["FLEXH2O_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flexh2o")
+
+
+def _cpuinfo() -> tuple:
+    """(model name, set of flags) from /proc/cpuinfo; platform's answer where there is none."""
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def fingerprint(device: str = "cpu") -> dict:
+    """What a measurement of this machine depends on (see the module docstring)."""
+    model, flags = _cpuinfo()
+    fp = {"cpu_model": model, "cpu_flags": sorted(f for f in FLAGS if f in flags), "cores": os.cpu_count(),
+          "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(), "gpu": None, "gpu_mem": None}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        fp["gpu"] = torch.cuda.get_device_name(dev)
+        fp["gpu_mem"] = torch.cuda.get_device_properties(dev).total_memory
+    return fp
+
+
+def fingerprint_key(fp: dict) -> str:
+    """A short stable name for a fingerprint (file names in the cache)."""
+    return hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def differences(theirs: Optional[dict], ours: dict) -> list:
+    """Keys of COMPARED whose values differ ('fingerprint' when the profile has none)."""
+    if not theirs:
+        return ["fingerprint"]
+    return [k for k in COMPARED if theirs.get(k) != ours.get(k)]
+
+
+def read_cached(name: str) -> Optional[dict]:
+    """A JSON file from the cache dir, or None when absent or unreadable (a cache is never an error)."""
+    try:
+        with open(os.path.join(cache_dir(), name)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_cached(name: str, data: dict) -> Optional[str]:
+    """Write JSON into the cache dir atomically (temp file + rename); None when the dir is not writable."""
+    d = cache_dir()
+    try:
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".{name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, os.path.join(d, name))
+    except OSError:
+        return None
+    return os.path.join(d, name)
