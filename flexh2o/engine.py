@@ -45,7 +45,8 @@ class Engine:
         self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
         self.weights = None
         try:
-            self.weights = WeightStore(rc.model, self.tiers, rc.percent.shares("weights"), rc.dtype)
+            self.weights = WeightStore(rc.model, self.tiers, rc.percent.shares("weights"), rc.dtype,
+                                       rc.compress_weight)
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:

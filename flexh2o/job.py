@@ -66,7 +66,12 @@ def policy_flags(rc: RunConfig) -> dict:
             "heavy": b.heavy if b else None, "recent": b.recent if b else None, "num_sinks": rc.num_sinks,
             "dtype": str(rc.dtype).replace("torch.", ""), "compute_dtype": str(rc.compute).replace("torch.", ""),
             "device": rc.device, "path": rc.path, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
-            "disk_mem": rc.disk_mem}
+            "disk_mem": rc.disk_mem, "compress_weight": _spec(rc.compress_weight),
+            "compress_cache": _spec(rc.compress_cache)}
+
+
+def _spec(spec) -> Optional[str]:
+    return f"{spec.bits}-bit, groups of {spec.group_size}" if spec else None
 
 
 def write_outputs(path: str, tokens: list, tokenizer=None) -> None:

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig
 from flexh2o.kv.policies import Budget, make_policy
 from flexh2o.placement import Percent
@@ -39,6 +40,8 @@ class RunConfig:
     io_threads: int = 2
     max_positions: Optional[int] = None  # allow going past the model's table (Llama only)
     prefill_batch: Optional[int] = None  # sequences per prefill sub-batch; None: bounded by PREFILL_BYTES
+    compress_weight: Optional[CompressionSpec] = None  # weights of 2+ dimensions, grouped along dimension 0
+    compress_cache: Optional[CompressionSpec] = None  # K and V, grouped along head_dim
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from flexh2o import config as model_configs
+from flexh2o.compress import CompressionSpec
 from flexh2o.kv.policies import POLICIES, resolve_budget
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.units import parse_bytes
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="auto: search --percent and batch sizes for the best predicted throughput (cost model)")
     a("--hardware", default=None, help="hardware profile JSON for predictions (flexh2o-profile; default: the "
       "shipped profile of this CPU when compute is on the CPU)")
+    a("--compress-weight", action="store_true", help="keep weights group-wise quantized in every tier (FlexGen)")
+    a("--compress-bits", type=int, choices=[4, 8], default=4, help="bits a value under --compress-* (default 4)")
+    a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
     return p
@@ -124,7 +128,8 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
                    torch.float16, None, device,
                    args.overlap == "true", args.cpu_cache_compute, policy,
                    resolve_budget(policy, prompt_len, args.hh_ratio, args.recent_ratio, args.kv_budget),
-                   args.num_sinks, args.seed, gpu_mem, cpu_mem, disk_mem, args.offload_dir)
+                   args.num_sinks, args.seed, gpu_mem, cpu_mem, disk_mem, args.offload_dir,
+                   compress_weight=_compression(args, 0, args.compress_weight))
     if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
         rc = _choose_dtypes(args, rc)
     if auto:
@@ -145,6 +150,12 @@ def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
         print(f"flexh2o-run: {choice.note}", file=sys.stderr)
     args.dtype_choice = choice
     return rc.with_(dtype=choice.dtype, compute_dtype=choice.compute)
+
+
+def _compression(args, dim: int, wanted: bool) -> Optional[CompressionSpec]:
+    """FlexGen's group-wise scheme (--compress-bits, --compress-group-size) grouped along `dim`, when wanted."""
+    spec = CompressionSpec(args.compress_bits, args.compress_group_size, dim)  # validates the two flags
+    return spec if wanted else None
 
 
 def _hardware(path: Optional[str], device: str) -> Optional[dict]:

@@ -129,8 +129,8 @@ def dequantize(ct: CompressedTensor, dtype: Optional[torch.dtype] = None) -> tor
         q = q.view(data.shape[:d + 1] + (spec.group_size,) + data.shape[d + 2:])
     else:
         q = data
-    meta = ct.meta.float()
-    x = q.float().mul_(meta[..., 0].unsqueeze(d + 1)).add_(meta[..., 1].unsqueeze(d + 1))  # (..., groups, size, ...)
+    scale, lo = (ct.meta[..., i].float().unsqueeze(d + 1) for i in (0, 1))  # contiguous copies: fast broadcasts
+    x = q.float().mul_(scale).add_(lo)  # (..., groups, size, ...)
     x = x.view(data.shape[:d] + (groups * spec.group_size,) + data.shape[d + 2:])
     if groups * spec.group_size != ct.length:
         x = x.narrow(d, 0, ct.length).contiguous()

@@ -1,10 +1,16 @@
-"""Every weight tensor in its home tier: filled with seeded dummy values or from a converted checkpoint."""
+"""Every weight tensor in its home tier: filled with seeded dummy values or from a converted checkpoint.
+With compression, every weight of two or more dimensions is kept compressed (grouped along dimension 0, as
+FlexGen does) and expanded on the compute side; 1-D weights (biases, norms) stay as they are (FlexGen's rule)."""
 from __future__ import annotations
 
 import threading
 import zlib
+from typing import Optional
 
 import torch
+
+from flexh2o.compress import CompressionSpec
+from flexh2o.compress.tier import CompressedTier
 
 from flexh2o.models import layer_specs
 from flexh2o.models.common import WeightSpec
@@ -39,20 +45,24 @@ def write_chunks(tier, handle, chunks) -> None:
 class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
-    def __init__(self, cfg, tiers: dict, shares: tuple, dtype: torch.dtype):
+    def __init__(self, cfg, tiers: dict, shares: tuple, dtype: torch.dtype,
+                 compress: Optional[CompressionSpec] = None):
         self.specs = layer_specs(cfg)
         self.homes = weight_homes(self.specs, shares)
-        self.tiers, self.dtype = tiers, dtype
+        self.dtype = dtype
         self.buffers = ConvertBuffers()
+        packed = {n: CompressedTier(t, compress.along(0)) for n, t in tiers.items()} if compress else tiers
+        self.tiers = {s.name: (packed if compress and len(s.shape) > 1 else tiers)[self.homes[s.name]]
+                      for layer in self.specs for s in layer}  # name -> the tier object that holds it
         self.handles = {}
         for layer in self.specs:
             for s in layer:
                 if s.name not in self.handles:
-                    self.handles[s.name] = tiers[self.homes[s.name]].alloc(s.shape, dtype)
+                    self.handles[s.name] = self.tiers[s.name].alloc(s.shape, dtype)
 
     def fill_dummy(self, seed: int, progress=None) -> None:
         for name, spec in self._unique():
-            write_chunks(self.tiers[self.homes[name]], self.handles[name], dummy_chunks(spec, seed, self.dtype))
+            write_chunks(self.tiers[name], self.handles[name], dummy_chunks(spec, seed, self.dtype))
             if progress:
                 progress(spec.numel)
 
@@ -62,7 +72,7 @@ class WeightStore:
             t = reader.read(name)
             if tuple(t.shape) != tuple(spec.shape):
                 raise ValueError(f"{reader.file_of(name)} holds shape {tuple(t.shape)}, expected {spec.shape}")
-            self.tiers[self.homes[name]].store(self.handles[name], t.to(self.dtype))
+            self.tiers[name].store(self.handles[name], t.to(self.dtype))
             if progress:
                 progress(spec.numel)
 
@@ -78,11 +88,11 @@ class WeightStore:
         """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are."""
         out, copied = {}, 0
         for s in self.specs[layer]:
-            tier, h = self.tiers[self.homes[s.name]], self.handles[s.name]
-            if torch.device(device).type == "cpu" and dtype != self.dtype:
+            tier, h = self.tiers[s.name], self.handles[s.name]
+            if torch.device(device).type == "cpu" and dtype != self.dtype and not isinstance(tier, CompressedTier):
                 t = self.buffers.convert(tier.load(h, device), dtype)
             else:
-                t = tier.load(h, device, dtype)
+                t = tier.load(h, device, dtype)  # a compressed tensor is expanded straight into `dtype`
             if not _same_storage(t, h):
                 copied += t.numel() * t.element_size()
             out[s.name] = t
@@ -93,9 +103,13 @@ class WeightStore:
         for t in tensors.values():
             self.buffers.give(t)
 
+    def tensor(self, name: str, device="cpu", dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """One weight as the compute side sees it (expanded when compressed), e.g. to build a reference model."""
+        return self.tiers[name].load(self.handles[name], torch.device(device), dtype)
+
     def close(self) -> None:
         for name, h in self.handles.items():
-            self.tiers[self.homes[name]].free(h)
+            self.tiers[name].free(h)
         self.handles = {}
 
 

@@ -1,0 +1,65 @@
+"""A tier that keeps tensors compressed in another tier: they are stored, counted and moved compressed, and
+expanded only on the compute side (after the move)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, quantize
+
+
+@dataclass(frozen=True)
+class CompressedHandle:
+    """The inner tier's handles of one tensor's data and meta, and the tensor's logical shape and storage dtype."""
+
+    data: object
+    meta: object
+    shape: tuple
+    dtype: torch.dtype
+
+
+class CompressedTier:
+    """The Tier interface over `inner` (gpu, cpu or disk), every tensor compressed under `spec`. Capacity, bytes
+    loaded and stored are the inner tier's, so they count compressed bytes."""
+
+    def __init__(self, inner, spec: CompressionSpec):
+        self.inner, self.spec = inner, spec
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def alloc(self, shape: tuple, dtype: torch.dtype) -> CompressedHandle:
+        (ds, ddt), (ms, mdt) = self.spec.layout(shape, dtype)
+        data = self.inner.alloc(ds, ddt)
+        try:
+            meta = self.inner.alloc(ms, mdt)
+        except BaseException:
+            self.inner.free(data)
+            raise
+        return CompressedHandle(data, meta, tuple(int(s) for s in shape), dtype)
+
+    def load_compressed(self, handle: CompressedHandle, device) -> CompressedTensor:
+        """The compressed tensor on `device` (moved compressed)."""
+        return CompressedTensor(self.inner.load(handle.data, device), self.inner.load(handle.meta, device),
+                                handle.shape[self.spec.dim(len(handle.shape))], self.spec)
+
+    def load(self, handle: CompressedHandle, device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Moved compressed to `device`, then expanded there into `dtype` (default the storage dtype)."""
+        return dequantize(self.load_compressed(handle, device), dtype or handle.dtype)
+
+    def store(self, handle: CompressedHandle, tensor, slots: Optional[torch.Tensor] = None) -> None:
+        """Write a tensor (quantized here) or a CompressedTensor; `slots` as the inner tier's (dimension 2)."""
+        ct = tensor if isinstance(tensor, CompressedTensor) else quantize(tensor, self.spec, handle.dtype)
+        self.inner.store(handle.data, ct.data, slots)
+        self.inner.store(handle.meta, ct.meta, slots)
+
+    def write_from(self, handle: CompressedHandle, chunks: Iterable[torch.Tensor]) -> None:
+        """Consecutive flat pieces of the whole tensor: gathered (groups span pieces), then quantized once."""
+        self.store(handle, torch.cat([c.reshape(-1) for c in chunks]).view(handle.shape))
+
+    def free(self, handle: CompressedHandle) -> None:
+        self.inner.free(handle.data)
+        self.inner.free(handle.meta)
