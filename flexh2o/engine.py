@@ -107,7 +107,7 @@ class _Run:
         self.act_homes = block_homes(1, nb, rc.percent.shares("activations"))[0]
         slots = self.policy.slots(self.t, gen_len)
         self.cache = KVCache(eng.tiers, block_homes(self.cfg.num_layers, nb, rc.percent.shares("cache")),
-                             b, self.cfg.kv_heads, slots, self.cfg.head_dim, rc.dtype)
+                             b, self.cfg.kv_heads, slots, self.cfg.head_dim, rc.dtype, rc.compress_cache)
         self.slots = slots
         self.times = []
 
@@ -178,7 +178,8 @@ class _Run:
                 return out
             return fam.block(self.cfg, w, layer - 1, x, pos.clamp(min=0), attend)
         b = x.shape[0]
-        blk = KVBlock.empty(b, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device)
+        blk = KVBlock.empty(b, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device,
+                            self.rc.compress_cache)
         scores = self.slots < self.t + self.gen_len  # an eviction can happen
         outs, rows = [], self.rc.prefill_rows()
         for r in range(0, b, rows):

@@ -80,7 +80,25 @@ def ref_random_key(seed: int, layer: int, head: int, pos: int) -> float:
 
 
 # ---- models -----------------------------------------------------------------------------------------------------
-def attention(q, k, v, visible, num_heads: int, kv_heads: int) -> tuple:
+def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optional[Callable] = None,
+              prompt_len: int = 0) -> tuple:
+    """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), probs (kv, T, T) summed over each group).
+
+    With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V), the queries after the prompt (generated tokens)
+    read the quantized K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends
+    before the cache is written)."""
+    if kv_quant is None:
+        return _attention(q, k, v, visible, num_heads, kv_heads)
+    T = q.shape[0]
+    qk, qv = (kv_quant(x.view(T, kv_heads, -1)).reshape(T, -1) for x in (k, v))
+    exact = _attention(q, k, v, visible, num_heads, kv_heads)
+    packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
+    later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache
+    return (torch.where(later[:, None], packed[0], exact[0]),
+            torch.where(later[None, :, None], packed[1], exact[1]))
+
+
+def _attention(q, k, v, visible, num_heads: int, kv_heads: int) -> tuple:
     """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), probs (kv, T, T) summed over each group)."""
     T = q.shape[0]
     d = q.shape[1] // num_heads
@@ -94,7 +112,7 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int) -> tuple:
     return out, probs.view(kv_heads, group, T, T).sum(1)
 
 
-def opt_forward(cfg, w: dict, ids: list, visible: list) -> tuple:
+def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)) -> tuple:
     """Pre-LayerNorm OPT. -> (logits of the last position (vocab,), [probs (kv, T, T) per layer])."""
     assert cfg.norm_before and cfg.embed_dim == cfg.hidden, "the reference covers pre-LN OPT without projections"
     P = "model.decoder."
@@ -105,7 +123,7 @@ def opt_forward(cfg, w: dict, ids: list, visible: list) -> tuple:
         p = f"{P}layers.{i}."
         y = _layer_norm(x, w, p + "self_attn_layer_norm")
         q, k, v = (_linear(y, w, f"{p}self_attn.{name}_proj") for name in "qkv")
-        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.num_heads)
+        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.num_heads, *quant)
         x = x + _linear(o, w, p + "self_attn.out_proj")
         y = _layer_norm(x, w, p + "final_layer_norm")
         x = x + _linear(F.relu(_linear(y, w, p + "fc1")), w, p + "fc2")
@@ -114,7 +132,7 @@ def opt_forward(cfg, w: dict, ids: list, visible: list) -> tuple:
     return x[-1] @ w[P + "embed_tokens.weight"].T, all_probs
 
 
-def llama_forward(cfg, w: dict, ids: list, visible: list) -> tuple:
+def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)) -> tuple:
     """Llama with grouped KV heads. -> (logits of the last position (vocab,), [probs (kv, T, T) per layer])."""
     T, d = len(ids), cfg.head_dim
     x = w["model.embed_tokens.weight"][ids]  # (T, h)
@@ -125,7 +143,7 @@ def llama_forward(cfg, w: dict, ids: list, visible: list) -> tuple:
         y = _rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
         q, k, v = (y @ w[f"{p}self_attn.{name}_proj.weight"].T for name in "qkv")
         q, k = _rotate(q, cos, sin, d), _rotate(k, cos, sin, d)
-        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.kv_heads)
+        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.kv_heads, *quant)
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
         y = _rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
         gate, up = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
@@ -175,8 +193,9 @@ class RefGeneration:
 
 
 def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
-             forced: Optional[list] = None) -> RefGeneration:
-    """Greedy (or teacher-forced with `forced`) generation of one unpadded prompt under `policy`, fp32."""
+             forced: Optional[list] = None, kv_quant: Optional[Callable] = None) -> RefGeneration:
+    """Greedy (or teacher-forced with `forced`) generation of one unpadded prompt under `policy`, fp32.
+    `kv_quant`: the quantize-dequantize of a compressed cache, applied to the K/V generated tokens read."""
     w = {name: t.float() for name, t in weights.items()}
     forward = FORWARD[cfg.family]
     n, L, H = len(prompt), cfg.num_layers, cfg.kv_heads
@@ -196,7 +215,7 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
             for layer in range(L):
                 for head in range(H):
                     visible[layer][head, cur, sorted(kept[layer][head] | {cur})] = True
-        logits, probs = forward(cfg, w, ids, [m[:, :T, :T] for m in visible])
+        logits, probs = forward(cfg, w, ids, [m[:, :T, :T] for m in visible], (kv_quant, n))
         for layer in range(L):
             if step == 0:
                 score[layer][:, :T] = probs[layer].sum(1)  # every prompt query, fp32

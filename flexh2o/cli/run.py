@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hardware", default=None, help="hardware profile JSON for predictions (flexh2o-profile; default: the "
       "shipped profile of this CPU when compute is on the CPU)")
     a("--compress-weight", action="store_true", help="keep weights group-wise quantized in every tier (FlexGen)")
+    a("--compress-cache", action="store_true", help="keep the KV cache group-wise quantized in every tier (FlexGen)")
     a("--compress-bits", type=int, choices=[4, 8], default=4, help="bits a value under --compress-* (default 4)")
     a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
@@ -129,7 +130,8 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
                    args.overlap == "true", args.cpu_cache_compute, policy,
                    resolve_budget(policy, prompt_len, args.hh_ratio, args.recent_ratio, args.kv_budget),
                    args.num_sinks, args.seed, gpu_mem, cpu_mem, disk_mem, args.offload_dir,
-                   compress_weight=_compression(args, 0, args.compress_weight))
+                   compress_weight=_compression(args, 0, args.compress_weight),
+                   compress_cache=_compression(args, -1, args.compress_cache))
     if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
         rc = _choose_dtypes(args, rc)
     if auto:

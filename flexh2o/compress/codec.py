@@ -147,3 +147,28 @@ def _round_up(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 v -> the smallest `dtype` value >= v."""
     r = v.to(dtype)
     return torch.where(r.float() < v, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
+
+
+def expand(x, dtype: torch.dtype) -> torch.Tensor:
+    """A plain tensor or a CompressedTensor as a plain tensor in `dtype` (for the compute side)."""
+    return dequantize(x, dtype) if isinstance(x, CompressedTensor) else x.to(dtype)
+
+
+def assign(dst, index, values: torch.Tensor) -> None:
+    """dst[index] = values for a plain tensor, or the quantized values for a CompressedTensor (its grouped
+    dimension is the last: `index` selects whole groups, e.g. one KV slot per row and head)."""
+    if isinstance(dst, CompressedTensor):
+        ct = quantize(values, dst.spec, dst.dtype)
+        dst.data[index] = ct.data
+        dst.meta[index] = ct.meta
+    else:
+        dst[index] = values.to(dst.dtype)
+
+
+def empty_like_layout(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec], device) -> object:
+    """A zero tensor of `shape`, or a CompressedTensor of zeros when `spec` is given."""
+    if spec is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    (ds, ddt), (ms, mdt) = spec.layout(shape, dtype)
+    return CompressedTensor(torch.zeros(ds, dtype=ddt, device=device), torch.zeros(ms, dtype=mdt, device=device),
+                            int(shape[spec.dim(len(shape))]), spec)

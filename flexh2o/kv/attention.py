@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flexh2o.compress.codec import assign, expand
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies.base import KVPolicy
 
@@ -60,8 +61,9 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :blk.pos.shape[-1]]  # kept first
     m = order.shape[-1]
     take = keep.gather(-1, order)
-    blk.k[:, :, :m] = k.gather(2, order[..., None].expand(b, kv, m, d))
-    blk.v[:, :, :m] = v.gather(2, order[..., None].expand(b, kv, m, d))
+    first = (slice(None), slice(None), slice(0, m))
+    assign(blk.k, first, k.gather(2, order[..., None].expand(b, kv, m, d)))  # quantized here when compressed
+    assign(blk.v, first, v.gather(2, order[..., None].expand(b, kv, m, d)))
     blk.pos[:, :, :m] = torch.where(take, pos.gather(-1, order), -1)
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
 
@@ -72,21 +74,21 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> tupl
     The new K/V go into a free slot of `blk` (in place, on the block's device); attention runs there;
     scores are updated and at most one token per row is evicted (its slot becomes free for the next step).
     """
-    dev, home = blk.k.device, q.device
+    dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = q.to(dev), k.to(dev), v.to(dev), cur_pos.to(dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
     slot = (blk.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
     bi = torch.arange(b, device=dev)[:, None]
     hi = torch.arange(kv, device=dev)[None, :]
-    blk.k[bi, hi, slot] = k[:, :, 0].to(blk.k.dtype)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
-    blk.v[bi, hi, slot] = v[:, :, 0].to(blk.v.dtype)
+    assign(blk.k, (bi, hi, slot), k[:, :, 0])  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
+    assign(blk.v, (bi, hi, slot), v[:, :, 0])  # a compressed block quantizes the new token's K/V here
     blk.pos[bi, hi, slot] = cur_pos.view(b, 1).expand(b, kv)
     blk.score[bi, hi, slot] = 0.0
     qg = q.view(b, kv, n // kv, d)
-    att = torch.einsum("bhgd,bhsd->bhgs", qg, blk.k.to(q.dtype)).float() * d ** -0.5  # (b, kv, g, s)
+    att = torch.einsum("bhgd,bhsd->bhgs", qg, expand(blk.k, q.dtype)).float() * d ** -0.5  # (b, kv, g, s)
     att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)
-    out = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), blk.v.to(q.dtype)).reshape(b, n, 1, d)
+    out = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), expand(blk.v, q.dtype)).reshape(b, n, 1, d)
     if policy.needs_scores:
         blk.score += att.sum(2)
     evict = policy.decode_evict(blk.pos, blk.score, layer, cur_pos)

@@ -10,6 +10,10 @@ from typing import Optional
 
 import torch
 
+from flexh2o.compress import CompressedTensor, CompressionSpec
+from flexh2o.compress.codec import empty_like_layout
+from flexh2o.compress.tier import CompressedTier
+
 FIELDS = ("k", "v", "pos", "score")
 
 
@@ -17,7 +21,8 @@ FIELDS = ("k", "v", "pos", "score")
 class KVBlock:
     """One block on the compute side.
 
-    k, v: (b, kv_heads, slots, head_dim); pos int64 and score fp32: (b, kv_heads, slots).
+    k, v: (b, kv_heads, slots, head_dim), plain or a CompressedTensor grouped along head_dim (one slot = whole
+    groups, so a slot is written alone); pos int64 and score fp32: (b, kv_heads, slots).
     """
 
     k: torch.Tensor
@@ -26,15 +31,18 @@ class KVBlock:
     score: torch.Tensor
 
     @staticmethod
-    def empty(b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype, device) -> "KVBlock":
-        return KVBlock(torch.zeros(b, heads, slots, head_dim, dtype=dtype, device=device),
-                       torch.zeros(b, heads, slots, head_dim, dtype=dtype, device=device),
+    def empty(b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype, device,
+              compress: Optional[CompressionSpec] = None) -> "KVBlock":
+        shape = (b, heads, slots, head_dim)
+        return KVBlock(empty_like_layout(shape, dtype, compress, device),
+                       empty_like_layout(shape, dtype, compress, device),
                        torch.full((b, heads, slots), -1, dtype=torch.int64, device=device),
                        torch.zeros(b, heads, slots, dtype=torch.float32, device=device))
 
     def rows(self, sl: slice) -> "KVBlock":
         """A view of some sequences of the block."""
-        return KVBlock(self.k[sl], self.v[sl], self.pos[sl], self.score[sl])
+        return KVBlock(*(x.map(lambda t: t[sl]) if isinstance(x, CompressedTensor) else x[sl]
+                         for x in (self.k, self.v)), self.pos[sl], self.score[sl])
 
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
@@ -42,10 +50,13 @@ class KVBlock:
 
 
 class KVCache:
-    """Home storage of every block: `homes[layer][batch]` names the tier; `tiers` maps names to Tier objects."""
+    """Home storage of every block: `homes[layer][batch]` names the tier; `tiers` maps names to Tier objects.
+    With `compress`, K and V live compressed in their tier and move compressed (attention expands them)."""
 
-    def __init__(self, tiers: dict, homes: list, b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, tiers: dict, homes: list, b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype,
+                 compress: Optional[CompressionSpec] = None):
         self.tiers, self.homes = tiers, homes
+        self.kv_tiers = {n: CompressedTier(t, compress) for n, t in tiers.items()} if compress else tiers
         self.shape = (b, heads, slots, head_dim)
         self.dtype = dtype
         self.handles = {}
@@ -55,7 +66,8 @@ class KVCache:
 
     def _alloc(self, tier) -> dict:
         b, h, s, d = self.shape
-        return {"k": tier.alloc((b, h, s, d), self.dtype), "v": tier.alloc((b, h, s, d), self.dtype),
+        kv = self.kv_tiers[tier.name]
+        return {"k": kv.alloc((b, h, s, d), self.dtype), "v": kv.alloc((b, h, s, d), self.dtype),
                 "pos": tier.alloc((b, h, s), torch.int64), "score": tier.alloc((b, h, s), torch.float32)}
 
     def tier_of(self, layer: int, batch: int):
@@ -64,19 +76,22 @@ class KVCache:
     def load(self, layer: int, batch: int, device) -> KVBlock:
         """The block on `device` (a view of the home when it is already there)."""
         tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
-        return KVBlock(**{f: tier.load(hs[f], device) for f in FIELDS})
+        kv = self.kv_tiers[tier.name]
+        load = kv.load_compressed if isinstance(kv, CompressedTier) else kv.load
+        return KVBlock(load(hs["k"], device), load(hs["v"], device), tier.load(hs["pos"], device),
+                       tier.load(hs["score"], device))
 
     def store(self, layer: int, batch: int, block: KVBlock, slots: Optional[torch.Tensor] = None) -> None:
         """Write a block home: all of it, or only K/V at `slots` (b, kv_heads) plus the small pos/score arrays."""
         tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
         for f in ("k", "v"):
-            tier.store(hs[f], getattr(block, f), slots)
+            self.kv_tiers[tier.name].store(hs[f], getattr(block, f), slots)
         tier.store(hs["pos"], block.pos)
         tier.store(hs["score"], block.score)
 
     def close(self) -> None:
         for (layer, batch), hs in self.handles.items():
             tier = self.tier_of(layer, batch)
-            for h in hs.values():
-                tier.free(h)
+            for f, h in hs.items():
+                (self.kv_tiers[tier.name] if f in ("k", "v") else tier).free(h)
         self.handles = {}

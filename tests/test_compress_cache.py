@@ -1,0 +1,95 @@
+"""--compress-cache: K/V quantized when written into their slot (one slot per token and KV head, grouped along
+head_dim), kept compressed in the cache's home tier, expanded by attention. Under every KV policy and on every cache
+tier the engine equals tests/reference_kv.py fed the same quantize-dequantize of the K/V that generated tokens read."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_kv as ref
+from flexh2o.compress import CompressionSpec, dequantize, quantize, stored_bytes
+from flexh2o.engine import Engine
+from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, SEED, SINKS, _assert_matches, _engine, \
+    _rc
+
+SPEC = CompressionSpec(4, 16, -1)  # head_dim 16: one group per token and head
+LLAMA_COMBOS = ("gpu-overlap", "disk-overlap")  # OPT runs every cache placement, Llama two of them
+CASES = [(m, p, c) for m in MODELS for p in POLICIES for c in COMBOS if m == "opt" or c[0] in LLAMA_COMBOS]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def kv_quant(x: torch.Tensor) -> torch.Tensor:
+    """(T, kv, d) K or V -> its quantize-dequantize, as the compressed cache stores it."""
+    return dequantize(quantize(x, SPEC), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory, data):
+    """(model, policy) -> one RefGeneration per prompt, with quantized K/V after the prompt."""
+    cache, weights = {}, {}
+    prompts, forced = data
+
+    def get(model: str, policy: str) -> list:
+        if model not in weights:
+            with _engine(_rc(model, "full", str(tmp_path_factory.mktemp("w")))) as eng:
+                weights[model] = {k: v.clone() for k, v in eng.weights.handles.items()}
+        if (model, policy) not in cache:
+            b = BUDGETS[policy]
+            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED)
+            cache[model, policy] = [ref.generate(MODELS[model], weights[model], p, GEN, pol, forced[i].tolist(),
+                                                 kv_quant) for i, p in enumerate(prompts)]
+        return cache[model, policy]
+    return get
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENS]
+    return prompts, torch.randint(4, 1000, (len(LENS), GEN), generator=g)
+
+
+@pytest.mark.parametrize("model, policy, combo", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2][0]}") for c in CASES])
+def test_engine_matches_quantized_reference(model, policy, combo, data, packed_reference, offload_dir):
+    """Teacher-forced: the logits of all 33 steps of all 6 sequences, within 1e-4, and the kept counts."""
+    prompts, forced = data
+    _, percent, overlap, ccc, batching, chunk = combo
+    rc = _rc(model, policy, offload_dir, percent, overlap, ccc, batching, chunk).with_(compress_cache=SPEC)
+    with _engine(rc) as eng:
+        gen = eng.generate(prompts, GEN, forced=forced, record_logits=True)
+    _assert_matches(gen, packed_reference(model, policy), BUDGETS[policy])
+
+
+def test_quantization_moves_the_logits(data, packed_reference):
+    """The comparison is sharp: the quantized and the exact reference differ by far more than the tolerance."""
+    from test_kv_equivalence import ATOL
+    prompts, forced = data
+    pol = ref.RefPolicy("h2o", BUDGETS["h2o"].heavy, BUDGETS["h2o"].recent, SINKS, SEED)
+    with _engine(_rc("opt", "full", "/tmp")) as eng:
+        w = {k: v.clone() for k, v in eng.weights.handles.items()}
+    exact = ref.generate(MODELS["opt"], w, prompts[0], GEN, pol, forced[0].tolist())
+    packed = packed_reference("opt", "h2o")[0]
+    assert max(float((x - y).abs().max()) for x, y in zip(exact.step_logits, packed.step_logits)) > 100 * ATOL
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+def test_cache_tier_holds_compressed_bytes(tier, offload_dir):
+    """The cache blocks' K and V take the compressed bytes in their tier (pos and score stay as they are)."""
+    from flexh2o.kv.cache import KVCache
+    used = {}
+    for spec in (SPEC, None):
+        rc = _rc("opt", "h2o", offload_dir, [100, 0, 0, 0]).with_(compress_cache=spec)  # a disk tier exists
+        with Engine(rc) as eng:
+            before = eng.tiers[tier].used
+            cfg = rc.model
+            cache = KVCache(eng.tiers, [[tier] * rc.num_gpu_batches] * cfg.num_layers, rc.gpu_batch_size,
+                            cfg.kv_heads, rc.cache_slots(), cfg.head_dim, rc.dtype, spec)
+            used[spec is None] = eng.tiers[tier].used - before
+            cache.close()
+            assert eng.tiers[tier].used == before
+    shape = (rc.gpu_batch_size, rc.model.kv_heads, rc.cache_slots(), rc.model.head_dim)
+    blocks = rc.num_gpu_batches * rc.model.num_layers
+    small = rc.gpu_batch_size * rc.model.kv_heads * rc.cache_slots() * 12  # int64 pos + fp32 score
+    assert used[False] == blocks * (2 * stored_bytes(shape, torch.float32, SPEC) + small)
+    assert used[True] == blocks * (2 * stored_bytes(shape, torch.float32) + small)
