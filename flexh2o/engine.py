@@ -1,4 +1,9 @@
-"""Engine: wires tiers, weights, the KV cache, the policy and the block schedule; `generate` runs one batch job."""
+"""Engine: wires tiers, weights, the KV cache, the policy and the block schedule; `generate` runs one batch job.
+
+One generate() call is a `_Run`: the schedule's ops (schedule/plan.py) executed by the Executor (schedule/run.py),
+each op handled by one of three parts: Sequences (token state), Buffers (compute-side tensors keyed by
+Op.buffer) and LayerCompute (the model family's functions and the KV policy).
+"""
 from __future__ import annotations
 
 import time
@@ -8,14 +13,15 @@ from typing import Callable, Optional
 import torch
 
 from flexh2o import models
-from flexh2o.kv import attention
-from flexh2o.kv.cache import KVBlock, KVCache
+from flexh2o.generation.buffers import Buffers
+from flexh2o.generation.compute import LayerCompute
+from flexh2o.generation.sequences import Sequences
+from flexh2o.kv.cache import KVCache
 from flexh2o.planning.memory_plan import plan_memory
-from flexh2o.placement import block_homes
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
 from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, LOAD_WEIGHT, STORE_ACT,
-                                   STORE_CACHE, block_schedule)
+                                   STORE_CACHE, Op, block_schedule)
 from flexh2o.schedule.run import Executor
 from flexh2o.storage.factory import make_tiers
 from flexh2o.weights.store import WeightStore
@@ -30,7 +36,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     step_logits: Optional[list] = None  # per step, (num_seqs, vocab), when asked for
-    kept: dict = field(default_factory=dict)  # layer -> max tokens kept per row after the last step
+    kept: dict = field(default_factory=dict)  # cache layer -> max tokens kept per row after the last step (if asked)
 
 
 class Engine:
@@ -42,11 +48,11 @@ class Engine:
         self.rc, self.cfg, self.plan = rc, rc.model, plan
         self.family = models.family(rc.model)
         self.device = torch.device(rc.device)
+        self.policy = rc.kv.make()  # the run's one policy object
         self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
         self.weights = None
         try:
-            self.weights = WeightStore(rc.model, self.tiers, rc.percent.shares("weights"), rc.dtype,
-                                       rc.compress_weight)
+            self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight)
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:
@@ -69,142 +75,72 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-    def generate(self, prompts: list, gen_len: int, sampler: Optional[Sampler] = None,
-                 forced: Optional[torch.Tensor] = None, record_logits: bool = False,
-                 on_step: Optional[Callable] = None) -> Generation:
-        """prompts: num_seqs lists of token ids (left-padded here). forced (num_seqs, gen_len): feed these tokens
-        instead of the sampled ones (teacher forcing, for perplexity)."""
-        run = _Run(self, prompts, gen_len, sampler or Sampler(), forced, record_logits, on_step)
-        return run.execute()
+    def generate(self, prompts: list, gen_len: int, sampler: Optional[Callable] = None, record_logits: bool = False,
+                 on_step: Optional[Callable] = None, kept_stats: bool = False) -> Generation:
+        """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
+        (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer."""
+        run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step)
+        return run.execute(kept_stats)
 
 
 class _Run:
-    """State of one generate() call: buffers of the block schedule and per-batch token state."""
+    """One generate() call: the schedule's op handlers over the run's sequences, buffers and layer compute."""
 
-    def __init__(self, eng: Engine, prompts, gen_len, sampler, forced, record_logits, on_step):
-        rc = eng.rc
-        b, nb = rc.gpu_batch_size, rc.num_gpu_batches
-        if len(prompts) != b * nb:
-            raise ValueError(f"{len(prompts)} prompts given for {b} x {nb} sequences")
-        self.eng, self.rc, self.cfg, self.gen_len = eng, rc, eng.cfg, gen_len
-        self.sampler, self.forced, self.on_step = sampler, forced, on_step
-        self.policy = rc.policy()
-        self.t = max(len(p) for p in prompts)
-        if self.t > rc.prompt_len or gen_len > rc.gen_len or min(map(len, prompts)) < 1:
-            raise ValueError(f"prompts of up to {self.t} tokens + {gen_len} generated exceed the planned "
-                             f"{rc.prompt_len} + {rc.gen_len} (or a prompt is empty): plan with the real lengths")
-        ids = torch.full((b * nb, self.t), self.cfg.pad_token_id, dtype=torch.long)
-        pos = torch.full((b * nb, self.t), -1, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, self.t - len(p):] = torch.tensor(p, dtype=torch.long)
-            pos[i, self.t - len(p):] = torch.arange(len(p))
-        self.ids, self.pos = ids.view(nb, b, self.t), pos.view(nb, b, self.t)
-        self.lens = (self.pos[:, :, -1] + 1)  # (nb, b) real prompt lengths
-        self.tokens = torch.zeros(nb, b, gen_len, dtype=torch.long)
-        self.last_logits = torch.zeros(nb, b, self.cfg.vocab)
-        self.step_logits = [torch.zeros(nb, b, self.cfg.vocab) for _ in range(gen_len)] if record_logits else None
-        self.wbuf, self.cbuf, self.dirty, self.abuf, self.ahandles = {}, {}, {}, {}, {}
-        self.act_homes = block_homes(1, nb, rc.percent.shares("activations"))[0]
-        slots = self.policy.slots(self.t, gen_len)
-        self.cache = KVCache(eng.tiers, block_homes(self.cfg.num_layers, nb, rc.percent.shares("cache")),
-                             b, self.cfg.kv_heads, slots, self.cfg.head_dim, rc.dtype, rc.compress_cache)
-        self.slots = slots
-        self.times = []
+    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step):
+        rc, cfg = eng.rc, eng.cfg
+        self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
+        self.sampler, self.on_step = sampler, on_step
+        self.seqs = Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, cfg.pad_token_id, cfg.vocab,
+                              record_logits)
+        t = self.seqs.t
+        if t > rc.prompt_len or gen_len > rc.gen_len:
+            raise ValueError(f"prompts of up to {t} tokens + {gen_len} generated exceed the planned "
+                             f"{rc.prompt_len} + {rc.gen_len}: plan with the real lengths")
+        slots = rc.kv.slots(t, gen_len)
+        cache = KVCache(eng.tiers, rc.placement.cache, rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim,
+                        rc.dtype, rc.compress_cache)
+        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, rc.compute)
+        self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, rc.kv.evicts(t, gen_len))
+        self.times: list = []
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
-    def load_weight(self, op):
-        self.wbuf[op.layer], copied = self.eng.weights.load_layer(op.layer, self.eng.device, self.rc.compute)
-        self.eng.tiers["gpu"].charge(copied)
-        self.wbuf[op.layer, "copied"] = copied
+    def load_weight(self, op: Op) -> None:
+        self.bufs.load_weights(op.layer)
 
-    def free_weight(self, op):
-        self.eng.tiers["gpu"].refund(self.wbuf.pop((op.layer, "copied")))
-        self.eng.weights.release(self.wbuf.pop(op.layer))
+    def free_weight(self, op: Op) -> None:
+        self.bufs.free_weights(op.layer)
 
-    def load_cache(self, op):
+    def load_cache(self, op: Op) -> None:
         if op.step == 0:
             return  # prefill builds the block
-        device = torch.device("cpu") if self._attend_on_cpu(op.layer - 1, op.batch) else self.eng.device
-        self.cbuf[op.layer, op.batch] = self.cache.load(op.layer - 1, op.batch, device)
+        on_cpu = self.rc.cpu_cache_compute and self.rc.placement.cache[op.cache_layer][op.batch] == "cpu"
+        self.bufs.load_block(op.layer, op.batch, op.cache_layer, torch.device("cpu") if on_cpu else self.eng.device)
 
-    def store_cache(self, op):
-        blk = self.cbuf.pop((op.layer, op.batch))
-        self.cache.store(op.layer - 1, op.batch, blk, self.dirty.pop((op.layer, op.batch)))
+    def store_cache(self, op: Op) -> None:
+        self.bufs.store_block(op.layer, op.batch, op.cache_layer)
 
-    def load_act(self, op):
-        tier = self.eng.tiers[self.act_homes[op.batch]]
-        h = self.ahandles.pop(op.batch, None)
-        if h is not None:
-            self.abuf[op.batch] = tier.load(h, self.eng.device, self.rc.compute)
-            tier.free(h)
+    def load_act(self, op: Op) -> None:
+        self.bufs.load_act(op.batch)
 
-    def store_act(self, op):
-        tier = self.eng.tiers[self.act_homes[op.batch]]
-        if tier.name == "gpu" or op.layer == self.cfg.num_layers + 1:
-            return  # stays on the compute device (or is consumed by the head)
-        x = self.abuf.pop(op.batch)
-        h = tier.alloc(tuple(x.shape), x.dtype)
-        tier.store(h, x)
-        self.ahandles[op.batch] = h
+    def store_act(self, op: Op) -> None:
+        self.bufs.store_act(op.batch)
 
-    def compute(self, op):
-        step, layer, batch = op.step, op.layer, op.batch
-        ids, pos = self._inputs(step, batch)
-        w = self.wbuf[layer]
+    def compute(self, op: Op) -> None:
+        step, layer, batch, bufs = op.step, op.layer, op.batch, self.bufs
+        ids, pos = self.seqs.inputs(step, batch, self.eng.device)
+        w = bufs.weights_of(layer)
         if layer == 0:
-            self.abuf[batch] = self.eng.family.embed(self.cfg, w, ids, pos.clamp(min=0))
-        elif layer <= self.cfg.num_layers:
-            self.abuf[batch] = self._block(step, layer, batch, w, pos)
+            bufs.a[batch] = self.layers.embed(w, ids, pos)
+        elif op.cache_layer < 0:
+            self._emit(step, batch, self.layers.head(w, bufs.a.pop(batch)))
+        elif step == 0:
+            bufs.a[batch], blk = self.layers.prefill(w, op.cache_layer, bufs.a[batch], pos)
+            bufs.put_block(layer, batch, blk)
         else:
-            logits = self.eng.family.head(self.cfg, w, self.abuf.pop(batch)[:, -1:])[:, 0]  # (b, vocab)
-            self._emit(step, batch, logits)
+            bufs.a[batch] = self.layers.decode(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch))
 
-    # ---- helpers -------------------------------------------------------------------------------------------
-    def _inputs(self, step: int, batch: int) -> tuple:
-        dev = self.eng.device
-        if step == 0:
-            return self.ids[batch].to(dev), self.pos[batch].to(dev)
-        prev = self.tokens[batch, :, step - 1:step]
-        return prev.to(dev), (self.lens[batch] + step - 1).view(-1, 1).to(dev)
-
-    def _block(self, step, layer, batch, w, pos):
-        """A decoder layer for one GPU batch; prefill runs it over sub-batches of rows so its transient
-        buffers stay bounded, packing each sub-batch's kept tokens into its rows of one fresh cache block."""
-        x, fam = self.abuf[batch], self.eng.family
-        if step > 0:
-            def attend(q, k, v):
-                out, slot = attention.decode(q, k, v, pos[:, 0], self.cbuf[layer, batch], self.policy, layer - 1)
-                self.dirty[layer, batch] = slot
-                return out
-            return fam.block(self.cfg, w, layer - 1, x, pos.clamp(min=0), attend)
-        b = x.shape[0]
-        blk = KVBlock.empty(b, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device,
-                            self.rc.compress_cache)
-        scores = self.slots < self.t + self.gen_len  # an eviction can happen
-        outs, rows = [], self.rc.prefill_rows()
-        for r in range(0, b, rows):
-            sl = slice(r, r + rows)
-
-            def attend(q, k, v, sl=sl):
-                return attention.prefill(q, k, v, pos[sl], self.policy, layer - 1, blk.rows(sl), self.rc.attn_chunk,
-                                         scores)
-            outs.append(fam.block(self.cfg, w, layer - 1, x[sl], pos[sl].clamp(min=0), attend))
-        self.cbuf[layer, batch], self.dirty[layer, batch] = blk, None
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _attend_on_cpu(self, cache_layer: int, batch: int) -> bool:
-        return self.rc.cpu_cache_compute and self.cache.homes[cache_layer][batch] == "cpu"
-
-    def _emit(self, step, batch, logits):
-        logits = logits.float().cpu()
-        self.last_logits[batch] = logits
-        if self.step_logits is not None:
-            self.step_logits[step][batch] = logits
-        if self.forced is not None:
-            nxt = self.forced.view(*self.tokens.shape)[batch, :, step]
-        else:
-            nxt = self.sampler(logits)
-        self.tokens[batch, :, step] = nxt
+    def _emit(self, step: int, batch: int, logits: torch.Tensor) -> None:
+        self.seqs.emit(step, batch, logits, self.sampler)
         if batch == self.rc.num_gpu_batches - 1:
             if self.eng.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -212,13 +148,14 @@ class _Run:
             if self.on_step:
                 self.on_step(step)
 
-    def _compute_inputs(self, op):
+    @staticmethod
+    def _compute_inputs(op: Op) -> list:
         bufs = [("w", op.layer), ("a", op.batch)]
-        if 1 <= op.layer <= self.cfg.num_layers:
+        if op.cache_layer >= 0:
             bufs.append(("c", op.layer, op.batch))
         return bufs
 
-    def execute(self) -> Generation:
+    def execute(self, kept_stats: bool) -> Generation:
         handlers = {LOAD_WEIGHT: self.load_weight, FREE_WEIGHT: self.free_weight, LOAD_CACHE: self.load_cache,
                     STORE_CACHE: self.store_cache, LOAD_ACT: self.load_act, STORE_ACT: self.store_act,
                     COMPUTE: self.compute}
@@ -229,20 +166,20 @@ class _Run:
         try:
             with torch.inference_mode():
                 ex.run(ops)
-            kept = self._kept()
+            kept = self._kept() if kept_stats else {}
         finally:
-            self.cache.close()
-            for batch, h in self.ahandles.items():
-                self.eng.tiers[self.act_homes[batch]].free(h)
-        n = self.rc.num_seqs
-        return Generation(self.tokens.view(n, -1), self.last_logits.view(n, -1), self.times[0] - start,
+            self.bufs.cache.close()
+            self.bufs.close()
+        s = self.seqs
+        return Generation(s.flat(s.tokens), s.flat(s.last_logits), self.times[0] - start,
                           self.times[-1] - self.times[0],
-                          [x.view(n, -1) for x in self.step_logits] if self.step_logits else None, kept)
+                          [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept)
 
     def _kept(self) -> dict:
-        out = {}
+        """Cache layer -> the most tokens any row keeps (reads every block back: for tests and reports only)."""
+        out: dict = {}
         for layer in range(self.cfg.num_layers):
             for batch in range(self.rc.num_gpu_batches):
-                blk = self.cache.load(layer, batch, torch.device("cpu"))
+                blk = self.bufs.cache.load(layer, batch, torch.device("cpu"))
                 out[layer] = max(out.get(layer, 0), int(blk.kept().max()))
         return out

@@ -60,10 +60,10 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
 
 
 def policy_flags(rc: RunConfig) -> dict:
-    b = rc.budget
+    b = rc.kv.budget
     return {"percent": str(rc.percent), "gpu_batch_size": rc.gpu_batch_size, "num_gpu_batches": rc.num_gpu_batches,
-            "overlap": rc.overlap, "cpu_cache_compute": rc.cpu_cache_compute, "kv_policy": rc.kv_policy,
-            "heavy": b.heavy if b else None, "recent": b.recent if b else None, "num_sinks": rc.num_sinks,
+            "overlap": rc.overlap, "cpu_cache_compute": rc.cpu_cache_compute, "kv_policy": rc.kv.policy,
+            "heavy": b.heavy if b else None, "recent": b.recent if b else None, "num_sinks": rc.kv.num_sinks,
             "dtype": str(rc.dtype).replace("torch.", ""), "compute_dtype": str(rc.compute).replace("torch.", ""),
             "device": rc.device, "path": rc.path, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
             "disk_mem": rc.disk_mem, "compress_weight": _spec(rc.compress_weight),

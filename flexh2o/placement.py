@@ -1,7 +1,15 @@
-"""--percent parsing and the placement of weights, cache blocks and activations on tiers."""
+"""--percent parsing and `Placement`: the home tier of every weight, cache block and activation block of a run.
+
+Homes are decided here and nowhere else; `tensor_bytes` is the one rule for how many bytes a tensor takes in its
+home. The memory plan, the cost model, the search, the weight store and the KV cache all read a `Placement`.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+import torch
 
 TIERS = ("gpu", "cpu", "disk")
 
@@ -93,3 +101,88 @@ def block_homes(num_layers: int, num_batches: int, shares: tuple) -> list:
     """[layer][batch] -> tier for equally sized blocks (cache per layer and GPU batch, activations per batch)."""
     flat = split_by_bytes([1] * (num_layers * num_batches), shares)
     return [flat[i * num_batches:(i + 1) * num_batches] for i in range(num_layers)]
+
+
+def tensor_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes a tensor of `numel` elements takes in its home tier when stored as `dtype`."""
+    return numel * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class WeightHomes:
+    """name -> tier for every weight tensor (a tied tensor once), with the per-tier and per-layer element sums."""
+
+    homes: Mapping[str, str]
+    layer_specs: tuple = field(repr=False)  # WeightSpec lists per layer index (0 embedding, 1..L blocks, L+1 head)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # derived sums, computed on first use
+
+    @staticmethod
+    def build(layer_specs: list, shares: tuple) -> "WeightHomes":
+        return WeightHomes(MappingProxyType(weight_homes(layer_specs, shares)),
+                           tuple(tuple(layer) for layer in layer_specs))
+
+    def __getitem__(self, name: str) -> str:
+        return self.homes[name]
+
+    def numel_by_tier(self) -> dict:
+        """tier -> elements of the weights homed there (tied tensors counted once)."""
+        if "numel" not in self._memo:
+            out = dict.fromkeys(TIERS, 0)
+            for s in self.unique_specs():
+                out[self.homes[s.name]] += s.numel
+            self._memo["numel"] = out
+        return dict(self._memo["numel"])
+
+    def unique_specs(self) -> list:
+        seen: dict = {}
+        for layer in self.layer_specs:
+            for s in layer:
+                seen.setdefault(s.name, s)
+        return list(seen.values())
+
+    def layer_numel(self, off_tier: str = "") -> list:
+        """Per layer index, elements of its weights (only those not homed on `off_tier`, when given)."""
+        key = ("layer", off_tier)
+        if key not in self._memo:
+            self._memo[key] = [sum(s.numel for s in layer if self.homes[s.name] != off_tier)
+                               for layer in self.layer_specs]
+        return list(self._memo[key])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where everything of one run lives: weights (WeightHomes), cache[layer][batch] -> tier for decoder layers
+    0..L-1, activations[batch] -> tier. Build it with `Placement.build`; pass `memo` (a dict) when building many
+    placements of one model, so shared parts are computed once."""
+
+    weights: WeightHomes
+    cache: tuple
+    activations: tuple
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @staticmethod
+    def build(layer_specs: list, percent: Percent, num_gpu_batches: int, memo: Optional[dict] = None) -> "Placement":
+        memo = {} if memo is None else memo
+        w, c, a = (percent.shares(k) for k in ("weights", "cache", "activations"))
+        if ("w", w) not in memo:
+            memo["w", w] = WeightHomes.build(layer_specs, w)
+        layers = len(layer_specs) - 2
+        for key, n, shares in (("c", layers, c), ("a", 1, a)):
+            if (key, shares, num_gpu_batches) not in memo:
+                rows = block_homes(n, num_gpu_batches, shares)
+                memo[key, shares, num_gpu_batches] = tuple(map(tuple, rows))
+        return Placement(memo["w", w], memo["c", c, num_gpu_batches], memo["a", a, num_gpu_batches][0])
+
+    def cache_counts(self) -> tuple:
+        """Per decoder layer, ((tier, cache blocks homed there), ...)."""
+        if "counts" not in self._memo:
+            self._memo["counts"] = tuple(tuple(sorted((t, row.count(t)) for t in set(row))) for row in self.cache)
+        return self._memo["counts"]
+
+    def activation_counts(self) -> tuple:
+        """((tier, activation blocks homed there), ...)."""
+        return tuple(sorted((t, self.activations.count(t)) for t in set(self.activations)))
+
+    def blocks_on(self, tier: str) -> int:
+        """Cache blocks homed on `tier` over all layers and GPU batches."""
+        return sum(n for row in self.cache_counts() for t, n in row if t == tier)

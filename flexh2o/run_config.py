@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Optional
 
 import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig
-from flexh2o.kv.policies import Budget, make_policy
-from flexh2o.placement import Percent
+from flexh2o.kv.spec import KVSpec
+from flexh2o.models import layer_specs
+from flexh2o.placement import Percent, Placement
 
 PREFILL_BYTES = 32 << 20  # target size of one prefill sub-batch's transient buffers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     model: ModelConfig
     percent: Percent = field(default_factory=Percent)
@@ -28,10 +30,8 @@ class RunConfig:
     device: str = "cpu"
     overlap: bool = True
     cpu_cache_compute: bool = False
-    kv_policy: str = "full"
-    budget: Optional[Budget] = None
-    num_sinks: int = 4
-    seed: int = 0
+    kv: KVSpec = field(default_factory=KVSpec)
+    seed: int = 0  # dummy weights
     gpu_mem: int = 4 << 30
     cpu_mem: int = 16 << 30
     disk_mem: int = 64 << 30
@@ -54,7 +54,6 @@ class RunConfig:
         if self.max_positions and self.model.family == "opt" and self.max_positions > self.model.max_positions:
             raise ValueError("OPT has learned positions: it cannot run past its "
                              f"{self.model.max_positions}-token table")
-        make_policy(self.kv_policy, self.budget, self.num_sinks, self.seed)  # validates
 
     @property
     def num_seqs(self) -> int:
@@ -68,11 +67,20 @@ class RunConfig:
             return torch.float32  # fp16 matmul is ~100x slower than fp32 on CPU
         return self.dtype
 
-    def policy(self):
-        return make_policy(self.kv_policy, self.budget, self.num_sinks, self.seed)
+    @cached_property
+    def placement(self) -> Placement:
+        """Home tiers of every weight, cache block and activation block (computed once per model, percent and
+        number of GPU batches; `with_` carries it over when those do not change)."""
+        return Placement.build(layer_specs(self.model), self.percent, self.num_gpu_batches)
+
+    def placed(self, placement: Placement) -> "RunConfig":
+        """This config with `placement` as its placement (a search builds many with a shared memo)."""
+        new = replace(self)
+        new.__dict__["placement"] = placement
+        return new
 
     def cache_slots(self) -> int:
-        return self.policy().slots(self.prompt_len, self.gen_len)
+        return self.kv.slots(self.prompt_len, self.gen_len)
 
     def prefill_rows(self) -> int:
         """Sequences prefilled together, so a layer's transient buffers (q, k, v, output, MLP) stay near
@@ -83,4 +91,7 @@ class RunConfig:
         return max(1, min(self.gpu_batch_size, PREFILL_BYTES // per_seq))
 
     def with_(self, **kw) -> "RunConfig":
-        return replace(self, **kw)
+        new = replace(self, **kw)
+        if "placement" in self.__dict__ and not {"model", "percent", "num_gpu_batches"} & set(kw):
+            new.__dict__["placement"] = self.__dict__["placement"]
+        return new

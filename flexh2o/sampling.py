@@ -1,5 +1,9 @@
-"""Next-token choice: greedy by default; temperature and top-p sampling with a seeded generator."""
+"""Next-token choice. The engine calls sampler(logits (b, vocab) fp32 on CPU, step, rows) -> ids (b,) once per
+step and GPU batch, `rows` being the slice of sequences the batch holds. Sampler: greedy by default, temperature
+and top-p with a seeded generator. TeacherForcer: feeds given tokens and scores the logits against them."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -11,7 +15,7 @@ class Sampler:
         self.temperature, self.top_p = temperature, top_p
         self.gen = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
         """logits (b, vocab) fp32 on CPU -> token ids (b,)."""
         if self.temperature == 0:
             return logits.argmax(-1)
@@ -22,3 +26,23 @@ class Sampler:
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         return torch.multinomial(probs, 1, generator=self.gen)[:, 0]
+
+
+class TeacherForcer:
+    """A sampler that returns the target tokens (targets (num_seqs, steps)) instead of sampling, and records each
+    step's log-probability of its target and whether the argmax was it (for perplexity and accuracy)."""
+
+    def __init__(self, targets: torch.Tensor):
+        self.targets = targets  # (n, steps)
+        self.logprob = torch.zeros(targets.shape, dtype=torch.float64)  # (n, steps)
+        self.correct = torch.zeros(targets.shape, dtype=torch.bool)  # argmax == target
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
+        self.calls += 1
+        rows = rows if rows is not None else slice(0, self.targets.shape[0])
+        want = self.targets[rows, step]  # (b,)
+        lp = torch.log_softmax(logits.double(), -1)  # (b, vocab)
+        self.logprob[rows, step] = lp.gather(-1, want[:, None])[:, 0]
+        self.correct[rows, step] = logits.argmax(-1) == want
+        return want

@@ -9,6 +9,7 @@ import torch
 import reference_kv as ref
 from flexh2o.compress import CompressionSpec, dequantize, quantize, stored_bytes
 from flexh2o.engine import Engine
+from flexh2o.sampling import TeacherForcer
 from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, SEED, SINKS, _assert_matches, _engine, \
     _rc
 
@@ -57,7 +58,7 @@ def test_engine_matches_quantized_reference(model, policy, combo, data, packed_r
     _, percent, overlap, ccc, batching, chunk = combo
     rc = _rc(model, policy, offload_dir, percent, overlap, ccc, batching, chunk).with_(compress_cache=SPEC)
     with _engine(rc) as eng:
-        gen = eng.generate(prompts, GEN, forced=forced, record_logits=True)
+        gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
     _assert_matches(gen, packed_reference(model, policy), BUDGETS[policy])
 
 

@@ -8,6 +8,7 @@ import torch
 from flexh2o.config import ModelConfig
 from flexh2o.planning.cost_model import OPS, contended, predict
 from flexh2o.kv.policies import Budget
+from flexh2o.kv.spec import KVSpec
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.placement import Percent
 from flexh2o.planning.hardware import Rates
@@ -41,7 +42,7 @@ def hw(**rates) -> dict:
 def toy_rc(percent=(100, 0, 100, 0, 100, 0), b=4, nb=1, **kw) -> RunConfig:
     kw = {"prompt_len": 64, "gen_len": 8, "dtype": torch.float32, "gpu_mem": 1 << 30, "cpu_mem": 1 << 30,
           "disk_mem": 1 << 30, **kw}
-    return RunConfig(TOY, Percent(*percent), b, nb, **kw)
+    return RunConfig(model=TOY, percent=Percent(*percent), gpu_batch_size=b, num_gpu_batches=nb, **kw)
 
 
 def test_overlap_takes_the_max_and_serial_the_sum():
@@ -87,7 +88,7 @@ def test_h2o_slots_shrink_the_cache_terms():
     #   h2o   S = 8 + 8 + 1 = 17: K = V = 278,528; pos 4,352 -> 8,192; score 2,176 -> 4,096;   block 569,344 B
     profile = hw(disk_read_bw=1e8, disk_write_bw=1e8)
     full = predict(toy_rc((100, 0, 0, 0, 100, 0)), profile)
-    h2o = predict(toy_rc((100, 0, 0, 0, 100, 0), kv_policy="h2o", budget=Budget(8, 8)), profile)
+    h2o = predict(toy_rc((100, 0, 0, 0, 100, 0), kv=KVSpec("h2o", Budget(8, 8))), profile)
     assert full.decode_s_per_token == pytest.approx(4 * 2_392_064 / 1e8, rel=1e-6)
     assert h2o.decode_s_per_token == pytest.approx(4 * 569_344 / 1e8, rel=1e-6)
     assert h2o.terms["decode"]["disk.cache_read"] == pytest.approx(2 * 569_344 / 1e8)
@@ -202,19 +203,20 @@ def test_search_keeps_only_fitting_plans_and_beats_a_naive_one():
 @pytest.mark.parametrize("nb", [1, 3])
 @pytest.mark.parametrize("percent", [(100, 0, 100, 0, 100, 0), (30, 50, 20, 40, 0, 100), (0, 0, 0, 0, 0, 0)])
 def test_search_memory_arithmetic_matches_plan_memory(percent, nb):
-    # the search sizes plans from memory_plan's pieces (affine in the batch size); it must agree with plan_memory
-    from flexh2o.planning.search import _counts, _Fit
-    base = toy_rc(kv_policy="h2o", budget=Budget(8, 8))
-    fit, memo = _Fit(base), {}
+    # the search builds placements through a shared memo; they must be the placements (and plans) of a fresh config
+    from flexh2o.models import layer_specs
+    from flexh2o.placement import Placement
+    base = toy_rc(kv=KVSpec("h2o", Budget(8, 8)))
+    memo: dict = {}
     for b in (1, 5, 32):
         rc = base.with_(percent=Percent(*percent), gpu_batch_size=b, num_gpu_batches=nb)
-        caches = _counts(TOY.num_layers, nb, rc.percent.shares("cache"), memo)
-        acts = _counts(1, nb, rc.percent.shares("activations"), memo)
-        assert fit.tier_bytes(rc, caches, acts) == plan_memory(rc).bytes
+        placed = rc.placed(Placement.build(layer_specs(TOY), rc.percent, nb, memo))
+        assert placed.placement == rc.placement
+        assert plan_memory(placed).bytes == plan_memory(rc).bytes
 
 
 def test_command_line_parses_back():
-    rc = toy_rc((20, 80, 0, 100, 0, 100), b=48, nb=3, kv_policy="h2o", budget=Budget(12, 12),
+    rc = toy_rc((20, 80, 0, 100, 0, 100), b=48, nb=3, kv=KVSpec("h2o", Budget(12, 12)),
                 cpu_cache_compute=True).with_(model=_named("opt-125m"))
     cmd = command_line(rc).split()
     i = cmd.index("--percent")
@@ -223,7 +225,7 @@ def test_command_line_parses_back():
     args = cli.build_parser().parse_args(cmd[1:] + ["--device", "cpu"])
     back = cli.build_run_config(args, rc.model, None)
     for field in ("percent", "gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "cpu_cache_compute",
-                  "kv_policy", "budget", "dtype", "gpu_mem", "cpu_mem", "disk_mem", "overlap"):
+                  "kv", "dtype", "gpu_mem", "cpu_mem", "disk_mem", "overlap"):
         assert getattr(back, field) == getattr(rc, field), field
 
 

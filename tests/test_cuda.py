@@ -7,6 +7,7 @@ import torch
 from conftest import ragged_prompts
 from flexh2o.config import ModelConfig
 from flexh2o.engine import Engine
+from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 
@@ -22,9 +23,10 @@ def test_cuda_matches_cpu(tmp_path, percent, cpu_cache_compute, policy):
     prompts = ragged_prompts(4, 10, TINY.vocab, seed=1)
     outs = []
     for device, overlap in (("cpu", False), ("cuda", True)):
-        rc = RunConfig(TINY, Percent.parse(percent), gpu_batch_size=2, num_gpu_batches=2, prompt_len=10, gen_len=6,
+        rc = RunConfig(model=TINY, percent=Percent.parse(percent),
+                       gpu_batch_size=2, num_gpu_batches=2, prompt_len=10, gen_len=6,
                        dtype=torch.float32, device=device, overlap=overlap, cpu_cache_compute=cpu_cache_compute,
-                       kv_policy=policy, budget=Budget(3, 3) if policy == "h2o" else None, offload_dir=str(tmp_path))
+                       kv=KVSpec(policy, Budget(3, 3) if policy == "h2o" else None), offload_dir=str(tmp_path))
         with Engine(rc) as eng:
             assert eng.tiers["cpu"].pin == (device == "cuda")
             outs.append(eng.generate(prompts, 6))

@@ -7,6 +7,7 @@ import torch
 from conftest import hf_greedy, hf_opt, ragged_prompts
 from flexh2o.config import ModelConfig, from_name
 from flexh2o.engine import Engine
+from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 
@@ -20,7 +21,7 @@ GEN = 6
 
 def _reference(cfg, prompts, gen_len, seed=0):
     """Weights from an all-memory engine run, then HF greedy per unpadded prompt."""
-    rc = RunConfig(cfg, Percent.parse([100, 0, 100, 0]), gpu_batch_size=len(prompts), prompt_len=8,
+    rc = RunConfig(model=cfg, percent=Percent.parse([100, 0, 100, 0]), gpu_batch_size=len(prompts), prompt_len=8,
                    gen_len=gen_len, dtype=torch.float32, seed=seed)
     with Engine(rc) as eng:
         weights = {k: v.clone() for k, v in eng.weights.handles.items()}
@@ -35,10 +36,10 @@ def tiny_ref():
 
 
 def _run(cfg, prompts, offload_dir, percent, gbs, nb, **kw):
-    rc = RunConfig(cfg, Percent.parse(percent), gpu_batch_size=gbs, num_gpu_batches=nb,
+    rc = RunConfig(model=cfg, percent=Percent.parse(percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=max(map(len, prompts)), gen_len=GEN, dtype=torch.float32, offload_dir=offload_dir, **kw)
     with Engine(rc) as eng:
-        return eng.generate(prompts, GEN)
+        return eng.generate(prompts, GEN, kept_stats=True)
 
 
 def _assert_same(gen, ref):
@@ -70,7 +71,7 @@ def test_opt_350m_layout(offload_dir):
 def test_opt_125m_real_shape(offload_dir):
     cfg = from_name("opt-125m")
     prompts = ragged_prompts(2, 16, cfg.vocab, seed=3)
-    rc = RunConfig(cfg, Percent.parse([0, 100, 100, 0]), gpu_batch_size=2, prompt_len=16, gen_len=4,
+    rc = RunConfig(model=cfg, percent=Percent.parse([0, 100, 100, 0]), gpu_batch_size=2, prompt_len=16, gen_len=4,
                    dtype=torch.float32, offload_dir=offload_dir)
     with Engine(rc) as eng:
         weights = {k: v.clone() for k, v in eng.weights.handles.items()}
@@ -128,8 +129,8 @@ def test_prefill_in_sub_batches(tiny_ref, offload_dir, rows):
     from flexh2o.kv.policies import Budget
     prompts, ref = tiny_ref
     _assert_same(_run(TINY, prompts, offload_dir, [30, 30, 30, 30], 3, 2, prefill_batch=rows), ref)
-    whole = _run(TINY, prompts, offload_dir, [0, 100, 0, 100], 3, 2, kv_policy="h2o", budget=Budget(2, 2))
-    split = _run(TINY, prompts, offload_dir, [0, 100, 0, 100], 3, 2, kv_policy="h2o", budget=Budget(2, 2),
+    whole = _run(TINY, prompts, offload_dir, [0, 100, 0, 100], 3, 2, kv=KVSpec("h2o", Budget(2, 2)))
+    split = _run(TINY, prompts, offload_dir, [0, 100, 0, 100], 3, 2, kv=KVSpec("h2o", Budget(2, 2)),
                  prefill_batch=rows)
     assert torch.equal(whole.tokens, split.tokens) and whole.kept == split.kept
     torch.testing.assert_close(whole.last_logits, split.last_logits, atol=1e-5, rtol=1e-5)
@@ -137,7 +138,8 @@ def test_prefill_in_sub_batches(tiny_ref, offload_dir, rows):
 
 def test_prefill_rows_bound_the_plan():
     from flexh2o.planning.memory_plan import plan_memory
-    rc = RunConfig(from_name("opt-1.3b"), Percent.parse([0, 100, 100, 0]), gpu_batch_size=64, prompt_len=512,
+    rc = RunConfig(model=from_name("opt-1.3b"), percent=Percent.parse([0, 100, 100, 0]),
+                   gpu_batch_size=64, prompt_len=512,
                    gen_len=32)
     assert rc.prefill_rows() < 64
     small = plan_memory(rc).bytes["gpu"]["buffers"]

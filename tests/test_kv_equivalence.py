@@ -16,8 +16,10 @@ from flexh2o.config import ModelConfig, from_name
 from flexh2o.engine import Engine
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
-from flexh2o.kv.policies import Budget, make_policy, resolve_budget
+from flexh2o.kv.policies import Budget
+from flexh2o.kv.spec import KVSpec, make_policy, resolve_budget
 from flexh2o.planning.memory_plan import plan_memory
+from flexh2o.sampling import TeacherForcer
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 
@@ -64,10 +66,10 @@ def data():
 
 def _rc(model: str, policy: str, offload_dir: str, percent=(100, 0, 100, 0), overlap=True, cpu_cache_compute=False,
         batching=(2, 3), attn_chunk=256, budget="default") -> RunConfig:
-    return RunConfig(MODELS[model], Percent.parse(list(percent)), gpu_batch_size=batching[0],
+    return RunConfig(model=MODELS[model], percent=Percent.parse(list(percent)), gpu_batch_size=batching[0],
                      num_gpu_batches=batching[1], prompt_len=max(LENS), gen_len=GEN, dtype=torch.float32,
-                     overlap=overlap, cpu_cache_compute=cpu_cache_compute, kv_policy=policy,
-                     budget=BUDGETS[policy] if budget == "default" else budget, num_sinks=SINKS, seed=SEED,
+                     overlap=overlap, cpu_cache_compute=cpu_cache_compute, seed=SEED,
+                     kv=KVSpec(policy, BUDGETS[policy] if budget == "default" else budget, SINKS, SEED),
                      offload_dir=offload_dir, attn_chunk=attn_chunk)
 
 
@@ -143,7 +145,7 @@ def test_engine_matches_reference(model, policy, combo, data, reference, offload
     _, percent, overlap, ccc, batching, chunk = combo
     rc = _rc(model, policy, offload_dir, percent, overlap, ccc, batching, chunk)
     with _engine(rc) as eng:
-        gen = eng.generate(prompts, GEN, forced=forced, record_logits=True)
+        gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
     _assert_matches(gen, reference(model, policy), BUDGETS[policy])
 
 
@@ -191,7 +193,8 @@ def test_budget_covering_the_sequence_equals_full_exactly(model, data, offload_d
     for policy in POLICIES:
         budget = None if policy == "full" else _covering(policy)
         with Engine(_rc(model, policy, offload_dir, [0, 100, 0, 100], False, False, (2, 3), 5, budget)) as eng:
-            runs[policy] = eng.generate(prompts, GEN, forced=forced, record_logits=True)
+            runs[policy] = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True,
+                                        kept_stats=True)
     full = runs["full"]
     for policy, gen in runs.items():
         assert gen.kept == full.kept, policy
@@ -222,8 +225,8 @@ def test_plan_at_paper_scale():
     """opt-30b, 512 + 32 tokens, --hh-ratio 0.2: 102 heavy + 102 recent + 1 incoming slot instead of 544."""
     cfg = from_name("opt-30b")
     common = dict(percent=Percent(0, 100, 100, 0), gpu_batch_size=8, prompt_len=512, gen_len=32)
-    full = plan_memory(RunConfig(cfg, **common)).bytes["gpu"]["cache"]
-    h2o = plan_memory(RunConfig(cfg, kv_policy="h2o", budget=resolve_budget("h2o", 512, 0.2), **common))
+    full = plan_memory(RunConfig(model=cfg, **common)).bytes["gpu"]["cache"]
+    h2o = plan_memory(RunConfig(model=cfg, kv=KVSpec("h2o", resolve_budget("h2o", 512, 0.2)), **common))
     assert h2o.bytes["gpu"]["cache"] * 544 == full * 205
 
 
@@ -237,7 +240,7 @@ def test_tier_peaks_shrink_as_planned(percent, tier, data, offload_dir):
         rc = _rc("opt", policy, offload_dir, percent, overlap=False).with_(gen_len=4)
         plans[policy] = plan_memory(rc)
         with Engine(rc) as eng:
-            eng.generate(prompts, rc.gen_len, forced=forced[:, :rc.gen_len])
+            eng.generate(prompts, rc.gen_len, sampler=TeacherForcer(forced[:, :rc.gen_len]))
             peaks[policy] = eng.tiers[tier].peak
         assert peaks[policy] == plans[policy].bytes[tier]["weights"] + plans[policy].bytes[tier]["cache"], policy
     saved = plans["full"].bytes[tier]["cache"] - plans["h2o"].bytes[tier]["cache"]

@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from flexh2o.config import ModelConfig  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
+from flexh2o.kv.spec import KVSpec  # noqa: E402
+from flexh2o.sampling import TeacherForcer  # noqa: E402
 from flexh2o.placement import Percent  # noqa: E402
 from flexh2o.run_config import RunConfig  # noqa: E402
 from flexh2o.weights.format import CheckpointWriter  # noqa: E402
@@ -97,11 +99,11 @@ def hf_step_logits(model, prompts: list, tokens: torch.Tensor) -> torch.Tensor:
 
 def _run(ref: dict, percent: list, overlap: bool, tmp_path, **kw):
     cfg, prompts = ref["cfg"], ref["prompts"]
-    rc = RunConfig(cfg, Percent.parse(percent), gpu_batch_size=2, num_gpu_batches=2, prompt_len=max(PROMPT_LENS),
-                   gen_len=GEN_LEN, dtype=torch.float32, overlap=overlap, path=ref["ckpt"],
+    rc = RunConfig(model=cfg, percent=Percent.parse(percent), gpu_batch_size=2, num_gpu_batches=2,
+                   prompt_len=max(PROMPT_LENS), gen_len=GEN_LEN, dtype=torch.float32, overlap=overlap, path=ref["ckpt"],
                    offload_dir=str(tmp_path), gpu_mem=64 << 20, cpu_mem=64 << 20, disk_mem=64 << 20, **kw)
     with Engine(rc) as eng:
-        return eng.generate(prompts, GEN_LEN, record_logits=True)
+        return eng.generate(prompts, GEN_LEN, record_logits=True, kept_stats=True)
 
 
 def _check(ref: dict, gen) -> None:
@@ -143,14 +145,14 @@ def test_budget_covering_everything_equals_full(reference, policy, tmp_path):
     """A budget that holds every token never evicts: each policy then gives transformers' logits too."""
     from flexh2o.kv.policies import Budget
     total = max(PROMPT_LENS) + GEN_LEN
-    gen = _run(reference, PLACEMENTS["mixed"], True, tmp_path, kv_policy=policy, budget=Budget(total, total))
+    gen = _run(reference, PLACEMENTS["mixed"], True, tmp_path, kv=KVSpec(policy, Budget(total, total)))
     _check(reference, gen)
 
 
 def test_eviction_changes_logits(reference, tmp_path):
     """Sanity check of the comparison itself: a small H2O budget must move the logits away from transformers'."""
     from flexh2o.kv.policies import Budget
-    gen = _run(reference, PLACEMENTS["gpu"], True, tmp_path, kv_policy="h2o", budget=Budget(2, 2))
+    gen = _run(reference, PLACEMENTS["gpu"], True, tmp_path, kv=KVSpec("h2o", Budget(2, 2)))
     assert max(gen.kept.values()) <= 4
     want = hf_step_logits(reference["model"], reference["prompts"], gen.tokens)
     assert (torch.stack(gen.step_logits, 1) - want).abs().max() > 1e-2
@@ -160,17 +162,17 @@ def test_eviction_changes_logits(reference, tmp_path):
 def test_teacher_forcing_sampler_equals_forced_logits(reference, policy, tmp_path):
     """flexh2o-eval scores logits in a sampler (no (steps, n, vocab) tensor kept): same numbers as forced +
     record_logits, with two GPU batches."""
-    from flexh2o.eval.common import EvalModel, TeacherForcer, forced_run
+    from flexh2o.eval.common import EvalModel, forced_run
     from flexh2o.kv.policies import Budget
     cfg, prompts = reference["cfg"], reference["prompts"]
     g = torch.Generator().manual_seed(3)
     targets = torch.randint(3, cfg.vocab, (len(prompts), GEN_LEN), generator=g)
     budget = Budget(2, 3) if policy == "h2o" else None
-    rc = RunConfig(cfg, Percent.parse(PLACEMENTS["gpu"]), gpu_batch_size=2, num_gpu_batches=2,
+    rc = RunConfig(model=cfg, percent=Percent.parse(PLACEMENTS["gpu"]), gpu_batch_size=2, num_gpu_batches=2,
                    prompt_len=max(PROMPT_LENS), gen_len=GEN_LEN, dtype=torch.float32, path=reference["ckpt"],
-                   kv_policy=policy, budget=budget, offload_dir=str(tmp_path))
+                   kv=KVSpec(policy, budget), offload_dir=str(tmp_path))
     with Engine(rc) as eng:
-        want = eng.generate(prompts, GEN_LEN, forced=targets, record_logits=True)
+        want = eng.generate(prompts, GEN_LEN, sampler=TeacherForcer(targets), record_logits=True)
     logp = torch.stack(want.step_logits, 1).double().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     model = EvalModel(reference["ckpt"], cfg, tokenizer=None, dtype=torch.float32)
     got = forced_run(model, policy, 5 if policy == "h2o" else None, prompts, targets, num_batches=2)

@@ -6,7 +6,7 @@ import torch
 
 from flexh2o.config import ModelConfig, from_name
 from flexh2o.engine import Engine
-from flexh2o.kv.policies import resolve_budget
+from flexh2o.kv.spec import KVSpec, resolve_budget
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.units import parse_bytes
 from flexh2o.placement import Percent, weight_homes
@@ -40,7 +40,8 @@ def test_weight_split_follows_bytes():
 
 
 def test_plan_reports_actual_bytes(tmp_path):
-    rc = RunConfig(TINY, Percent.parse([30, 30, 30, 30]), gpu_batch_size=2, num_gpu_batches=2, prompt_len=8,
+    rc = RunConfig(model=TINY, percent=Percent.parse([30, 30, 30, 30]),
+                   gpu_batch_size=2, num_gpu_batches=2, prompt_len=8,
                    gen_len=4, dtype=torch.float32, offload_dir=str(tmp_path))
     plan = plan_memory(rc)
     with Engine(rc) as eng:
@@ -51,10 +52,10 @@ def test_plan_reports_actual_bytes(tmp_path):
 
 
 def test_h2o_fits_larger_batches_than_full():
-    base = RunConfig(from_name("opt-30b"), Percent.parse([0, 100, 100, 0]), prompt_len=512, gen_len=512,
+    base = RunConfig(model=from_name("opt-30b"), percent=Percent.parse([0, 100, 100, 0]), prompt_len=512, gen_len=512,
                      gpu_mem=16 << 30, cpu_mem=200 << 30)
     full = largest_batch(base)
-    h2o = largest_batch(base.with_(kv_policy="h2o", budget=resolve_budget("h2o", 512, 0.2)))
+    h2o = largest_batch(base.with_(kv=KVSpec("h2o", resolve_budget("h2o", 512, 0.2))))
     assert full >= 1 and h2o >= 3 * full
     assert plan_memory(base.with_(gpu_batch_size=full + 1)).overflow()[0] == "gpu"
 
@@ -77,7 +78,8 @@ def test_sampling_seeded_and_top_p():
 def test_sampled_generation_same_with_and_without_overlap(tmp_path):
     outs = []
     for overlap in (True, False):
-        rc = RunConfig(TINY, Percent.parse([0, 50, 50, 0]), gpu_batch_size=2, num_gpu_batches=2, prompt_len=6,
+        rc = RunConfig(model=TINY, percent=Percent.parse([0, 50, 50, 0]),
+                       gpu_batch_size=2, num_gpu_batches=2, prompt_len=6,
                        gen_len=5, dtype=torch.float32, overlap=overlap, offload_dir=str(tmp_path))
         with Engine(rc) as eng:
             outs.append(eng.generate([[4, 5, 6]] * 4, 5, Sampler(0.8, 0.9, seed=1)).tokens)
@@ -89,8 +91,9 @@ def test_decode_stores_one_slot_per_head(tmp_path):
     from flexh2o.kv.policies import Budget
     stored = {}
     for gen in (1, 5):
-        rc = RunConfig(TINY, Percent.parse([100, 0, 0, 100]), gpu_batch_size=2, num_gpu_batches=2, prompt_len=12,
-                       gen_len=gen, dtype=torch.float32, kv_policy="h2o", budget=Budget(3, 3),
+        rc = RunConfig(model=TINY, percent=Percent.parse([100, 0, 0, 100]),
+                       gpu_batch_size=2, num_gpu_batches=2, prompt_len=12,
+                       gen_len=gen, dtype=torch.float32, kv=KVSpec("h2o", Budget(3, 3)),
                        offload_dir=str(tmp_path))
         with Engine(rc) as eng:
             eng.generate([list(range(4, 16))] * 4, gen)

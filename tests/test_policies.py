@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexh2o.kv.policies import POLICIES, Budget, make_policy, resolve_budget
+from flexh2o.kv.policies import POLICIES, Budget
+from flexh2o.kv.spec import make_policy, resolve_budget
 from flexh2o.kv.policies.random import random_key
 from reference_kv import RefPolicy
 

@@ -22,6 +22,7 @@ from flexh2o.engine import Engine  # noqa: E402
 from flexh2o.eval.common import load_text, smollm2_gguf  # noqa: E402
 from flexh2o.placement import Percent  # noqa: E402
 from flexh2o.run_config import RunConfig  # noqa: E402
+from flexh2o.sampling import TeacherForcer  # noqa: E402
 from flexh2o.tokenizer import load_tokenizer  # noqa: E402
 from flexh2o.weights.convert import convert  # noqa: E402
 from flexh2o.weights.format import CheckpointReader  # noqa: E402
@@ -70,7 +71,8 @@ def passage(tok) -> list:
 
 def _generate(path: str, prompts: list, gen_len: int, dtype=torch.float32, **kw):
     cfg = CheckpointReader(path).config
-    rc = RunConfig(cfg, Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=len(prompts), prompt_len=max(map(len, prompts)),
+    rc = RunConfig(model=cfg, percent=Percent(100, 0, 100, 0, 100, 0),
+                   gpu_batch_size=len(prompts), prompt_len=max(map(len, prompts)),
                    gen_len=gen_len, dtype=dtype, path=path, gpu_mem=8 << 30)
     with Engine(rc) as eng:
         return eng.generate(prompts, gen_len, **kw)
@@ -110,7 +112,7 @@ def test_tokenizer_matches_transformers(gguf_path, tok):
 def test_prefill_and_decode_logits_match_transformers(ckpts, hf, passage):
     """256-token passage as the prompt, then 8 teacher-forced decode steps: every step's logits."""
     prompt, forced = passage[:-8], torch.tensor([passage[-8:]])
-    g = _generate(ckpts["float32"], [prompt], 8, forced=forced, record_logits=True)
+    g = _generate(ckpts["float32"], [prompt], 8, sampler=TeacherForcer(forced), record_logits=True)
     want = _hf_logits(hf, passage)[len(prompt) - 1:-1]  # (8, vocab)
     torch.testing.assert_close(torch.stack(g.step_logits, 1)[0], want, atol=ATOL, rtol=1e-4)
 
@@ -118,14 +120,16 @@ def test_prefill_and_decode_logits_match_transformers(ckpts, hf, passage):
 def test_streaming_decode_logits_match_transformers(ckpts, hf, passage):
     """One prompt token, then 127 decode steps (the path `flexh2o-eval ppl` takes), against one HF forward."""
     n = 128
-    g = _generate(ckpts["float32"], [passage[:1]], n - 1, forced=torch.tensor([passage[1:n]]), record_logits=True)
+    g = _generate(ckpts["float32"], [passage[:1]], n - 1, sampler=TeacherForcer(torch.tensor([passage[1:n]])),
+                  record_logits=True)
     want = _hf_logits(hf, passage[:n])[:-1]  # (n - 1, vocab)
     torch.testing.assert_close(torch.stack(g.step_logits, 1)[0], want, atol=ATOL, rtol=1e-4)
 
 
 def test_bf16_engine_close_to_fp32_transformers(ckpts, hf, passage):
     prompt, forced = passage[:-16], torch.tensor([passage[-16:]])
-    g = _generate(ckpts["bfloat16"], [prompt], 16, dtype=torch.bfloat16, forced=forced, record_logits=True)
+    g = _generate(ckpts["bfloat16"], [prompt], 16, dtype=torch.bfloat16, sampler=TeacherForcer(forced),
+                  record_logits=True)
     got = torch.stack(g.step_logits, 1)[0]
     want = _hf_logits(hf, passage)[len(prompt) - 1:-1]
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")

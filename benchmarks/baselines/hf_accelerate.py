@@ -57,7 +57,7 @@ def hf_config(cfg, dtype: torch.dtype):
 
 def dummy_state_dict(cfg, dtype: torch.dtype, seed: int) -> dict:
     """flexh2o's seeded dummy weights (HF state-dict names), copied out of an Engine's memory tiers."""
-    rc = RunConfig(cfg, Percent(0, 100, 100, 0), dtype=dtype, seed=seed, gpu_mem=1 << 40, cpu_mem=1 << 40,
+    rc = RunConfig(model=cfg, percent=Percent(0, 100, 100, 0), dtype=dtype, seed=seed, gpu_mem=1 << 40, cpu_mem=1 << 40,
                    disk_mem=0)
     with Engine(rc) as eng:
         return {name: t.clone() for name, t in eng.weights.handles.items()}

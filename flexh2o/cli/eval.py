@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.kv_flags import add_kv_flags
 from flexh2o.eval.common import EVICTING, TEXTS
 
 
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "default 10%%,20%%,50%%")
     common.add_argument("--policies", type=_csv, default=EVICTING,
                         help=f"default {','.join(EVICTING)} (full always runs)")
-    common.add_argument("--num-sinks", type=int, default=4, help="attention sinks of the streaming policy (default 4)")
+    add_kv_flags(common, budgets=False)
     common.add_argument("--seed", type=int, default=0, help="seed of the random policy and the recall samples")
     common.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     common.add_argument("--cache-dir", help="where a .gguf model is converted once (default: $TMPDIR/flexh2o-eval)")

@@ -7,9 +7,9 @@ from typing import Optional
 
 from flexh2o import config as model_configs
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.dtypes import parse_dtype
-from flexh2o.kv.policies import POLICIES, resolve_budget
-from flexh2o.placement import TIERS, Percent
+from flexh2o.placement import TIERS
 from flexh2o.planning.hardware import load_profile
 from flexh2o.planning.search import command_line, search
 from flexh2o.run_config import RunConfig
@@ -25,9 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
       "t4_paper, a100_80gb, cpu_measured")
     a("--prompt-len", type=int, default=512)
     a("--gen-len", type=int, default=32)
-    a("--kv-policy", choices=sorted(POLICIES), default=None, help="default: h2o with a budget, else full")
-    a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
-    a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
+    add_kv_flags(p)
+    a("--seed", type=int, default=0, help="seed of the random policy")
     a("--gpu-mem", help="gpu tier capacity (default: the profile's)")
     a("--cpu-mem", help="cpu tier capacity (default: the profile's)")
     a("--disk-mem", help="disk tier capacity (default: the profile's)")
@@ -51,15 +50,11 @@ def plan_from_args(args) -> tuple:
     """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
     hw = load_profile(args.hardware)
     cfg = model_configs.from_name(args.model)
-    policy = args.kv_policy or ("h2o" if args.hh_ratio is not None or args.kv_budget is not None else "full")
-    if policy == "full" and (args.hh_ratio is not None or args.kv_budget is not None):
-        raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
     if args.top < 1 or args.max_num_gpu_batches < 1:
         raise ValueError("--top and --max-num-gpu-batches must be at least 1")
     device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
-    rc = RunConfig(cfg, Percent(), 1, 1, args.prompt_len, args.gen_len, dtype=parse_dtype(args.dtype),
-                   device=device, overlap=args.overlap == "true", kv_policy=policy,
-                   budget=resolve_budget(policy, args.prompt_len, args.hh_ratio, None, args.kv_budget),
+    rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=parse_dtype(args.dtype),
+                   device=device, overlap=args.overlap == "true", kv=kv_spec(args, args.prompt_len),
                    gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
                    disk_mem=_capacity(args.disk_mem, hw, "disk"))
     return rc, hw
@@ -87,7 +82,7 @@ def _plan(args) -> int:
         raise ValueError(f"nothing fits: even one sequence of {rc.model.name} overflows the tiers; raise "
                          "--gpu-mem/--cpu-mem/--disk-mem")
     best_rc, best = results[0]
-    print(f"{rc.model.name} {rc.prompt_len}+{rc.gen_len} kv policy {rc.kv_policy} "
+    print(f"{rc.model.name} {rc.prompt_len}+{rc.gen_len} kv policy {rc.kv.policy} "
           f"(cache slots {rc.cache_slots()}) on {hw.get('name', args.hardware)} ({rc.device})")
     print(describe(results))
     print(f"best: predicted {best.total_throughput:.2f} tokens/s total "

@@ -11,12 +11,13 @@ import torch
 
 from flexh2o import config as model_configs
 from flexh2o.compress import CompressionSpec
-from flexh2o.kv.policies import POLICIES, resolve_budget
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.units import parse_bytes
+from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,11 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cpu-mem", help="cpu tier capacity; default: detected")
     a("--disk-mem", help="disk tier capacity; default: free space of --offload-dir")
     a("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
-    a("--kv-policy", choices=sorted(POLICIES), default=None, help="default: h2o with --hh-ratio, else full")
-    a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
-    a("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)")
-    a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
-    a("--num-sinks", type=int, default=4, help="attention sinks kept by the streaming policy")
+    add_kv_flags(p)
     a("--hh-all", action="store_true", help="accepted for compatibility with the H2O authors' port")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top-p", type=float, default=1.0)
@@ -109,9 +106,7 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     if args.prompt_len < 1 or args.gen_len < 1:
         raise ValueError("--prompt-len and --gen-len must be at least 1")
     prompt_len = max(len(p) for p in prompts) if prompts else args.prompt_len
-    policy = args.kv_policy or ("h2o" if args.hh_ratio is not None or args.kv_budget is not None else "full")
-    if policy == "full" and (args.hh_ratio is not None or args.kv_budget is not None):
-        raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
+    kv = kv_spec(args, prompt_len)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device {device}: use cpu or cuda")
@@ -125,11 +120,10 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     gbs = 1 if auto else int(args.gpu_batch_size)
     if prompts and not auto and args.gpu_batch_size == "4" and "--gpu-batch-size" not in sys.argv:
         gbs = max(1, -(-len(prompts) // nb))  # default batch: the prompts given
-    rc = RunConfig(cfg, Percent.parse(args.percent), gbs, nb, prompt_len, args.gen_len, args.path,
-                   torch.float16, None, device,
-                   args.overlap == "true", args.cpu_cache_compute, policy,
-                   resolve_budget(policy, prompt_len, args.hh_ratio, args.recent_ratio, args.kv_budget),
-                   args.num_sinks, args.seed, gpu_mem, cpu_mem, disk_mem, args.offload_dir,
+    rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
+                   prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
+                   overlap=args.overlap == "true", cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
+                   gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, offload_dir=args.offload_dir,
                    compress_weight=_compression(args, 0, args.compress_weight),
                    compress_cache=_compression(args, -1, args.compress_cache))
     if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
@@ -139,7 +133,7 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
         if best == 0:
             plan_memory(rc).check()
         rc = rc.with_(gpu_batch_size=best)
-        print(f"--gpu-batch-size auto: picked {best} (largest that fits, policy {policy})", file=sys.stderr)
+        print(f"--gpu-batch-size auto: picked {best} (largest that fits, policy {kv.policy})", file=sys.stderr)
     return rc
 
 
@@ -222,14 +216,13 @@ def _capacities(args, device: str) -> tuple:
 def describe_plan(rc: RunConfig) -> str:
     plan = plan_memory(rc)
     lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
-             f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv_policy}"
-             + (f" (heavy {rc.budget.heavy}, recent {rc.budget.recent})" if rc.budget else "")
-             + f"  cache slots {rc.cache_slots()}", plan.describe()]
+             f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv.describe()}"
+             f"  cache slots {rc.cache_slots()}", plan.describe()]
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
-    lines.append(f"largest --gpu-batch-size that fits: {rc.kv_policy} {largest_batch(rc)}")
-    if rc.kv_policy != "full":
-        lines[-1] += f", full {largest_batch(rc.with_(kv_policy='full', budget=None))}"
+    lines.append(f"largest --gpu-batch-size that fits: {rc.kv.policy} {largest_batch(rc)}")
+    if rc.kv.policy != "full":
+        lines[-1] += f", full {largest_batch(rc.with_(kv=KVSpec()))}"
     return "\n".join(lines)
 
 

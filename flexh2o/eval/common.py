@@ -17,10 +17,12 @@ from typing import Callable, Optional
 import torch
 
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import POLICIES, Budget, resolve_budget
+from flexh2o.kv.policies import POLICIES
+from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
+from flexh2o.sampling import TeacherForcer
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
 
 EVICTING = tuple(p for p in POLICIES if p != "full")  # h2o, local, streaming, random
@@ -103,47 +105,17 @@ def budget_tokens(spec: str, context: int) -> int:
     return n
 
 
-def make_budget(policy: str, tokens: Optional[int]) -> Optional[Budget]:
-    """Total budget -> Budget: h2o and random split it evenly between heavy and recent, the others are windows."""
-    return None if policy == "full" else resolve_budget(policy, tokens, kv_budget=tokens)
-
-
-class TeacherForcer:
-    """A sampler that scores each step's logits against the target tokens and returns the targets.
-
-    The engine calls the sampler step by step and, within a step, GPU batch by GPU batch; so call i is
-    step i // num_batches of batch i % num_batches.
-    """
-
-    def __init__(self, targets: torch.Tensor, num_batches: int):
-        self.targets = targets  # (n, steps)
-        self.nb, self.b = num_batches, targets.shape[0] // num_batches
-        self.logprob = torch.zeros(targets.shape, dtype=torch.float64)  # (n, steps)
-        self.correct = torch.zeros(targets.shape, dtype=torch.bool)  # argmax == target
-        self.calls = 0
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        step, batch = divmod(self.calls, self.nb)
-        self.calls += 1
-        rows = slice(batch * self.b, (batch + 1) * self.b)
-        want = self.targets[rows, step]  # (b,)
-        lp = torch.log_softmax(logits.double(), -1)  # (b, vocab)
-        self.logprob[rows, step] = lp.gather(-1, want[:, None])[:, 0]
-        self.correct[rows, step] = logits.argmax(-1) == want
-        return want
-
-
 def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: list, targets: torch.Tensor,
                on_step: Optional[Callable] = None, num_batches: int = 1) -> TeacherForcer:
     """Prefill `prompts`, then feed `targets` (n, steps) one token per step under `policy` at `budget` tokens."""
     from flexh2o.engine import Engine
     n, steps = targets.shape
-    rc = RunConfig(model.cfg, Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=n // num_batches,
+    rc = RunConfig(model=model.cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=n // num_batches,
                    num_gpu_batches=num_batches, prompt_len=max(len(p) for p in prompts), gen_len=steps,
-                   path=model.path, dtype=model.dtype, kv_policy=policy, budget=make_budget(policy, budget),
-                   num_sinks=model.num_sinks, seed=model.seed, gpu_mem=64 << 30, cpu_mem=64 << 30,
+                   path=model.path, dtype=model.dtype, seed=model.seed,
+                   kv=KVSpec.of_total(policy, budget, model.num_sinks, model.seed), gpu_mem=64 << 30, cpu_mem=64 << 30,
                    max_positions=max(model.cfg.max_positions, max(len(p) for p in prompts) + steps))
-    scorer = TeacherForcer(targets, num_batches)
+    scorer = TeacherForcer(targets)
     with Engine(rc) as eng:
         eng.generate(prompts, steps, sampler=scorer, on_step=on_step)
     return scorer

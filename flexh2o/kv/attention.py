@@ -68,31 +68,22 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
 
 
-def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> tuple:
-    """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> (out (b, n, 1, d), written slots (b, kv)).
+def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torch.Tensor:
+    """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
-    The new K/V go into a free slot of `blk` (in place, on the block's device); attention runs there;
-    scores are updated and at most one token per row is evicted (its slot becomes free for the next step).
+    The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
+    runs there; scores are updated and at most one token per row is evicted (its slot is free for the next step).
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = q.to(dev), k.to(dev), v.to(dev), cur_pos.to(dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
-    slot = (blk.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
-    bi = torch.arange(b, device=dev)[:, None]
-    hi = torch.arange(kv, device=dev)[None, :]
-    assign(blk.k, (bi, hi, slot), k[:, :, 0])  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
-    assign(blk.v, (bi, hi, slot), v[:, :, 0])  # a compressed block quantizes the new token's K/V here
-    blk.pos[bi, hi, slot] = cur_pos.view(b, 1).expand(b, kv)
-    blk.score[bi, hi, slot] = 0.0
+    blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
     qg = q.view(b, kv, n // kv, d)
     att = torch.einsum("bhgd,bhsd->bhgs", qg, expand(blk.k, q.dtype)).float() * d ** -0.5  # (b, kv, g, s)
     att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)
     out = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), expand(blk.v, q.dtype)).reshape(b, n, 1, d)
     if policy.needs_scores:
         blk.score += att.sum(2)
-    evict = policy.decode_evict(blk.pos, blk.score, layer, cur_pos)
-    if evict is not None:
-        blk.pos.masked_fill_(evict, -1)
-        blk.score.masked_fill_(evict, 0.0)
-    return out.to(home), slot
+    blk.evict(policy.decode_evict(blk.pos, blk.score, layer, cur_pos))
+    return out.to(home)

@@ -5,13 +5,13 @@ a slot holds (-1 = empty), so eviction frees a slot and the next token is writte
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from flexh2o.compress import CompressedTensor, CompressionSpec
-from flexh2o.compress.codec import empty_like_layout
+from flexh2o.compress.codec import assign, empty_like_layout
 from flexh2o.compress.tier import CompressedTier
 
 FIELDS = ("k", "v", "pos", "score")
@@ -29,6 +29,27 @@ class KVBlock:
     v: torch.Tensor
     pos: torch.Tensor
     score: torch.Tensor
+    written: Optional[torch.Tensor] = field(default=None, compare=False)  # (b, kv) slot of the last append
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
+        """Write one token per row (k/v (b, kv, d), cur_pos (b,)) into each row's first free slot, in place;
+        remember and return the slots (b, kv), so storing the block home writes only them."""
+        b, kv = self.pos.shape[:2]
+        slot = (self.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
+        bi = torch.arange(b, device=self.pos.device)[:, None]
+        hi = torch.arange(kv, device=self.pos.device)[None, :]
+        assign(self.k, (bi, hi, slot), k)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
+        assign(self.v, (bi, hi, slot), v)  # a compressed block quantizes the new token's K/V here
+        self.pos[bi, hi, slot] = cur_pos.view(b, 1).expand(b, kv)
+        self.score[bi, hi, slot] = 0.0
+        self.written = slot
+        return slot
+
+    def evict(self, mask: Optional[torch.Tensor]) -> None:
+        """Free the slots marked in `mask` (b, kv, slots); None evicts nothing."""
+        if mask is not None:
+            self.pos.masked_fill_(mask, -1)
+            self.score.masked_fill_(mask, 0.0)
 
     @staticmethod
     def empty(b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype, device,
@@ -81,11 +102,12 @@ class KVCache:
         return KVBlock(load(hs["k"], device), load(hs["v"], device), tier.load(hs["pos"], device),
                        tier.load(hs["score"], device))
 
-    def store(self, layer: int, batch: int, block: KVBlock, slots: Optional[torch.Tensor] = None) -> None:
-        """Write a block home: all of it, or only K/V at `slots` (b, kv_heads) plus the small pos/score arrays."""
+    def store(self, layer: int, batch: int, block: KVBlock) -> None:
+        """Write a block home: only K/V at the slots its last append wrote (plus the small pos/score arrays), or
+        all of it when it was built whole (prefill)."""
         tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
         for f in ("k", "v"):
-            self.kv_tiers[tier.name].store(hs[f], getattr(block, f), slots)
+            self.kv_tiers[tier.name].store(hs[f], getattr(block, f), block.written)
         tier.store(hs["pos"], block.pos)
         tier.store(hs["score"], block.score)
 

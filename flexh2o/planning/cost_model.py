@@ -23,8 +23,7 @@ from typing import Optional
 import torch
 
 from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
-from flexh2o.models import layer_specs
-from flexh2o.placement import block_homes, weight_homes
+from flexh2o.placement import WeightHomes, tensor_bytes
 from flexh2o.planning.hardware import GRAIN, Rates
 from flexh2o.run_config import RunConfig
 from flexh2o.units import padded
@@ -76,16 +75,14 @@ def _div(nbytes: float, rate: Optional[float], what: str) -> float:
     return nbytes / rate
 
 
-def weight_layout(cfg, shares: tuple, dtype: torch.dtype) -> tuple:
+def weight_layout(homes: WeightHomes, dtype: torch.dtype) -> tuple:
     """Per layer: ((tier, bytes, bytes padded for disk files, number of tensors) per home tier, elements of the
-    matrices used in matmuls). Depends only on the model, the weight shares and the storage dtype."""
-    specs = layer_specs(cfg)
-    homes = weight_homes(specs, shares)
+    matrices used in matmuls). Depends only on the weights' homes and the storage dtype."""
     weights, params2d = [], []
-    for i, layer in enumerate(specs):
+    for i, layer in enumerate(homes.layer_specs):
         per_tier: dict = {}
         for s in layer:
-            nbytes = s.numel * dtype.itemsize
+            nbytes = tensor_bytes(s.numel, dtype)
             got = per_tier.get(homes[s.name], (0, 0, 0))
             per_tier[homes[s.name]] = (got[0] + nbytes, got[1] + padded(nbytes), got[2] + 1)
         weights.append(tuple(sorted((t, *v) for t, v in per_tier.items())))
@@ -93,35 +90,32 @@ def weight_layout(cfg, shares: tuple, dtype: torch.dtype) -> tuple:
     return tuple(weights), tuple(params2d)
 
 
-def tier_counts(num_layers: int, num_batches: int, shares: tuple, memo: Optional[dict] = None) -> tuple:
-    """Per layer, ((tier, number of blocks homed there), ...), from placement.block_homes (memoized in `memo`)."""
-    key = (num_layers, num_batches, shares)
-    if memo is not None and key in memo:
-        return memo[key]
-    rows = block_homes(num_layers, num_batches, shares)
-    out = tuple(tuple(sorted((t, row.count(t)) for t in set(row))) for row in rows)
-    if memo is not None:
-        memo[key] = out
-    return out
+def _layout(rc: RunConfig, memo: Optional[dict]) -> tuple:
+    key = ("layout", rc.percent.shares("weights"), rc.dtype)
+    if memo is None or key not in memo:
+        got = weight_layout(rc.placement.weights, rc.dtype)
+        if memo is None:
+            return got
+        memo[key] = got
+    return memo[key]
 
 
 class _Model:
     """Everything predict() needs about one RunConfig, computed once."""
 
-    def __init__(self, rc: RunConfig, r: Rates, layout: tuple, memo: Optional[dict] = None):
+    def __init__(self, rc: RunConfig, r: Rates, memo: Optional[dict] = None):
         self.rc, self.r, self.cfg = rc, r, rc.model
         self.cuda = torch.device(rc.device).type == "cuda"
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
-        self.weights, self.params2d = layout
-        L = self.cfg.num_layers
-        self.cache_counts = tier_counts(L, rc.num_gpu_batches, rc.percent.shares("cache"), memo)
-        self.act_counts = tier_counts(1, rc.num_gpu_batches, rc.percent.shares("activations"), memo)[0]
+        self.weights, self.params2d = _layout(rc, memo)
+        self.cache_counts = rc.placement.cache_counts()
+        self.act_counts = rc.placement.activation_counts()
         self.slots = rc.cache_slots()
         self.block = cache_block_bytes(rc)
         b, kv, s, d = rc.gpu_batch_size, self.cfg.kv_heads, self.slots, self.cfg.head_dim
         self.block_padded = 2 * padded(b * kv * s * d * self.w) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
-        self.evicts = rc.budget is not None and self.slots < rc.prompt_len + rc.gen_len
-        self.passes = ATT_PASSES + (SCORE_PASSES if rc.policy().needs_scores else 0)
+        self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len)
+        self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
         self.contended = not self.cuda and rc.overlap and r.disk_read_busy is not None
 
@@ -298,16 +292,14 @@ def contended(disk: float, compute: float, disk_slowdown: float, compute_slowdow
 
 def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Prediction:
     """Predicted prefill and decode time of `rc` on the hardware profile `hw` (a dict as flexh2o-profile writes)."""
-    layout = weight_layout(rc.model, rc.percent.shares("weights"), rc.dtype)
     plan = plan or plan_memory(rc)
-    return predict_with(rc, Rates.from_profile(hw, rc.compute), layout, plan.bytes)
+    return predict_with(rc, Rates.from_profile(hw, rc.compute), plan.bytes)
 
 
-def predict_with(rc: RunConfig, rates: Rates, layout: tuple, tier_bytes: dict,
-                 memo: Optional[dict] = None) -> Prediction:
-    """predict() from parts a search computes once: the rates, the weight layout, the bytes per tier, and a memo
-    of block placements."""
-    m = _Model(rc, rates, layout, memo)
+def predict_with(rc: RunConfig, rates: Rates, tier_bytes: dict, memo: Optional[dict] = None) -> Prediction:
+    """predict() from parts a search computes once: the rates, the bytes per tier (memory plan), and a memo of
+    weight layouts."""
+    m = _Model(rc, rates, memo)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
     per_token, dec_terms, dec_busy = m.phase(prefill=False)
     decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first

@@ -141,8 +141,9 @@ def op_overhead(device: torch.device) -> float:
     cfg = ModelConfig("overhead-probe", "opt", hidden=64, num_layers=8, num_heads=4, ffn=256, vocab=512,
                       max_positions=64)
     b, nb, gen = 4, 2, 9
-    rc = RunConfig(cfg, Percent(100, 0, 100, 0, 100, 0), b, nb, prompt_len=32, gen_len=gen, dtype=torch.float32,
-                   device=str(device), gpu_mem=1 << 30, cpu_mem=1 << 30, disk_mem=1 << 30, overlap=False)
+    rc = RunConfig(model=cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=b, num_gpu_batches=nb,
+                   prompt_len=32, gen_len=gen, dtype=torch.float32, device=str(device), gpu_mem=1 << 30,
+                   cpu_mem=1 << 30, disk_mem=1 << 30, overlap=False)
     prompts = synthetic_prompts(b * nb, 32, cfg.vocab)
     with Engine(rc) as eng:
         eng.generate(prompts, gen)  # warm-up

@@ -2,33 +2,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from flexh2o.kv.attention import prefill_chunk
-from flexh2o.models import layer_specs
 from flexh2o.models.common import MLP_ELEMENTS
-from flexh2o.placement import TIERS, block_homes, weight_homes
+from flexh2o.placement import TIERS, Placement, tensor_bytes
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 
 KINDS = ("weights", "cache", "activations", "buffers")
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 def cache_block_bytes(rc: RunConfig) -> int:
     """One (layer, GPU batch) cache block: K and V in the storage dtype, int64 positions, fp32 scores."""
     cfg = rc.model
-    per_slot = cfg.kv_heads * (2 * cfg.head_dim * itemsize(rc.dtype) + 8 + 4)
-    return rc.gpu_batch_size * rc.cache_slots() * per_slot
+    rows = rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads
+    return 2 * tensor_bytes(rows * cfg.head_dim, rc.dtype) + tensor_bytes(rows, torch.int64) + tensor_bytes(
+        rows, torch.float32)
 
 
 def act_block_bytes(rc: RunConfig) -> int:
     """Hidden states of one GPU batch between layers (prefill is the largest)."""
-    return rc.gpu_batch_size * rc.prompt_len * rc.model.hidden * itemsize(rc.compute)
+    return rc.gpu_batch_size * rc.prompt_len * rc.model.hidden * rc.compute.itemsize
 
 
 @dataclass
@@ -66,27 +63,25 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
-def plan_memory(rc: RunConfig) -> MemoryPlan:
-    cfg, plan = rc.model, MemoryPlan(rc)
-    specs = layer_specs(cfg)
-    homes = weight_homes(specs, rc.percent.shares("weights"))
-    size = {s.name: s.numel for layer in specs for s in layer}
-    for name, tier in homes.items():
-        plan.bytes[tier]["weights"] += size[name] * itemsize(rc.dtype)
-    for row in block_homes(cfg.num_layers, rc.num_gpu_batches, rc.percent.shares("cache")):
-        for tier in row:
-            plan.bytes[tier]["cache"] += cache_block_bytes(rc)
-    for tier in block_homes(1, rc.num_gpu_batches, rc.percent.shares("activations"))[0]:
+def plan_memory(rc: RunConfig, placement: Optional[Placement] = None) -> MemoryPlan:
+    """Bytes per tier of `rc` (homes from `placement`, by default rc.placement)."""
+    where, plan = placement or rc.placement, MemoryPlan(rc)
+    for tier, numel in where.weights.numel_by_tier().items():
+        plan.bytes[tier]["weights"] += tensor_bytes(numel, rc.dtype)
+    block = cache_block_bytes(rc)
+    for tier in TIERS:
+        plan.bytes[tier]["cache"] = where.blocks_on(tier) * block
+    for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
-    plan.bytes["gpu"]["buffers"] = working_bytes(rc, specs, homes)
+    plan.bytes["gpu"]["buffers"] = working_bytes(rc, where)
     return plan
 
 
-def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
+def working_bytes(rc: RunConfig, where: Placement) -> int:
     """Compute-side buffers: two layers of weights in flight (the one computing and the prefetched one), the cache
     blocks being built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
-    cfg, c = rc.model, itemsize(rc.compute)
-    copied = [sum(s.numel for s in layer if homes[s.name] != "gpu" or rc.dtype != rc.compute) for layer in specs]
+    cfg, c = rc.model, rc.compute.itemsize
+    copied = where.weights.layer_numel("" if rc.dtype != rc.compute else "gpu")
     weights = 2 * max(copied) * c
     g, cpu, _ = rc.percent.shares("cache")
     block = cache_block_bytes(rc)
@@ -97,7 +92,7 @@ def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
     b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
     chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk)
     qkv = 4 * m * t * cfg.hidden * c  # q, k, v and the attention output of a prefill sub-batch
-    probs = 3 if rc.policy().needs_scores else 1  # scoring policies materialise fp32 probabilities
+    probs = 3 if rc.kv.needs_scores else 1  # scoring policies materialise fp32 probabilities
     attention = probs * m * cfg.num_heads * chunk * t * 4 + qkv
     decode_attn = 3 * b * cfg.num_heads * rc.cache_slots() * 4
     mlp = min(m * t, max(1, MLP_ELEMENTS // cfg.ffn)) * cfg.ffn * c * 2 + m * t * cfg.hidden * c
@@ -108,7 +103,8 @@ def working_bytes(rc: RunConfig, specs: list, homes: dict) -> int:
 
 
 def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:
-    """Largest --gpu-batch-size that fits every tier (0 when even 1 does not)."""
+    """Largest --gpu-batch-size up to `limit` that fits every tier (0 when even 1 does not): doubling, then
+    bisection. The one batch search: --gpu-batch-size auto, --dry-run and the policy search use it."""
     def fits(b: int) -> bool:
         return plan_memory(rc.with_(gpu_batch_size=b)).overflow() is None
     if not fits(1):
@@ -116,6 +112,7 @@ def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:
     lo, hi = 1, 2
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

@@ -21,6 +21,7 @@ class Op:
     step: int
     layer: int
     batch: int = -1  # -1 for weight ops
+    cache_layer: int = -1  # index of the layer's KV cache among the layers that have one; -1: none
 
     @property
     def buffer(self) -> tuple:
@@ -34,25 +35,29 @@ class Op:
 
 def block_schedule(num_steps: int, num_layers: int, num_batches: int, has_cache) -> Iterator[Op]:
     """Ops for the whole generation. `num_layers` counts every layer (embedding and head included);
-    `has_cache(layer)` says which layers keep a KV cache.
+    `has_cache(layer)` says which layers keep a KV cache; ops of such a layer carry its `cache_layer` (0 for the
+    first layer with a cache), so nothing downstream computes it from the layer index.
 
     Loads of a layer's weights and of a batch's cache are issued one compute ahead (the prefetch); the load of
     a batch's activations comes right before its compute, since the previous layer produces them.
     """
+    cached = [layer for layer in range(num_layers) if has_cache(layer)]
+    cache_of = [cached.index(layer) if layer in cached else -1 for layer in range(num_layers)]
     blocks = [(step, layer) for step in range(num_steps) for layer in range(num_layers)]
     computes = [(s, l, b) for s, l in blocks for b in range(num_batches)]
     yield Op(LOAD_WEIGHT, 0, 0)
-    if has_cache(0):
-        yield Op(LOAD_CACHE, 0, 0, 0)
+    if cache_of[0] >= 0:
+        yield Op(LOAD_CACHE, 0, 0, 0, cache_of[0])
     for i, (step, layer, batch) in enumerate(computes):
+        c = cache_of[layer]
         if batch == 0 and i // num_batches + 1 < len(blocks):
             yield Op(LOAD_WEIGHT, *blocks[i // num_batches + 1])
-        if i + 1 < len(computes) and has_cache(computes[i + 1][1]):
-            yield Op(LOAD_CACHE, *computes[i + 1])
+        if i + 1 < len(computes) and cache_of[computes[i + 1][1]] >= 0:
+            yield Op(LOAD_CACHE, *computes[i + 1], cache_of[computes[i + 1][1]])
         yield Op(LOAD_ACT, step, layer, batch)
-        yield Op(COMPUTE, step, layer, batch)
-        if has_cache(layer):
-            yield Op(STORE_CACHE, step, layer, batch)
+        yield Op(COMPUTE, step, layer, batch, c)
+        if c >= 0:
+            yield Op(STORE_CACHE, step, layer, batch, c)
         yield Op(STORE_ACT, step, layer, batch)
         if batch == num_batches - 1:
             yield Op(FREE_WEIGHT, step, layer)

@@ -16,6 +16,7 @@ class Tier:
     alloc(shape, dtype) -> handle      reserve space (contents undefined)
     load(handle, device, dtype) -> t   the tensor on the compute side; no copy when already there
     store(handle, tensor, slots=None)  write back (all, or only `slots`: index along dim 2)
+    write_from(handle, chunks)         write consecutive flat pieces (a tensor too large to build whole)
     free(handle)                       release the space
     close()                            release everything (and, for disk, remove the files)
     """
@@ -55,6 +56,13 @@ class Tier:
 
     def store(self, handle, tensor: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
         raise NotImplementedError
+
+    def write_from(self, handle, chunks) -> None:
+        """Fill a handle from consecutive flat pieces; the default copies each into a flat view of the handle."""
+        flat, start = handle.view(-1), 0
+        for c in chunks:
+            flat[start:start + c.numel()].copy_(c)
+            start += c.numel()
 
     def free(self, handle) -> None:
         raise NotImplementedError

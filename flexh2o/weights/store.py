@@ -11,10 +11,8 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.tier import CompressedTier
-
-from flexh2o.models import layer_specs
 from flexh2o.models.common import WeightSpec
-from flexh2o.placement import weight_homes
+from flexh2o.placement import WeightHomes
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 
@@ -31,24 +29,12 @@ def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
         yield part.to(dtype)
 
 
-def write_chunks(tier, handle, chunks) -> None:
-    """Write consecutive flat chunks into a handle without building the whole tensor first."""
-    if hasattr(tier, "write_from"):
-        tier.write_from(handle, chunks)
-        return
-    flat, start = handle.view(-1), 0
-    for c in chunks:
-        flat[start:start + c.numel()].copy_(c)
-        start += c.numel()
-
-
 class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
-    def __init__(self, cfg, tiers: dict, shares: tuple, dtype: torch.dtype,
+    def __init__(self, homes: WeightHomes, tiers: dict, dtype: torch.dtype,
                  compress: Optional[CompressionSpec] = None):
-        self.specs = layer_specs(cfg)
-        self.homes = weight_homes(self.specs, shares)
+        self.specs, self.homes = homes.layer_specs, homes
         self.dtype = dtype
         self.buffers = ConvertBuffers()
         packed = {n: CompressedTier(t, compress.along(0)) for n, t in tiers.items()} if compress else tiers
@@ -62,7 +48,7 @@ class WeightStore:
 
     def fill_dummy(self, seed: int, progress=None) -> None:
         for name, spec in self._unique():
-            write_chunks(self.tiers[name], self.handles[name], dummy_chunks(spec, seed, self.dtype))
+            self.tiers[name].write_from(self.handles[name], dummy_chunks(spec, seed, self.dtype))
             if progress:
                 progress(spec.numel)
 

@@ -45,11 +45,7 @@ class KVPolicy:
         self.seed = seed
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
-        """Cache slots to allocate for one sequence: budget + 1 (the incoming token), or the whole sequence."""
-        total = prompt_len + gen_len
-        if self.budget is None or self.budget.total >= total:
-            return total
-        return self.budget.total + 1
+        return cache_slots(self.budget, prompt_len, gen_len)
 
     def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int) -> torch.Tensor:
         raise NotImplementedError
@@ -85,6 +81,14 @@ class KVPolicy:
         tie = cand & (prio == low)
         oldest = torch.where(tie, pos, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
         return tie & (pos == oldest)
+
+
+def cache_slots(budget: Optional[Budget], prompt_len: int, gen_len: int) -> int:
+    """Cache slots to allocate for one sequence: budget + 1 (the incoming token), or the whole sequence."""
+    total = prompt_len + gen_len
+    if budget is None or budget.total >= total:
+        return total
+    return budget.total + 1
 
 
 def recent_window(pos: torch.Tensor, cur_pos: torch.Tensor, recent: int) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""A layer's compute for one GPU batch: embedding, a decoder block (prefill in bounded sub-batches, or one decode
+step with the cache attended in place), or the head."""
+from __future__ import annotations
+
+import torch
+
+from flexh2o.kv import attention
+from flexh2o.kv.cache import KVBlock
+from flexh2o.kv.policies.base import KVPolicy
+
+
+class LayerCompute:
+    """Calls the model family's pure functions; `attend` callbacks own the cache block of the (layer, batch)."""
+
+    def __init__(self, family, cfg, rc, policy: KVPolicy, slots: int, evicts: bool):
+        self.family, self.cfg, self.rc, self.policy = family, cfg, rc, policy
+        self.slots, self.evicts = slots, evicts
+
+    def embed(self, w: dict, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.family.embed(self.cfg, w, ids, pos.clamp(min=0))
+
+    def head(self, w: dict, x: torch.Tensor) -> torch.Tensor:
+        """Logits (b, vocab) of each row's last position."""
+        return self.family.head(self.cfg, w, x[:, -1:])[:, 0]
+
+    def decode(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, blk: KVBlock) -> torch.Tensor:
+        """One token per row: x (b, 1, h), pos (b, 1); the block gets the new K/V and loses at most one token."""
+        def attend(q, k, v):
+            return attention.decode(q, k, v, pos[:, 0], blk, self.policy, cache_layer)
+        return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
+
+    def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are
+        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch."""
+        b = x.shape[0]
+        blk = KVBlock.empty(b, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device,
+                            self.rc.compress_cache)
+        outs, rows = [], self.rc.prefill_rows()
+        for r in range(0, b, rows):
+            sl = slice(r, r + rows)
+
+            def attend(q, k, v, sl=sl):
+                return attention.prefill(q, k, v, pos[sl], self.policy, cache_layer, blk.rows(sl),
+                                         self.rc.attn_chunk, self.evicts)
+            outs.append(self.family.block(self.cfg, w, cache_layer, x[sl], pos[sl].clamp(min=0), attend))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), blk

@@ -1,0 +1,56 @@
+"""Per-sequence token state of one generate() call: left-padded prompts, emitted tokens, logits."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Sequences:
+    """num_gpu_batches x gpu_batch_size sequences. ids/pos (nb, b, t): prompts left-padded to t (pos -1 on
+    padding); tokens (nb, b, gen_len): what each step emitted; last_logits (nb, b, vocab)."""
+
+    def __init__(self, prompts: list, gpu_batch_size: int, num_gpu_batches: int, gen_len: int, pad_id: int,
+                 vocab: int, record_logits: bool = False):
+        b, nb = gpu_batch_size, num_gpu_batches
+        if len(prompts) != b * nb:
+            raise ValueError(f"{len(prompts)} prompts given for {b} x {nb} sequences")
+        if min(map(len, prompts)) < 1:
+            raise ValueError("a prompt is empty: every prompt needs at least one token")
+        self.t = t = max(len(p) for p in prompts)
+        ids = torch.full((b * nb, t), pad_id, dtype=torch.long)
+        pos = torch.full((b * nb, t), -1, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
+            pos[i, t - len(p):] = torch.arange(len(p))
+        self.ids, self.pos = ids.view(nb, b, t), pos.view(nb, b, t)
+        self.lens = self.pos[:, :, -1] + 1  # (nb, b) real prompt lengths
+        self.gen_len = gen_len
+        self.tokens = torch.zeros(nb, b, gen_len, dtype=torch.long)
+        self.last_logits = torch.zeros(nb, b, vocab)
+        self.step_logits: Optional[list] = ([torch.zeros(nb, b, vocab) for _ in range(gen_len)] if record_logits
+                                            else None)
+
+    @property
+    def num_batches(self) -> int:
+        return self.tokens.shape[0]
+
+    def inputs(self, step: int, batch: int, device) -> tuple:
+        """(ids, pos) of one GPU batch for a step: the prompts at step 0, then the previous step's token."""
+        if step == 0:
+            return self.ids[batch].to(device), self.pos[batch].to(device)
+        prev = self.tokens[batch, :, step - 1:step]
+        return prev.to(device), (self.lens[batch] + step - 1).view(-1, 1).to(device)
+
+    def emit(self, step: int, batch: int, logits: torch.Tensor, sampler) -> None:
+        """Record a batch's logits (b, vocab) of `step` and the token the sampler picks from them."""
+        logits = logits.float().cpu()
+        self.last_logits[batch] = logits
+        if self.step_logits is not None:
+            self.step_logits[step][batch] = logits
+        b = self.tokens.shape[1]
+        self.tokens[batch, :, step] = sampler(logits, step, slice(batch * b, (batch + 1) * b))
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """(nb, b, ...) -> (num_seqs, ...)."""
+        return x.reshape(-1, *x.shape[2:])

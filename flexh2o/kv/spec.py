@@ -1,0 +1,118 @@
+"""KVSpec: which KV policy a run uses and its parameters, in whole tokens (ratios are converted here, once)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from flexh2o.kv.policies import POLICIES
+from flexh2o.kv.policies.base import Budget, KVPolicy, cache_slots
+
+SPLIT = ("h2o", "random")  # policies whose budget is heavy + recent; the others keep one window (or sinks + window)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """policy: a name in kv.policies.POLICIES; budget: tokens per sequence, layer and KV head (None = unbounded);
+    num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random."""
+
+    policy: str = "full"
+    budget: Optional[Budget] = None
+    num_sinks: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown KV policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.policy == "full" and self.budget is not None:
+            raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
+        if self.policy != "full" and self.budget is None:
+            raise ValueError(f"KV policy {self.policy} needs a budget: give --kv-budget N or --hh-ratio R")
+        if self.num_sinks < 0:
+            raise ValueError(f"--num-sinks must be 0 or more (got {self.num_sinks})")
+        if self.policy == "streaming" and self.budget.total <= self.num_sinks:
+            raise ValueError(f"--kv-budget {self.budget.total} must exceed --num-sinks {self.num_sinks} for the "
+                             "streaming policy")
+
+    @staticmethod
+    def from_flags(policy: Optional[str], prompt_len: int, hh_ratio: Optional[float] = None,
+                   recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None, num_sinks: int = 4,
+                   seed: int = 0) -> "KVSpec":
+        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed.
+
+        No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
+        heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, split evenly (heavy = N // 2) for
+        policies with a recent window; all window otherwise."""
+        budgeted = hh_ratio is not None or kv_budget is not None
+        policy = policy or ("h2o" if budgeted else "full")
+        if policy == "full":
+            if budgeted:
+                raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
+                                 "policy")
+            return KVSpec("full", None, num_sinks, seed)
+        return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed)
+
+    @staticmethod
+    def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0) -> "KVSpec":
+        """A spec at a total budget of `tokens` (None or policy full: unbounded)."""
+        if policy == "full":
+            return KVSpec("full", None, num_sinks, seed)
+        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed)
+
+    @property
+    def needs_scores(self) -> bool:
+        """The policy accumulates attention probabilities (prefill then materialises them in fp32)."""
+        return POLICIES[self.policy].needs_scores
+
+    def slots(self, prompt_len: int, gen_len: int) -> int:
+        """Cache slots per sequence and KV head: budget + 1 (the incoming token), or the whole sequence."""
+        return cache_slots(self.budget, prompt_len, gen_len)
+
+    def evicts(self, prompt_len: int, gen_len: int) -> bool:
+        return self.slots(prompt_len, gen_len) < prompt_len + gen_len
+
+    def make(self) -> KVPolicy:
+        """The policy object (built once per engine)."""
+        return POLICIES[self.policy](self.budget, self.num_sinks, self.seed)
+
+    def kv_budget_flag(self) -> Optional[int]:
+        """N such that --kv-budget N gives this spec back, or ValueError when none does; None for full."""
+        if self.budget is None:
+            return None
+        n = self.budget.total
+        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed) != self:
+            raise ValueError(f"KV budget heavy {self.budget.heavy} + recent {self.budget.recent} cannot be written "
+                             f"as --kv-budget for policy {self.policy} (it splits a budget evenly)")
+        return n
+
+    def describe(self) -> str:
+        if self.budget is None:
+            return self.policy
+        return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent})"
+
+
+def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0) -> KVPolicy:
+    """A policy object from its parts (validated as a KVSpec)."""
+    return KVSpec(name, budget, num_sinks, seed).make()
+
+
+def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,
+                   recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None) -> Optional[Budget]:
+    """Ratios or a token budget -> whole token counts (None for full, or when no budget flag is given)."""
+    if policy == "full":
+        return None
+    if kv_budget is not None:
+        if kv_budget < 1:
+            raise ValueError(f"--kv-budget must be a positive number of tokens (got {kv_budget})")
+        if policy in SPLIT:
+            heavy = kv_budget // 2
+            return Budget(heavy, kv_budget - heavy)
+        return Budget(0, kv_budget)
+    if hh_ratio is None:
+        return None
+    heavy = int(hh_ratio * prompt_len)
+    recent = heavy if recent_ratio is None else int(recent_ratio * prompt_len)
+    if heavy + recent < 1:
+        raise ValueError(f"--hh-ratio {hh_ratio} of a {prompt_len}-token prompt keeps no tokens: raise the ratio")
+    if policy in SPLIT:
+        return Budget(heavy, recent)
+    return Budget(0, heavy + recent)
