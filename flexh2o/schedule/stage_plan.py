@@ -42,6 +42,8 @@ def stage_schedule(num_steps: int, layers: range, total_layers: int, groups: lis
     boundary appear: nothing is sent when there is one stage, and the tokens of the last step go nowhere.
     """
     first, last = layers[0], layers[-1]
+    cached = [layer for layer in range(total_layers) if has_cache(layer)]
+    cache_of = {layer: cached.index(layer) if layer in cached else -1 for layer in range(total_layers)}
     units = [(step, group) for step in range(num_steps) for group in groups]
     computes = [(step, layer, batch) for step, group in units for layer in layers for batch in group]
     starts = {(step, layer, group[0]) for step, group in units for layer in layers}  # first compute of a block
@@ -61,7 +63,7 @@ def stage_schedule(num_steps: int, layers: range, total_layers: int, groups: lis
     yield from recvs(0)
     yield Op(LOAD_WEIGHT, *blocks[0])
     if has_cache(first):
-        yield Op(LOAD_CACHE, *computes[0])
+        yield Op(LOAD_CACHE, *computes[0], cache_of[first])
     block = 0
     for i, (step, layer, batch) in enumerate(computes):
         if (step, layer, batch) in starts:
@@ -70,11 +72,11 @@ def stage_schedule(num_steps: int, layers: range, total_layers: int, groups: lis
             if block + 1 < len(blocks):
                 yield Op(LOAD_WEIGHT, *blocks[block + 1])
         if i + 1 < len(computes) and has_cache(computes[i + 1][1]):
-            yield Op(LOAD_CACHE, *computes[i + 1])
+            yield Op(LOAD_CACHE, *computes[i + 1], cache_of[computes[i + 1][1]])
         yield Op(LOAD_ACT, step, layer, batch)
-        yield Op(COMPUTE, step, layer, batch)
+        yield Op(COMPUTE, step, layer, batch, cache_of[layer])
         if has_cache(layer):
-            yield Op(STORE_CACHE, step, layer, batch)
+            yield Op(STORE_CACHE, step, layer, batch, cache_of[layer])
         to = consumer(step, layer, total_layers)
         if layer == last and num_stages > 1 and to[0] < num_steps:
             yield Op(SEND, step, layer, batch)
