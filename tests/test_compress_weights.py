@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rc(cfg, percent, offload_dir, spec=SPEC, **kw) -> RunConfig:
-    return RunConfig(cfg, Percent.parse(percent), gpu_batch_size=kw.pop("gbs", 2), num_gpu_batches=kw.pop("nb", 2),
+    return RunConfig(model=cfg, percent=Percent.parse(percent), gpu_batch_size=kw.pop("gbs", 2),
+                     num_gpu_batches=kw.pop("nb", 2),
                      prompt_len=12, gen_len=GEN, dtype=torch.float32, offload_dir=offload_dir,
                      compress_weight=spec, **kw)
 

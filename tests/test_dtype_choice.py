@@ -26,8 +26,8 @@ def timings(fast: str, slow: float = 5.0) -> dict:
 
 def rc_for(percent=(0, 100, 100, 0), **kw) -> RunConfig:
     caps = {"gpu_mem": 8 << 30, "cpu_mem": 8 << 30, "disk_mem": 8 << 30, **kw}
-    return RunConfig(model=from_name("opt-125m"), percent=Percent(*percent), gpu_batch_size=4, prompt_len=64, gen_len=16,
-                     **caps)
+    return RunConfig(model=from_name("opt-125m"), percent=Percent(*percent), gpu_batch_size=4, prompt_len=64,
+                     gen_len=16, **caps)
 
 
 @pytest.mark.parametrize("fast,want", [("float32", F32), ("bfloat16", BF16), ("float16", F16)])
