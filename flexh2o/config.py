@@ -51,10 +51,6 @@ class ModelConfig:
     def embed_dim(self) -> int:
         return self.word_embed_dim or self.hidden
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes of K and V for one token over all layers."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 

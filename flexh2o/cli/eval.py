@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_main("flexh2o-eval", lambda: _run(build_parser().parse_args(argv)))
+    argv = sys.argv[1:] if argv is None else argv
+    return run_main("flexh2o-eval", lambda: _run(build_parser().parse_args(argv), argv))
 
 
-def _run(args) -> int:
+def _run(args, argv: list) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -81,7 +82,7 @@ def _run(args) -> int:
         text = format_recall(result)
     seconds = time.perf_counter() - start
     out = result.to_dict()
-    out.update(model=args.model, dtype=args.dtype, seconds=round(seconds, 1), argv=sys.argv[1:])
+    out.update(model=args.model, dtype=args.dtype, seconds=round(seconds, 1), argv=argv)
     path = args.out or f"eval-{args.task}.json"
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     return run_main("flexh2o-profile", lambda: _profile(build_parser().parse_args(argv), argv))
 
 
@@ -43,7 +44,7 @@ def _profile(args, argv: Optional[list]) -> int:
     if args.name:
         prof["name"] = args.name
     env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
-    prof["command"] = " ".join(env + ["flexh2o-profile"] + (argv if argv is not None else sys.argv[1:]))
+    prof["command"] = " ".join(env + ["flexh2o-profile"] + argv)
     text = json.dumps(prof, indent=1)
     if args.output:
         with open(args.output, "w") as f:

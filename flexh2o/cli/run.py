@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), or _DUMMY_ for seeded weights")
     a("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
       help="weights-gpu weights-cpu cache-gpu cache-cpu [act-gpu act-cpu]; disk gets the rest")
-    a("--gpu-batch-size", default="4", help="sequences per GPU batch, or 'auto' (largest that fits)")
+    a("--gpu-batch-size", default=None, help="sequences per GPU batch, or 'auto' (largest that fits); default: "
+      "the prompts of --prompt-file over --num-gpu-batches, else 4")
     a("--num-gpu-batches", type=int, default=1)
     a("--prompt-len", type=int, default=512)
     a("--gen-len", type=int, default=32)
@@ -113,13 +114,12 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here; use --device cpu")
     gpu_mem, cpu_mem, disk_mem = _capacities(args, device)
-    auto = args.gpu_batch_size == "auto"
-    if not auto and not args.gpu_batch_size.isdigit():
-        raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {args.gpu_batch_size})")
     nb = args.num_gpu_batches
-    gbs = 1 if auto else int(args.gpu_batch_size)
-    if prompts and not auto and args.gpu_batch_size == "4" and "--gpu-batch-size" not in sys.argv:
-        gbs = max(1, -(-len(prompts) // nb))  # default batch: the prompts given
+    given = args.gpu_batch_size or (str(max(1, -(-len(prompts) // max(nb, 1)))) if prompts else "4")
+    auto = given == "auto"
+    if not auto and not given.isdigit():
+        raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {given})")
+    gbs = 1 if auto else int(given)
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
                    overlap=args.overlap == "true", cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
