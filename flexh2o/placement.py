@@ -11,6 +11,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from flexh2o.compress import CompressionSpec, stored_bytes, weight_spec
+
 TIERS = ("gpu", "cpu", "disk")
 
 
@@ -103,9 +105,10 @@ def block_homes(num_layers: int, num_batches: int, shares: tuple) -> list:
     return [flat[i * num_batches:(i + 1) * num_batches] for i in range(num_layers)]
 
 
-def tensor_bytes(numel: int, dtype: torch.dtype) -> int:
-    """Bytes a tensor of `numel` elements takes in its home tier when stored as `dtype`."""
-    return numel * dtype.itemsize
+def tensor_bytes(shape, dtype: torch.dtype, compress: Optional[CompressionSpec] = None) -> int:
+    """Bytes a tensor of `shape` (or a flat element count) takes in its home tier when stored as `dtype`, compressed
+    under `compress` when given (compress/codec.py's layout: padded groups, scale and minimum)."""
+    return stored_bytes((shape,) if isinstance(shape, int) else tuple(shape), dtype, compress)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,16 @@ class WeightHomes:
                 out[self.homes[s.name]] += s.numel
             self._memo["numel"] = out
         return dict(self._memo["numel"])
+
+    def bytes_by_tier(self, dtype: torch.dtype, compress: Optional[CompressionSpec] = None) -> dict:
+        """tier -> bytes of the weights homed there stored as `dtype` (under --compress-weight's `compress`)."""
+        key = ("bytes", dtype, compress)
+        if key not in self._memo:
+            out = dict.fromkeys(TIERS, 0)
+            for s in self.unique_specs():
+                out[self.homes[s.name]] += tensor_bytes(s.shape, dtype, weight_spec(s.shape, compress))
+            self._memo[key] = out
+        return dict(self._memo[key])
 
     def unique_specs(self) -> list:
         seen: dict = {}

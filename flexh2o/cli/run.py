@@ -217,13 +217,19 @@ def describe_plan(rc: RunConfig) -> str:
     plan = plan_memory(rc)
     lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
              f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv.describe()}"
-             f"  cache slots {rc.cache_slots()}", plan.describe()]
+             f"  cache slots {rc.cache_slots()}" + _compression_note(rc), plan.describe()]
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
     lines.append(f"largest --gpu-batch-size that fits: {rc.kv.policy} {largest_batch(rc)}")
     if rc.kv.policy != "full":
         lines[-1] += f", full {largest_batch(rc.with_(kv=KVSpec()))}"
     return "\n".join(lines)
+
+
+def _compression_note(rc: RunConfig) -> str:
+    parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
+             (("weights", rc.compress_weight), ("cache", rc.compress_cache)) if spec]
+    return f"  compressed {', '.join(parts)}" if parts else ""
 
 
 def _check_output_path(path: Optional[str], flag: str) -> None:

@@ -57,11 +57,23 @@ class CompressionSpec:
         return (data, torch.uint8), (meta, dtype)
 
 
+def stored_parts(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec] = None) -> tuple:
+    """Bytes of each stored tensor (one file on the disk tier) of a tensor of `shape` and storage `dtype`: (plain,)
+    or (data, meta) under `spec`."""
+    if spec is None:
+        return (_numel(shape) * dtype.itemsize,)
+    return tuple(_numel(s) * dt.itemsize for s, dt in spec.layout(shape, dtype))
+
+
 def stored_bytes(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec] = None) -> int:
     """Bytes a tensor of `shape` and storage `dtype` takes in a tier: plain, or compressed under `spec`."""
-    if spec is None:
-        return _numel(shape) * dtype.itemsize
-    return sum(_numel(s) * dt.itemsize for s, dt in spec.layout(shape, dtype))
+    return sum(stored_parts(shape, dtype, spec))
+
+
+def weight_spec(shape: tuple, spec: Optional[CompressionSpec]) -> Optional[CompressionSpec]:
+    """How a weight of `shape` is stored under --compress-weight: 2+ dimensions grouped along dimension 0 (FlexGen's
+    group_dim 0); 1-D weights (biases, norms) stay plain, as in FlexGen."""
+    return spec.along(0) if spec is not None and len(shape) > 1 else None
 
 
 def _numel(shape: tuple) -> int:

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
-from flexh2o.placement import WeightHomes, tensor_bytes
+from flexh2o.compress import CompressionSpec, stored_bytes, stored_parts, weight_spec
+from flexh2o.placement import WeightHomes
 from flexh2o.planning.hardware import GRAIN, Rates
 from flexh2o.run_config import RunConfig
 from flexh2o.units import padded
@@ -31,6 +32,7 @@ from flexh2o.units import padded
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
 ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
 SCORE_PASSES = 2  # more of them when the policy accumulates attention scores (H2O)
+EXPAND_PASSES = 1.8  # expanding a compressed tensor costs this many dtype conversions of it (measured: see RESULTS)
 POLICY_BYTES = {False: 24, True: 64}  # bytes touched per cached slot by slot/mask bookkeeping (evicting or not)
 
 
@@ -75,25 +77,27 @@ def _div(nbytes: float, rate: Optional[float], what: str) -> float:
     return nbytes / rate
 
 
-def weight_layout(homes: WeightHomes, dtype: torch.dtype) -> tuple:
-    """Per layer: ((tier, bytes, bytes padded for disk files, number of tensors) per home tier, elements of the
-    matrices used in matmuls). Depends only on the weights' homes and the storage dtype."""
-    weights, params2d = [], []
+def weight_layout(homes: WeightHomes, dtype: torch.dtype, compress: Optional[CompressionSpec] = None) -> tuple:
+    """Per layer: ((tier, bytes, bytes padded for disk files, number of files) per home tier, elements of the
+    matrices used in matmuls, elements stored compressed). Depends only on the weights' homes, the storage dtype and
+    --compress-weight (compressed tensors are two files, data and meta, of their compressed bytes)."""
+    weights, params2d, packed = [], [], []
     for i, layer in enumerate(homes.layer_specs):
         per_tier: dict = {}
         for s in layer:
-            nbytes = tensor_bytes(s.numel, dtype)
+            parts = stored_parts(s.shape, dtype, weight_spec(s.shape, compress))
             got = per_tier.get(homes[s.name], (0, 0, 0))
-            per_tier[homes[s.name]] = (got[0] + nbytes, got[1] + padded(nbytes), got[2] + 1)
+            per_tier[homes[s.name]] = (got[0] + sum(parts), got[1] + sum(map(padded, parts)), got[2] + len(parts))
         weights.append(tuple(sorted((t, *v) for t, v in per_tier.items())))
         params2d.append(sum(s.numel for s in layer if len(s.shape) == 2 and not (i == 0 and "embed" in s.name)))
-    return tuple(weights), tuple(params2d)
+        packed.append(sum(s.numel for s in layer if weight_spec(s.shape, compress)))
+    return tuple(weights), tuple(params2d), tuple(packed)
 
 
 def _layout(rc: RunConfig, memo: Optional[dict]) -> tuple:
-    key = ("layout", rc.percent.shares("weights"), rc.dtype)
+    key = ("layout", rc.percent.shares("weights"), rc.dtype, rc.compress_weight)
     if memo is None or key not in memo:
-        got = weight_layout(rc.placement.weights, rc.dtype)
+        got = weight_layout(rc.placement.weights, rc.dtype, rc.compress_weight)
         if memo is None:
             return got
         memo[key] = got
@@ -107,13 +111,16 @@ class _Model:
         self.rc, self.r, self.cfg = rc, r, rc.model
         self.cuda = torch.device(rc.device).type == "cuda"
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
-        self.weights, self.params2d = _layout(rc, memo)
+        self.weights, self.params2d, self.packed = _layout(rc, memo)
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
         self.slots = rc.cache_slots()
         self.block = cache_block_bytes(rc)
         b, kv, s, d = rc.gpu_batch_size, self.cfg.kv_heads, self.slots, self.cfg.head_dim
-        self.block_padded = 2 * padded(b * kv * s * d * self.w) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
+        kv_parts = stored_parts((b, kv, s, d), rc.dtype, rc.compress_cache)  # K (and V): one or two files
+        self.block_files = 2 * len(kv_parts) + 2
+        self.block_padded = 2 * sum(map(padded, kv_parts)) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
+        self.slot_kv = 2 * stored_bytes((d,), rc.dtype, rc.compress_cache)  # K and V of one token and KV head
         self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
@@ -173,9 +180,12 @@ class _Model:
                 st.add("disk.weights_read", _div(on_disk, r.disk_read, "disk_read_bw") + files * r.read_latency)
             if self.cuda and tier != "gpu":
                 st.add("h2d.weights", _div(nbytes, r.h2d, "h2d_bw"))
-            if self.w != self.c:  # a memory pass: on the host for a CPU run, on the device otherwise
+            if self.w != self.c and not self.packed[layer]:  # a memory pass: host (CPU run) or device
                 rate = r.gpu_mem if self.cuda else r.convert
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
+        if self.packed[layer]:  # compressed weights are expanded into the compute dtype where they are used
+            rate = r.gpu_mem if self.cuda else r.convert
+            st.add("compute.expand_weights", _div(self.packed[layer] * self.w * EXPAND_PASSES, rate, "convert_bw"))
 
     def matmul(self, st: _Terms, params: int, t: int, prefill: bool, nb: int) -> None:
         """Dense layers: 2 FLOPs per parameter per token, at the rate of the rows multiplied at once (a GPU batch's
@@ -216,8 +226,9 @@ class _Model:
         flops_rate = r.cpu_flops if on_cpu else r.decode_attention
         sec = 4 * b * heads * s * d / flops_rate
         sec += (b * heads * s * 4 * 2 * self.passes + b * kv * s * POLICY_BYTES[self.evicts]) / mem
-        if self.w != self.c:  # K and V cast to the query's dtype first
-            sec += 2 * b * kv * s * d * self.w / (r.gpu_mem if self.cuda and not on_cpu else r.convert)
+        if self.w != self.c or self.rc.compress_cache:  # K and V cast (or expanded) to the query's dtype first
+            passes = EXPAND_PASSES if self.rc.compress_cache else 1
+            sec += 2 * b * kv * s * d * self.w * passes / (r.gpu_mem if self.cuda and not on_cpu else r.convert)
         st.add("compute.cpu_attention" if on_cpu else "compute.attention", n * sec)
 
     def cache(self, st: _Terms, tier: str, n: int, prefill: bool) -> None:
@@ -231,19 +242,20 @@ class _Model:
             elif self.cuda:
                 st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
             if tier == "disk":
-                st.add("disk.cache_write", n * self.disk_write(padded, 4))
+                st.add("disk.cache_write", n * self.disk_write(padded, self.block_files))
             return
-        if tier == "disk":  # K, V, pos and score: four files per block
-            st.add("disk.cache_read", n * (_div(padded, r.disk_read, "disk_read_bw") + 4 * r.read_latency))
-            st.add("disk.cache_write", n * self.disk_write(padded, 4))
+        if tier == "disk":  # K, V, pos and score: four files per block (six with K and V compressed)
+            files = self.block_files
+            st.add("disk.cache_read", n * (_div(padded, r.disk_read, "disk_read_bw") + files * r.read_latency))
+            st.add("disk.cache_write", n * self.disk_write(padded, files))
         if not self.cuda or tier == "gpu" or on_cpu:
             return  # memory homes on the compute side are used in place
         st.add("h2d.cache", n * _div(blk, r.h2d, "h2d_bw"))
         if tier == "disk":
             st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
         else:  # memory tier: only the written slot of K/V, plus the whole pos/score arrays
-            b, kv, d = self.rc.gpu_batch_size, self.cfg.kv_heads, self.cfg.head_dim
-            st.add("d2h.cache", n * _div(b * kv * (2 * d * self.w + 12 * self.slots), r.d2h, "d2h_bw"))
+            b, kv = self.rc.gpu_batch_size, self.cfg.kv_heads
+            st.add("d2h.cache", n * _div(b * kv * (self.slot_kv + 12 * self.slots), r.d2h, "d2h_bw"))
 
     def activations(self, st: _Terms, t: int, load: bool) -> None:
         """Hidden states between layers, for batches whose activation home is not the compute device."""

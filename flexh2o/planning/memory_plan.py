@@ -16,10 +16,12 @@ KINDS = ("weights", "cache", "activations", "buffers")
 
 
 def cache_block_bytes(rc: RunConfig) -> int:
-    """One (layer, GPU batch) cache block: K and V in the storage dtype, int64 positions, fp32 scores."""
+    """One (layer, GPU batch) cache block: K and V in the storage dtype (compressed under --compress-cache), int64
+    positions, fp32 scores."""
     cfg = rc.model
-    rows = rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads
-    return 2 * tensor_bytes(rows * cfg.head_dim, rc.dtype) + tensor_bytes(rows, torch.int64) + tensor_bytes(
+    shape = (rc.gpu_batch_size, cfg.kv_heads, rc.cache_slots(), cfg.head_dim)
+    rows = shape[0] * shape[1] * shape[2]
+    return 2 * tensor_bytes(shape, rc.dtype, rc.compress_cache) + tensor_bytes(rows, torch.int64) + tensor_bytes(
         rows, torch.float32)
 
 
@@ -66,8 +68,8 @@ class MemoryPlan:
 def plan_memory(rc: RunConfig, placement: Optional[Placement] = None) -> MemoryPlan:
     """Bytes per tier of `rc` (homes from `placement`, by default rc.placement)."""
     where, plan = placement or rc.placement, MemoryPlan(rc)
-    for tier, numel in where.weights.numel_by_tier().items():
-        plan.bytes[tier]["weights"] += tensor_bytes(numel, rc.dtype)
+    for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
+        plan.bytes[tier]["weights"] += nbytes
     block = cache_block_bytes(rc)
     for tier in TIERS:
         plan.bytes[tier]["cache"] = where.blocks_on(tier) * block
@@ -81,13 +83,14 @@ def working_bytes(rc: RunConfig, where: Placement) -> int:
     """Compute-side buffers: two layers of weights in flight (the one computing and the prefetched one), the cache
     blocks being built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
     cfg, c = rc.model, rc.compute.itemsize
-    copied = where.weights.layer_numel("" if rc.dtype != rc.compute else "gpu")
+    expanded = rc.dtype != rc.compute or rc.compress_weight  # every weight is copied on the compute side
+    copied = where.weights.layer_numel("" if expanded else "gpu")
     weights = 2 * max(copied) * c
     g, cpu, _ = rc.percent.shares("cache")
     block = cache_block_bytes(rc)
     attend_on_cpu = rc.cpu_cache_compute and cpu == 100
     cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
-    if rc.dtype != rc.compute:  # decode reads K and V of one block in the compute dtype
+    if rc.dtype != rc.compute or rc.compress_cache:  # decode reads K and V of one block in the compute dtype
         cache += 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
     b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
     chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import CompressionSpec
+from flexh2o.compress import CompressionSpec, weight_spec
 from flexh2o.compress.tier import CompressedTier
 from flexh2o.models.common import WeightSpec
 from flexh2o.placement import WeightHomes
@@ -38,7 +38,7 @@ class WeightStore:
         self.dtype = dtype
         self.buffers = ConvertBuffers()
         packed = {n: CompressedTier(t, compress.along(0)) for n, t in tiers.items()} if compress else tiers
-        self.tiers = {s.name: (packed if compress and len(s.shape) > 1 else tiers)[self.homes[s.name]]
+        self.tiers = {s.name: (packed if weight_spec(s.shape, compress) else tiers)[self.homes[s.name]]
                       for layer in self.specs for s in layer}  # name -> the tier object that holds it
         self.handles = {}
         for layer in self.specs:

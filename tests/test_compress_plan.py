@@ -1,0 +1,88 @@
+"""The memory plan, the largest-batch search, --dry-run and the cost model count compressed bytes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flexh2o.compress import CompressionSpec
+from flexh2o.config import from_name
+from flexh2o.kv.policies.base import Budget
+from flexh2o.kv.spec import KVSpec
+from flexh2o.models import layer_specs
+from flexh2o.placement import Percent
+from flexh2o.planning.memory_plan import cache_block_bytes, largest_batch, plan_memory
+from flexh2o.run_config import RunConfig
+
+W4, C4 = CompressionSpec(4, 64, 0), CompressionSpec(4, 64, -1)
+
+
+def _rc(model="opt-1.3b", percent=(0, 100, 100, 0), dtype=torch.float16, **kw) -> RunConfig:
+    return RunConfig(model=from_name(model), percent=Percent.parse(list(percent)), gpu_batch_size=8, prompt_len=512,
+                     gen_len=32, dtype=dtype, gpu_mem=16 << 30, cpu_mem=200 << 30, **kw)
+
+
+def _flexgen_bytes(shape: tuple) -> int:
+    """4-bit FlexGen layout written out: two values a byte, groups of 64 along dim 0 padded, fp16 scale and min."""
+    if len(shape) == 1:
+        return 2 * shape[0]
+    rest = math.prod(shape[1:])
+    groups = -(-shape[0] // 64)
+    return groups * 64 * rest // 2 + groups * rest * 2 * 2
+
+
+@pytest.mark.parametrize("percent, tier", [((100, 0, 100, 0), "gpu"), ((0, 100, 100, 0), "cpu"),
+                                           ((0, 0, 100, 0), "disk")])
+def test_weight_bytes_per_tier_shrink_to_the_compressed_layout(percent, tier):
+    plain, packed = plan_memory(_rc(percent=percent)), plan_memory(_rc(percent=percent, compress_weight=W4))
+    unique = {s.name: s for layer in layer_specs(from_name("opt-1.3b")) for s in layer}.values()
+    assert packed.bytes[tier]["weights"] == sum(_flexgen_bytes(s.shape) for s in unique)
+    assert plain.bytes[tier]["weights"] == sum(2 * s.numel for s in unique)
+    ratio = packed.bytes[tier]["weights"] / plain.bytes[tier]["weights"]
+    assert 4.5 / 16 <= ratio < 4.5 / 16 * 1.01  # 1-D weights stay fp16
+
+
+@pytest.mark.parametrize("bits, want", [(4, (64 // 2 + 4) / (2 * 64)), (8, (64 + 4) / (2 * 64))])
+def test_cache_bytes_shrink_by_the_expected_factor(bits, want):
+    rc = _rc(kv=KVSpec("h2o", Budget(102, 102)))
+    spec = CompressionSpec(bits, 64, -1)
+    d = rc.model.head_dim  # 64 for opt-1.3b: one group per token and head
+    rows = rc.gpu_batch_size * rc.model.kv_heads * rc.cache_slots()
+    plain, packed = cache_block_bytes(rc), cache_block_bytes(rc.with_(compress_cache=spec))
+    assert plain == rows * (2 * d * 2 + 12) and packed == rows * (2 * d * 2 * want + 12)
+    assert plan_memory(rc.with_(compress_cache=spec)).bytes["gpu"]["cache"] == packed * rc.model.num_layers
+
+
+def test_largest_batch_grows_with_a_compressed_cache():
+    rc = _rc("opt-30b", kv=KVSpec("h2o", Budget(102, 102)))
+    plain, packed = largest_batch(rc), largest_batch(rc.with_(compress_cache=C4))
+    assert packed > 2 * plain > 0
+
+
+def test_mission_dry_run_reports_the_larger_batch(capsys):
+    from flexh2o.cli import run as cli
+
+    def batches(extra):
+        assert cli.main(["--model", "opt-30b", "--percent", "0", "100", "100", "0", "--hh-ratio", "0.2",
+                         "--gpu-mem", "16GB", "--cpu-mem", "200GB", "--dtype", "float16", "--dry-run"] + extra) == 0
+        out = capsys.readouterr().out
+        line = [ln for ln in out.splitlines() if ln.startswith("largest --gpu-batch-size")][0]
+        return out, {k: int(v) for k, v in (p.split() for p in line.split(": ")[1].split(", "))}
+    _, plain = batches([])
+    out, packed = batches(["--compress-weight", "--compress-cache"])
+    assert "compressed weights 4-bit/64, cache 4-bit/64" in out
+    assert packed["h2o"] > 2 * plain["h2o"] and packed["full"] > 2 * plain["full"], (plain, packed)
+
+
+def test_cost_model_reads_compressed_weights_from_disk():
+    """Disk-streamed weights: the predicted disk read per decode step shrinks to the compressed bytes, and the
+    expansion is charged to compute."""
+    from flexh2o.planning.cost_model import predict
+    from flexh2o.planning.hardware import load_profile
+    hw = load_profile("cpu_measured")
+    rc = _rc(percent=(0, 0, 100, 0), dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    plain, packed = predict(rc, hw), predict(rc.with_(compress_weight=W4), hw)
+    read = {k: p.terms["decode"]["disk.weights_read"] for k, p in (("plain", plain), ("packed", packed))}
+    assert 0.27 < read["packed"] / read["plain"] < 0.30
+    assert "compute.expand_weights" in packed.terms["decode"] and "compute.expand_weights" not in plain.terms["decode"]
