@@ -28,6 +28,7 @@ class Job:
     progress: bool = False
     predicted: Optional[dict] = None
     dtype_reason: str = ""  # why these storage/compute dtypes (planning/dtype_choice.py)
+    measured_steps: Optional[int] = None  # --cut-gen-len: steps actually run; decode is projected to gen_len
 
 
 def run_job(rc: RunConfig, job: Job) -> RunReport:
@@ -36,24 +37,27 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
         if job.warmup:
             eng.generate(fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2)
         moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
-        bar = tqdm(total=rc.gen_len, desc="generate", unit="tok", disable=not job.progress, file=sys.stderr)
+        steps = job.measured_steps or rc.gen_len
+        bar = tqdm(total=steps, desc="generate", unit="tok", disable=not job.progress, file=sys.stderr)
 
         def on_step(step):
             rss.sample()
             bar.update(1)
         try:
-            gen = eng.generate(fill_batch(job.prompts, rc.num_seqs), rc.gen_len, job.sampler, on_step=on_step)
+            gen = eng.generate(fill_batch(job.prompts, rc.num_seqs), steps, job.sampler, on_step=on_step)
         finally:
             bar.close()
-        moved = {t: (tier.bytes_loaded - moved0[t]) // rc.gen_len for t, tier in eng.tiers.items()}
+        moved = {t: (tier.bytes_loaded - moved0[t]) // steps for t, tier in eng.tiers.items()}
         peaks = peak_bytes(eng, rss)
+    decode_s = gen.decode_s if steps == rc.gen_len else gen.decode_s / (steps - 1) * (rc.gen_len - 1)
     report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
-                       gen.decode_s, peaks, moved, eng.plan.bytes, threads=thread_settings(),
-                       predicted=job.predicted or {}, dtype_reason=job.dtype_reason)
+                       decode_s, peaks, moved, eng.plan.bytes, threads=thread_settings(),
+                       predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
+                       measured_steps=steps, measured_decode_s=gen.decode_s)
     if not job.warmup:
         report.warmup = "no warm-up (--no-warmup)"
     if job.output_file:
-        write_outputs(job.output_file, gen.tokens[:len(job.prompts)].tolist(), job.tokenizer)
+        write_outputs(job.output_file, gen.tokens[:len(job.prompts)].tolist(), job.tokenizer)  # steps tokens
     if job.log_file:
         append_json_line(job.log_file, report.record())
     return report

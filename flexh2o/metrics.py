@@ -27,6 +27,8 @@ class RunReport:
     threads: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
     dtype_reason: str = ""
+    measured_steps: int = 0  # generation steps run; fewer than gen_len (--cut-gen-len): decode is projected
+    measured_decode_s: float = 0.0  # decode seconds of the steps run
 
     @property
     def prefill_throughput(self) -> float:
@@ -41,8 +43,14 @@ class RunReport:
         """Generated tokens / (prefill + decode): the paper's and FlexGen's metric."""
         return self.num_seqs * self.gen_len / max(self.prefill_s + self.decode_s, 1e-9)
 
+    @property
+    def projected(self) -> bool:
+        """Decode (and total) figures projected from a shortened run (FlexGen's --cut-gen-len)."""
+        return 0 < self.measured_steps < self.gen_len
+
     def record(self) -> dict:
         d = asdict(self)
+        d["projected"] = self.projected
         d.update(prefill_throughput=self.prefill_throughput, decode_throughput=self.decode_throughput,
                  total_throughput=self.total_throughput)
         if self.predicted.get("decode_throughput"):
@@ -58,8 +66,9 @@ class RunReport:
                  f"policy {self.policy['kv_policy']}  percent {self.policy['percent']}  "
                  f"batch {self.policy['gpu_batch_size']}x{self.policy['num_gpu_batches']}",
                  f"prefill  {self.prefill_s:8.3f} s  {self.prefill_throughput:10.1f} tok/s",
-                 f"decode   {self.decode_s:8.3f} s  {self.decode_throughput:10.1f} tok/s",
-                 f"total    {self.prefill_s + self.decode_s:8.3f} s  {self.total_throughput:10.1f} tok/s (generated)",
+                 f"decode   {self.decode_s:8.3f} s  {self.decode_throughput:10.1f} tok/s" + self._projected(),
+                 f"total    {self.prefill_s + self.decode_s:8.3f} s  {self.total_throughput:10.1f} tok/s (generated)"
+                 + self._projected(),
                  "placement (actual bytes)  " + "  ".join(
                      f"{kind} " + "/".join(fmt_bytes(self.plan_bytes[t][kind]) for t in ("gpu", "cpu", "disk"))
                      for kind in ("weights", "cache", "activations")) + "  (gpu/cpu/disk)",
@@ -73,6 +82,12 @@ class RunReport:
             lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "
                          f"{self.predicted.get('decode_throughput', 0):.1f} tok/s")
         return "\n".join(lines)
+
+    def _projected(self) -> str:
+        if not self.projected:
+            return ""
+        return (f"  PROJECTED from {self.measured_steps} of {self.gen_len} steps (measured decode "
+                f"{self.measured_decode_s:.3f} s over {self.measured_steps - 1} steps)")
 
 
 class RssPeak:

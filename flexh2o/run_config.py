@@ -42,6 +42,7 @@ class RunConfig:
     prefill_batch: Optional[int] = None  # sequences per prefill sub-batch; None: bounded by PREFILL_BYTES
     compress_weight: Optional[CompressionSpec] = None  # weights of 2+ dimensions, grouped along dimension 0
     compress_cache: Optional[CompressionSpec] = None  # K and V, grouped along head_dim
+    pin_weight: bool = True  # pin the cpu tier's memory when compute is on CUDA (FlexGen's --pin-weight)
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):

@@ -17,6 +17,7 @@ from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 
 
@@ -41,14 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compute-dtype", default="auto", help="auto: on CUDA the storage dtype where fast, on CPU the fastest in a "
       "cached probe of this machine")
     a("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    a("--overlap", default="true", choices=["true", "false"])
+    a("--overlap", type=str2bool, nargs="?", const=True, default=True, help="overlap I/O with compute (true/false)")
     a("--cpu-cache-compute", action="store_true", help="decode attention next to a cpu-tier cache")
     a("--gpu-mem", help="gpu tier capacity (e.g. 16GB); default: detected")
     a("--cpu-mem", help="cpu tier capacity; default: detected")
     a("--disk-mem", help="disk tier capacity; default: free space of --offload-dir")
     a("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
     add_kv_flags(p)
-    a("--hh-all", action="store_true", help="accepted for compatibility with the H2O authors' port")
+    a("--hh-all", type=str2bool, nargs="?", const=True, default=None, help="the H2O port's eviction at every "
+      "decode step: what flexh2o's h2o always does (false is refused)")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
     a("--top-p", type=float, default=1.0)
     a("--seed", type=int, default=0)
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
+    add_flexgen_flags(p)
     return p
 
 
@@ -75,6 +78,7 @@ def _run(args) -> int:
     from flexh2o.prompts import load_prompts, load_tokenizer, synthetic_prompts
     from flexh2o.sampling import Sampler
 
+    opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
     cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
            else model_configs.from_name(args.model))
     tokenizer = load_tokenizer(args.tokenizer)
@@ -94,12 +98,13 @@ def _run(args) -> int:
                   f"{predicted['total_throughput']:.1f} tok/s, decode {predicted['decode_throughput']:.1f} tok/s")
         return 0
     _check_output_path(args.output_file, "--output-file")
-    _check_output_path(args.log_file, "--log-file")
-    job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, args.log_file,
+    _check_output_path(opts.log_file, "--log-file")
+    job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,
               tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
-              dtype_reason=args.dtype_choice.reason)
+              dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
     report = run_job(rc, job)
-    print(report.summary())
+    if opts.verbose >= 1:
+        print(report.summary())
     return 0
 
 
@@ -122,10 +127,10 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     gbs = 1 if auto else int(given)
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
-                   overlap=args.overlap == "true", cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
+                   overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
                    gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, offload_dir=args.offload_dir,
                    compress_weight=_compression(args, 0, args.compress_weight),
-                   compress_cache=_compression(args, -1, args.compress_cache))
+                   compress_cache=_compression(args, -1, args.compress_cache), pin_weight=args.pin_weight)
     if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
         rc = _choose_dtypes(args, rc)
     if auto:
