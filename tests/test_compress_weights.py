@@ -127,3 +127,22 @@ def test_llama_equals_transformers_on_expanded_weights(llama_ref, offload_dir, p
     want = hf_step_logits(llama_ref["model"], llama_ref["prompts"], gen.tokens)
     torch.testing.assert_close(torch.stack(gen.step_logits, 1), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(gen.tokens, want.argmax(-1))
+
+
+def test_eval_takes_the_compression_flags(llama_ref):
+    """flexh2o-eval ppl/recall: --compress-weight/--compress-cache reach the engine runs of forced_run."""
+    from flexh2o.cli import eval as eval_cli
+    from flexh2o.cli.compress_flags import compression_specs
+    from flexh2o.eval.common import EvalModel, forced_run
+    args = eval_cli.build_parser().parse_args(["ppl", "--compress-weight", "--compress-cache", "--compress-bits", "8"])
+    w, c = compression_specs(args)
+    assert (w.bits, w.group_dim, c.bits, c.group_dim) == (8, 0, 8, -1)
+    assert compression_specs(eval_cli.build_parser().parse_args(["recall"])) == (None, None)
+    cfg, prompts = llama_ref["cfg"], llama_ref["prompts"]
+    targets = torch.randint(3, cfg.vocab, (len(prompts), GEN), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for name, specs in (("plain", (None, None)), ("packed", (SPEC, CompressionSpec(4, 16, -1)))):
+        model = EvalModel(llama_ref["ckpt"], cfg, None, torch.float32, compress_weight=specs[0],
+                          compress_cache=specs[1])
+        runs[name] = forced_run(model, "h2o", 6, prompts, targets).logprob
+    assert (runs["plain"] - runs["packed"]).abs().max() > 1e-3  # the specs really reached the engine

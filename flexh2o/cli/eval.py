@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
 from flexh2o.cli.kv_flags import add_kv_flags
 from flexh2o.eval.common import EVICTING, TEXTS
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--policies", type=_csv, default=EVICTING,
                         help=f"default {','.join(EVICTING)} (full always runs)")
     add_kv_flags(common, budgets=False)
+    add_compression_flags(common)
     common.add_argument("--seed", type=int, default=0, help="seed of the random policy and the recall samples")
     common.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     common.add_argument("--cache-dir", help="where a .gguf model is converted once (default: $TMPDIR/flexh2o-eval)")
@@ -71,6 +73,7 @@ def _run(args, argv: list) -> int:
     settings = _settings(args)  # validate before loading anything
     model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed)
     model.num_sinks = args.num_sinks
+    model.compress_weight, model.compress_cache = compression_specs(args)
     start = time.perf_counter()
     if args.task == "ppl":
         from flexh2o.eval.ppl import format_ppl, plot_ppl, run_ppl
@@ -82,7 +85,9 @@ def _run(args, argv: list) -> int:
         text = format_recall(result)
     seconds = time.perf_counter() - start
     out = result.to_dict()
-    out.update(model=args.model, dtype=args.dtype, seconds=round(seconds, 1), argv=argv)
+    out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
+               compress_cache=args.compress_cache, compress_bits=args.compress_bits,
+               compress_group_size=args.compress_group_size, seconds=round(seconds, 1), argv=argv)
     path = args.out or f"eval-{args.task}.json"
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)

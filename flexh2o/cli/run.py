@@ -10,13 +10,13 @@ import psutil
 import torch
 
 from flexh2o import config as model_configs
-from flexh2o.compress import CompressionSpec
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.units import parse_bytes
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 
@@ -58,10 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="auto: search --percent and batch sizes for the best predicted throughput (cost model)")
     a("--hardware", default=None, help="hardware profile JSON for predictions (flexh2o-profile; default: the "
       "shipped profile of this CPU when compute is on the CPU)")
-    a("--compress-weight", action="store_true", help="keep weights group-wise quantized in every tier (FlexGen)")
-    a("--compress-cache", action="store_true", help="keep the KV cache group-wise quantized in every tier (FlexGen)")
-    a("--compress-bits", type=int, choices=[4, 8], default=4, help="bits a value under --compress-* (default 4)")
-    a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
+    add_compression_flags(p)
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
     add_flexgen_flags(p)
@@ -125,12 +122,12 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     if not auto and not given.isdigit():
         raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {given})")
     gbs = 1 if auto else int(given)
+    packed = compression_specs(args)
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
                    gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, offload_dir=args.offload_dir,
-                   compress_weight=_compression(args, 0, args.compress_weight),
-                   compress_cache=_compression(args, -1, args.compress_cache), pin_weight=args.pin_weight)
+                   compress_weight=packed[0], compress_cache=packed[1], pin_weight=args.pin_weight)
     if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
         rc = _choose_dtypes(args, rc)
     if auto:
@@ -151,12 +148,6 @@ def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
         print(f"flexh2o-run: {choice.note}", file=sys.stderr)
     args.dtype_choice = choice
     return rc.with_(dtype=choice.dtype, compute_dtype=choice.compute)
-
-
-def _compression(args, dim: int, wanted: bool) -> Optional[CompressionSpec]:
-    """FlexGen's group-wise scheme (--compress-bits, --compress-group-size) grouped along `dim`, when wanted."""
-    spec = CompressionSpec(args.compress_bits, args.compress_group_size, dim)  # validates the two flags
-    return spec if wanted else None
 
 
 def _hardware(path: Optional[str], device: str) -> Optional[dict]:

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
 from flexh2o.kv.policies import POLICIES
 from flexh2o.kv.spec import KVSpec
@@ -39,6 +40,8 @@ class EvalModel:
     dtype: torch.dtype = torch.bfloat16
     num_sinks: int = 4
     seed: int = 0
+    compress_weight: Optional[CompressionSpec] = None  # --compress-weight (grouped along dimension 0)
+    compress_cache: Optional[CompressionSpec] = None  # --compress-cache (grouped along head_dim)
 
 
 def smollm2_gguf() -> str:
@@ -114,7 +117,8 @@ def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: li
                    num_gpu_batches=num_batches, prompt_len=max(len(p) for p in prompts), gen_len=steps,
                    path=model.path, dtype=model.dtype, seed=model.seed,
                    kv=KVSpec.of_total(policy, budget, model.num_sinks, model.seed), gpu_mem=64 << 30, cpu_mem=64 << 30,
-                   max_positions=max(model.cfg.max_positions, max(len(p) for p in prompts) + steps))
+                   max_positions=max(model.cfg.max_positions, max(len(p) for p in prompts) + steps),
+                   compress_weight=model.compress_weight, compress_cache=model.compress_cache)
     scorer = TeacherForcer(targets)
     with Engine(rc) as eng:
         eng.generate(prompts, steps, sampler=scorer, on_step=on_step)
