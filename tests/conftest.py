@@ -46,6 +46,21 @@ def ragged_prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list:
     return [torch.randint(4, vocab, (ln,), generator=g).tolist() for ln in lens]
 
 
+def _fixture_profiles(cache: str) -> None:
+    """`--hardware auto` finds a profile of this machine without measuring one (a minute) in CI: the shipped CPU
+    profile's figures under this machine's fingerprint, for the thread counts tests run with."""
+    import json
+    from flexh2o.planning import machine, profile_cache
+    from flexh2o.planning.hardware import load_profile
+    prof = load_profile("cpu_measured")
+    fp = machine.fingerprint("cpu")
+    for threads in {1, os.cpu_count(), torch.get_num_threads()}:
+        here = {**fp, "threads": threads}
+        path = os.path.join(cache, profile_cache.profile_file("cpu", here))
+        with open(path, "w") as f:
+            json.dump({**prof, "name": "test-fixture", "fingerprint": here}, f)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def flexh2o_cache(tmp_path_factory):
     """Every test (and every process it starts) caches dtype probes and hardware profiles in a temporary dir,
@@ -53,6 +68,7 @@ def flexh2o_cache(tmp_path_factory):
     before = os.environ.get("FLEXH2O_CACHE_DIR")
     path = tmp_path_factory.mktemp("flexh2o-cache")
     os.environ["FLEXH2O_CACHE_DIR"] = str(path)
+    _fixture_profiles(path)
     yield path
     if before is None:
         os.environ.pop("FLEXH2O_CACHE_DIR", None)

@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Optional
 
+import torch
+
 from flexh2o import config as model_configs
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
@@ -21,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                "throughput on a hardware profile, without running anything.")
     a = p.add_argument
     a("--model", required=True, help="opt-125m ... opt-175b (facebook/ prefix accepted)")
-    a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile), or a shipped name: "
-      "t4_paper, a100_80gb, cpu_measured")
+    a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile), a shipped name (t4_paper, "
+      "a100_80gb, cpu_measured), or auto: this machine's cached profile (measured once, under a minute)")
     a("--prompt-len", type=int, default=512)
     a("--gen-len", type=int, default=32)
     add_kv_flags(p)
@@ -48,7 +50,11 @@ def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
 
 def plan_from_args(args) -> tuple:
     """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
-    hw = load_profile(args.hardware)
+    if args.hardware == "auto":
+        from flexh2o.planning.profile_cache import auto_profile
+        hw = auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, None, True)
+    else:
+        hw = load_profile(args.hardware)
     cfg = model_configs.from_name(args.model)
     if args.top < 1 or args.max_num_gpu_batches < 1:
         raise ValueError("--top and --max-num-gpu-batches must be at least 1")

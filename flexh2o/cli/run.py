@@ -14,6 +14,7 @@ from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.units import parse_bytes
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
+from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
@@ -56,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--policy", choices=["given", "auto"], default="given",
       help="auto: search --percent and batch sizes for the best predicted throughput (cost model)")
-    a("--hardware", default=None, help="hardware profile JSON for predictions (flexh2o-profile; default: the "
-      "shipped profile of this CPU when compute is on the CPU)")
+    a("--hardware", default="auto", help="hardware profile for predictions, --dry-run and --policy auto: auto (this "
+      "machine's, cached; measured once, under a minute, the first time --dry-run or --policy auto needs it), a "
+      "shipped name (t4_paper, a100_80gb) or a flexh2o-profile JSON file")
     add_compression_flags(p)
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
@@ -81,7 +83,7 @@ def _run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None
     rc = build_run_config(args, cfg, prompts)
-    hw = _hardware(args.hardware, rc.device)
+    hw, hw_label = _hardware(args, rc)
     if args.policy == "auto":
         rc = _auto_policy(args, rc, hw)
     if prompts is None:
@@ -90,7 +92,7 @@ def _run(args) -> int:
     if args.dry_run:
         print(describe_plan(rc))
         if predicted:
-            print(f"predicted (cost model, {args.hardware or 'shipped CPU profile'}): prefill "
+            print(f"predicted (cost model, profile {hw_label}): prefill "
                   f"{predicted['prefill_s']:.2f} s, decode {predicted['decode_s']:.2f} s, total "
                   f"{predicted['total_throughput']:.1f} tok/s, decode {predicted['decode_throughput']:.1f} tok/s")
         return 0
@@ -150,13 +152,20 @@ def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
     return rc.with_(dtype=choice.dtype, compute_dtype=choice.compute)
 
 
-def _hardware(path: Optional[str], device: str) -> Optional[dict]:
-    from flexh2o.planning.hardware import load_profile
-    if path is None:
-        if device != "cpu":
-            return None
-        path = "cpu_measured"
-    return load_profile(path)
+def _hardware(args, rc: RunConfig) -> tuple:
+    """(profile or None, label) for --hardware (planning/profile_cache.py); warnings and hints go to stderr."""
+    from flexh2o.planning.profile_cache import resolve
+    need = args.dry_run or args.policy == "auto"
+    compute = rc.compute_dtype if hasattr(args, "dtype_choice") else None  # --policy auto: chosen later
+    if compute is None and args.compute_dtype not in (None, "auto"):
+        compute = parse_dtype(args.compute_dtype)
+    hw, label, warning = resolve(args.hardware, rc.device, compute, args.offload_dir, may_measure=need)
+    if warning:
+        print(f"flexh2o-run: {warning}", file=sys.stderr)
+    if hw is None and not need:
+        print("flexh2o-run: no prediction: no cached profile of this machine for this compute dtype yet "
+              "(--dry-run or --policy auto measures one once, under a minute)", file=sys.stderr)
+    return hw, label
 
 
 def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
@@ -178,7 +187,10 @@ def _auto_policy(args, rc: RunConfig, hw: Optional[dict]) -> RunConfig:
     tried = {}
 
     def fits(r: RunConfig) -> bool:
-        tried[r] = search(r, hw)
+        try:
+            tried[r] = search(r, hw)
+        except ValueError:  # the profile has no rates for this compute dtype
+            return False
         return bool(tried[r])
     rc = _choose_dtypes(args, rc, fits=fits)
     found = tried[rc] if rc in tried else search(rc, hw)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from flexh2o.dtypes import dtype_name, parse_dtype
 from flexh2o.planning.hardware import GRAIN
+from flexh2o.planning.machine import fingerprint
 
 
 def median_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -96,15 +97,16 @@ def matmul_rows_rates(dtype: torch.dtype, device: torch.device, quick: bool) -> 
 
 
 def memory_rates(device: torch.device, quick: bool) -> dict:
-    """Memcpy rate (bytes copied per second) of host memory and of the device, and the fp16 -> fp32 conversion."""
+    """Memcpy rate (bytes copied per second) of host memory and of the device, and the fp16 -> fp32 conversion
+    into a buffer already touched (weights.store.ConvertBuffers)."""
     nbytes = (64 if quick else 256) << 20
     rep = 3 if quick else 5
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src).fill_(0)
     out = {"cpu_mem_bw": nbytes / median_time(lambda: dst.copy_(src), rep)}
     half = torch.ones(nbytes // 2, dtype=torch.float16)
-    out["convert_bw"] = nbytes / median_time(lambda: half.float(), rep)
-    del dst, half
+    wide = torch.empty(nbytes // 2, dtype=torch.float32).fill_(0)  # reused, as the engine's conversion buffers
+    out["convert_bw"] = nbytes / median_time(lambda: wide.copy_(half), rep)
     if device.type == "cuda":
         gsrc = torch.ones(nbytes * 4, dtype=torch.uint8, device=device)
         gdst = torch.empty_like(gsrc)
@@ -245,33 +247,47 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool) -> dict:
-    """The whole profile as a JSON-ready dict (disk figures are null when offload_dir is None)."""
+def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool,
+            progress: Callable[[int], object] = lambda n: None) -> dict:
+    """The whole profile as a JSON-ready dict (disk figures are null when offload_dir is None), with this machine's
+    fingerprint. progress(1) is called after each of measure_steps(dtypes, offload_dir) steps."""
     dev = torch.device(device)
     prof = {"name": f"{platform.node()}-{dev.type}", "device": dev.type, "threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "quick": quick,
-            "cpu_mem": psutil.virtual_memory().total}
+            "cpu_mem": psutil.virtual_memory().total, "fingerprint": fingerprint(device)}
     if dev.type == "cuda":
         prof["gpu"] = torch.cuda.get_device_name(dev)
         prof["gpu_mem"] = torch.cuda.get_device_properties(dev).total_memory
-    rates = [compute_rates(parse_dtype(d), dev, quick) for d in dtypes]
-    for key in rates[0]:
-        prof[key] = {dtype_name(parse_dtype(d)): r[key] for d, r in zip(dtypes, rates)}
-    prof["matmul_flops_by_rows"] = {dtype_name(parse_dtype(d)): matmul_rows_rates(parse_dtype(d), dev, quick)
-                                    for d in dtypes}
+    rates, by_rows = {}, {}
+    for d in dtypes:
+        rates[dtype_name(parse_dtype(d))] = compute_rates(parse_dtype(d), dev, quick)
+        progress(1)
+        by_rows[dtype_name(parse_dtype(d))] = matmul_rows_rates(parse_dtype(d), dev, quick)
+        progress(1)
+    for key in next(iter(rates.values())):
+        prof[key] = {d: r[key] for d, r in rates.items()}
+    prof["matmul_flops_by_rows"] = by_rows
     prof.update(memory_rates(dev, quick))
     prof["cpu_flops"] = cpu_attention_flops(quick)
+    progress(1)
     prof["op_overhead_s"] = op_overhead(dev)
     prof["parallel_op_s"] = parallel_op(dev)
+    progress(1)
     if offload_dir is not None:
         prof.update(disk_rates(offload_dir, quick, busy=dev.type == "cpu"))
         from flexh2o.storage.offload_dir import free_disk_bytes
         prof["disk_mem"] = free_disk_bytes(offload_dir)
+        progress(1)
     else:
         prof.update(disk_read_bw=None, disk_write_bw=None, disk_read_latency_s=None, disk_write_latency_s=None,
                     direct_io=None, disk_read_bw_busy=None, compute_busy=None)
     return prof
+
+
+def measure_steps(dtypes: list, offload_dir: Optional[str]) -> int:
+    """How many times measure() calls progress (for a progress bar)."""
+    return 2 * len(dtypes) + 2 + (offload_dir is not None)
 
 
 def summary(prof: dict) -> str:

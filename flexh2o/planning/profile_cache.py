@@ -1,0 +1,78 @@
+"""`--hardware auto`: a profile of this machine, cached per fingerprint in machine.cache_dir(), measured (quick, with
+a progress bar on stderr) the first time it is needed; and the one-line warning for a profile of another machine.
+
+Named or file profiles (`--hardware t4_paper`, `--hardware FILE`) still load as before, for planning other
+hardware; when they predict a run here and their fingerprint differs from this machine's, a warning says so.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+from flexh2o.dtypes import dtype_name
+from flexh2o.planning import machine
+from flexh2o.planning.hardware import load_profile
+
+AUTO = "auto"
+FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs where bfloat16 is worth profiling by default
+
+
+def profile_file(device: str, fp: Optional[dict] = None) -> str:
+    """The cache file name of this machine's profile (or of fingerprint `fp`)."""
+    fp = fp or machine.fingerprint(device)
+    return f"hardware-{device.split(':')[0]}-{machine.fingerprint_key(fp)}.json"
+
+
+def wanted_dtypes(device: str, compute: Optional[str] = None) -> list:
+    """Compute dtypes an auto profile holds: float32 (and float16 on CUDA, bfloat16 on CPUs with bf16 hardware),
+    plus the run's own."""
+    fp = machine.fingerprint(device)
+    out = ["float16", "float32"] if device.startswith("cuda") else ["float32"]
+    if not device.startswith("cuda") and any(f in fp["cpu_flags"] for f in FAST_BF16_FLAGS):
+        out.append("bfloat16")
+    if compute and compute not in out:
+        out.append(compute)
+    return out
+
+
+def auto_profile(device: str, compute: Optional[str], offload_dir: Optional[str], may_measure: bool,
+                 measure: Optional[Callable] = None) -> Optional[dict]:
+    """This machine's cached profile when it has the compute dtype; else, if may_measure, a quick one measured now
+    (the cached dtypes and the run's) and cached; else None."""
+    name = profile_file(device)
+    prof = machine.read_cached(name)
+    want = wanted_dtypes(device, compute)
+    if prof and all(d in (prof.get("matmul_flops") or {}) for d in want):
+        return prof
+    if not may_measure:
+        return None
+    from flexh2o.planning import measure as profiler
+    dtypes = sorted(set(want) | set((prof or {}).get("matmul_flops") or {}))
+    from tqdm import tqdm
+    with tqdm(total=profiler.measure_steps(dtypes, offload_dir), desc="profiling this machine (once, cached)",
+              file=sys.stderr, unit="step") as bar:
+        prof = (measure or profiler.measure)(device, dtypes, offload_dir, True, progress=bar.update)
+    prof["name"] = f"auto-{name[len('hardware-'):-len('.json')]}"
+    where = machine.write_cached(name, prof)
+    prof["cached_at"] = where
+    return prof
+
+
+def mismatch_warning(hw: dict, device: str, label: str) -> Optional[str]:
+    """One line when `hw` was not measured on this machine (or carries no fingerprint), else None."""
+    diff = machine.differences(hw.get("fingerprint"), machine.fingerprint(device))
+    if not diff:
+        return None
+    what = "has no machine fingerprint" if diff == ["fingerprint"] else f"was measured on another machine " \
+        f"({', '.join(diff)} differ)"
+    return f"warning: hardware profile {label} {what}: predictions may not hold here (--hardware auto profiles " \
+        "this machine)"
+
+
+def resolve(arg: Optional[str], device: str, compute, offload_dir: Optional[str], may_measure: bool) -> tuple:
+    """(profile or None, label, warning or None) for --hardware `arg` (auto, a shipped name or a file)."""
+    if arg in (None, AUTO):
+        hw = auto_profile(device, dtype_name(compute) if compute is not None else None, offload_dir, may_measure)
+        return hw, "of this machine (auto)", None
+    hw = load_profile(arg)
+    return hw, arg, mismatch_warning(hw, device, arg)

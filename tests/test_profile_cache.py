@@ -1,0 +1,62 @@
+"""--hardware auto: this machine's profile is cached per fingerprint and measured once; a profile of another
+machine warns in one line. The measurement itself is monkeypatched (it takes up to a minute)."""
+from __future__ import annotations
+
+import json
+import os
+
+from flexh2o.cli import run as cli
+from flexh2o.planning import machine, profile_cache
+from flexh2o.planning.hardware import load_profile
+
+
+def fake_measure(calls: list):
+    def measure(device, dtypes, offload_dir, quick, progress=lambda n: None):
+        calls.append(tuple(dtypes))
+        progress(1)
+        return {**load_profile("cpu_measured"), "fingerprint": machine.fingerprint(device)}
+    return measure
+
+
+def test_cached_profile_is_reused_without_measuring_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    calls = []
+    assert profile_cache.auto_profile("cpu", "float32", None, may_measure=False, measure=fake_measure(calls)) is None
+    first = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
+    again = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
+    assert calls == [("float32",)] and first["fingerprint"] == again["fingerprint"] == machine.fingerprint("cpu")
+    assert os.path.exists(tmp_path / profile_cache.profile_file("cpu"))
+    profile_cache.auto_profile("cpu", "float16", None, may_measure=True, measure=fake_measure(calls))
+    assert calls[-1] == ("bfloat16", "float16", "float32")  # a dtype the cache lacks: measured with the others
+
+
+def test_cli_dry_run_measures_once_then_uses_the_cache(tmp_path, monkeypatch, capsys):
+    from flexh2o.planning import measure
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(measure, "measure", fake_measure(calls))
+    argv = ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dtype", "float32", "--compute-dtype",
+            "float32", "--dry-run"]
+    assert cli.main(argv) == 0 and cli.main(argv) == 0
+    out = capsys.readouterr()
+    assert len(calls) == 1 and "profiling this machine" in out.err
+    assert out.out.count("predicted (cost model, profile of this machine (auto))") == 2
+
+
+def test_profile_of_another_machine_warns_in_one_line(tmp_path, capsys):
+    other = {**machine.fingerprint("cpu"), "cpu_model": "Other CPU", "cpu_flags": ["avx512_bf16", "avx512f"]}
+    prof = {**load_profile("cpu_measured"), "fingerprint": other}
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(prof))
+    line = profile_cache.mismatch_warning(prof, "cpu", str(path))
+    assert line and "cpu_model, cpu_flags" in line and "\n" not in line
+    assert profile_cache.mismatch_warning({**prof, "fingerprint": machine.fingerprint("cpu")}, "cpu", "x") is None
+    assert cli.main(["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dtype", "float32",
+                     "--compute-dtype", "float32", "--hardware", str(path), "--dry-run"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "warning: hardware profile" in ln]
+    assert len(err) == 1 and "measured on another machine" in err[0]
+
+
+def test_shipped_gpu_profiles_stay_for_planning_other_hardware():
+    for name in ("t4_paper", "a100_80gb"):
+        assert load_profile(name)["matmul_flops"]
