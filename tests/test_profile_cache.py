@@ -27,7 +27,7 @@ def test_cached_profile_is_reused_without_measuring_again(tmp_path, monkeypatch)
     assert calls == [("float32",)] and first["fingerprint"] == again["fingerprint"] == machine.fingerprint("cpu")
     assert os.path.exists(tmp_path / profile_cache.profile_file("cpu"))
     profile_cache.auto_profile("cpu", "float16", None, may_measure=True, measure=fake_measure(calls))
-    assert calls[-1] == ("bfloat16", "float16", "float32")  # a dtype the cache lacks: measured with the others
+    assert len(calls) == 1  # a dtype the cached profile lacks is not measured behind the user's back
 
 
 def test_cli_dry_run_measures_once_then_uses_the_cache(tmp_path, monkeypatch, capsys):

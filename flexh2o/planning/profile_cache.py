@@ -37,17 +37,15 @@ def wanted_dtypes(device: str, compute: Optional[str] = None) -> list:
 
 def auto_profile(device: str, compute: Optional[str], offload_dir: Optional[str], may_measure: bool,
                  measure: Optional[Callable] = None) -> Optional[dict]:
-    """This machine's cached profile when it has the compute dtype; else, if may_measure, a quick one measured now
-    (the cached dtypes and the run's) and cached; else None."""
+    """This machine's cached profile; else, if may_measure, a quick one measured now (wanted_dtypes) and cached;
+    else None. A cached profile without the run's compute dtype is returned as it is (the prediction then warns
+    and names the flexh2o-profile command that adds it)."""
     name = profile_file(device)
     prof = machine.read_cached(name)
-    want = wanted_dtypes(device, compute)
-    if prof and all(d in (prof.get("matmul_flops") or {}) for d in want):
+    if prof or not may_measure:
         return prof
-    if not may_measure:
-        return None
     from flexh2o.planning import measure as profiler
-    dtypes = sorted(set(want) | set((prof or {}).get("matmul_flops") or {}))
+    dtypes = wanted_dtypes(device, compute)
     from tqdm import tqdm
     with tqdm(total=profiler.measure_steps(dtypes, offload_dir), desc="profiling this machine (once, cached)",
               file=sys.stderr, unit="step") as bar:
