@@ -50,6 +50,14 @@ def h2o_flags(hh_ratio: Optional[float], budget_pct: float, prompt_len: int, gen
     return {"kv_policy": "h2o", "kv_budget": max(2, round(budget_pct / 100 * (prompt_len + gen_len)))}
 
 
+def add_dtype_args(ap) -> None:
+    """flexh2o's --dtype/--compute-dtype (default auto: flexh2o-run decides, planning/dtype_choice.py) and the
+    peers' --peer-dtype (default auto: the dtype the probe finds fastest stored and computed alike)."""
+    ap.add_argument("--dtype", default="auto", help="flexh2o's storage dtype (default auto)")
+    ap.add_argument("--compute-dtype", default="auto", help="flexh2o's compute dtype (default auto)")
+    ap.add_argument("--peer-dtype", default="auto", help="transformers/Accelerate dtype (default auto: fastest here)")
+
+
 def add_h2o_args(ap) -> None:
     ap.add_argument("--budget-pct", type=float, default=20,
                     help="h2o budget as %% of prompt+gen tokens, split evenly heavy/recent (the paper's 20%%)")
@@ -123,7 +131,7 @@ def dry_run_batches(argv: list, env: dict) -> dict:
 
 def hardware_args(hw: Optional[str]) -> list:
     """flexh2o-run fills "predicted" (and the measured/predicted ratios) in every record itself from its cost model
-    (default on CPU: flexh2o/configs/hardware/cpu_measured.json); pass --hardware only when a profile is named."""
+    (default: its --hardware auto, this machine's cached profile); pass --hardware only when a profile is named."""
     return ["--hardware", hw] if hw else []
 
 

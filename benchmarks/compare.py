@@ -1,6 +1,8 @@
 """flexh2o (full and h2o) against its peers, alternating runs (A B C D A B C D ...), medians and ratios.
 
-Every system runs as its own process with the same model (seeded dummy bf16 weights), prompts and lengths and the
+Every system runs as its own process with the same model (seeded dummy weights; flexh2o at --dtype/--compute-dtype,
+default auto, the peers at --peer-dtype, default the dtype fastest here stored and computed alike), prompts,
+lengths and the
 same memory caps: flexh2o with --gpu-mem/--cpu-mem (each policy at the largest batch that fits, as in the paper),
 transformers + Accelerate with max_memory={"cpu": --cpu-mem} and an offload folder (what does not fit goes to
 "disk"), plain transformers all in memory (no cap: a reference); the peers run flexh2o full's batch unless
@@ -30,7 +32,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import (add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs, h2o_flags,
+from bench_common import (add_dtype_args, add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs,
+                          h2o_flags,
                           hardware_args, load_avg, median, mib, regime, run_flexh2o, run_peer, table)
 from memcap import MemCap, drop_cached
 
@@ -45,7 +48,7 @@ def prepare_checkpoint(args, env: dict, workdir: str) -> str:
     ckpt = os.path.join(workdir, "ckpt")
     script = os.path.join(HERE, "baselines", "hf_accelerate.py")
     p = subprocess.run([sys.executable, script, "--prepare", "--checkpoint", ckpt, "--model", args.model, "--dtype",
-                        "bfloat16"], env=env, capture_output=True, text=True, timeout=600)
+                        args.peer_dtype], env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"writing the peers' checkpoint failed: {p.stderr.strip().splitlines()[-1:]}")
     return ckpt
@@ -54,11 +57,11 @@ def prepare_checkpoint(args, env: dict, workdir: str) -> str:
 def commands(args, batches: dict, ckpt: str) -> dict:
     """system -> (runner, argv)."""
     base = {"model": args.model, "path": "_DUMMY_", "percent": args.percent, "prompt_len": args.prompt_len,
-            "gen_len": args.gen_len, "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem,
-            "cpu_cache_compute": args.cpu_cache_compute, "num_gpu_batches": 1}
+            "gen_len": args.gen_len, "dtype": args.dtype, "compute_dtype": args.compute_dtype, "gpu_mem": args.gpu_mem,
+            "cpu_mem": args.cpu_mem, "cpu_cache_compute": args.cpu_cache_compute, "num_gpu_batches": 1}
     peer_batch = args.peer_batch or batches["full"]
     peer = ["--model", args.model, "--batch-size", str(peer_batch), "--prompt-len", str(args.prompt_len),
-            "--gen-len", str(args.gen_len), "--dtype", "bfloat16", "--cpu-mem", args.cpu_mem, "--gpu-mem",
+            "--gen-len", str(args.gen_len), "--dtype", args.peer_dtype, "--cpu-mem", args.cpu_mem, "--gpu-mem",
             args.gpu_mem, "--checkpoint", ckpt, "--offload-dir", os.path.dirname(ckpt)]  # removed at the end
     hw = hardware_args(args.hardware)
     return {
@@ -136,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-mem", default="512MB")
     ap.add_argument("--cpu-mem", default="64MB", help="flexh2o's cpu tier and Accelerate's max_memory['cpu']")
     add_h2o_args(ap)
+    add_dtype_args(ap)
     ap.add_argument("--peer-batch", type=int, help="batch of the peers (default: flexh2o full's largest batch)")
     ap.add_argument("--systems", help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --mem-cap all "
                     "but transformers, which needs the whole model in memory)")
@@ -162,12 +166,15 @@ def main(argv=None) -> int:
         print(f"compare.py: error: {e}", file=sys.stderr)
         return 2
     base = {"model": args.model, "percent": args.percent, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-            "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "gpu_batch_size": 1,
-            "cpu_cache_compute": args.cpu_cache_compute,
+            "dtype": args.dtype, "compute_dtype": args.compute_dtype, "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem,
+            "gpu_batch_size": 1, "cpu_cache_compute": args.cpu_cache_compute,
             **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len)}
     batches = dry_run_batches(flag_args(base), env)
     if min(batches.values()) < 1:
         sys.exit(f"compare.py: not even batch 1 fits these caps ({batches}): raise --gpu-mem/--cpu-mem")
+    if args.peer_dtype == "auto":  # resolved once, so the peers' checkpoint and runs agree
+        from flexh2o.planning.dtype_choice import fastest_uniform
+        args.peer_dtype = fastest_uniform(args.peer_batch or batches["full"], args.prompt_len, args.gen_len)
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
     offload = os.path.join(os.path.expanduser("~"), "flexh2o_offload")
     os.makedirs(offload, exist_ok=True)
@@ -213,7 +220,9 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
     h2o = " ".join(flag_args(h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len))[2:])
     print(f"\n{args.model}  prompt {args.prompt_len} + gen {args.gen_len}  --percent {args.percent}"
           f"{'  --cpu-cache-compute' if args.cpu_cache_compute else ''}  --gpu-mem {args.gpu_mem}  --cpu-mem "
-          f"{args.cpu_mem}{'  --mem-cap ' + args.mem_cap if mem_cap else ''}  bf16  h2o {h2o}  {args.repeats} "
+          f"{args.cpu_mem}{'  --mem-cap ' + args.mem_cap if mem_cap else ''}  flexh2o dtype "
+          f"{args.dtype}/{args.compute_dtype}  peers "
+          f"{args.peer_dtype}  h2o {h2o}  {args.repeats} "
           f"rounds  threads "
           f"{env.get('OMP_NUM_THREADS', 'default')}  OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}  run {run_id}  "
           f"[{regime({'policy': {'percent': args.percent}})}]")

@@ -4,7 +4,8 @@ The paper's regime: weights streamed to the compute device over a slow link ever
 KV cache on the fast tier with a fixed capacity (16 GB), so the batch is limited by the cache and decode by the
 weight I/O. On a CPU-only machine the "gpu" tier is host memory, so moving weights cpu -> gpu costs nothing; the slow
 link that exists is the disk tier (direct I/O). So by default the weights stream from disk every step
-(`--percent 0 0 100 0 100 0`), the cache and activations stay in the gpu tier capped by `--gpu-mem`, bf16.
+(`--percent 0 0 100 0 100 0`), the cache and activations stay in the gpu tier capped by `--gpu-mem`; --dtype and
+--compute-dtype default to auto (flexh2o-run's choice for this machine).
 
 For `full` and `h2o` (budget: 20% of prompt + gen tokens, the paper's convention, or --hh-ratio) the script asks
 flexh2o for the largest batch that fits (--dry-run), runs both with `--gpu-batch-size auto` as flexh2o-run
@@ -22,7 +23,8 @@ import os
 import sys
 import time
 
-from bench_common import (add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs, h2o_flags,
+from bench_common import (add_dtype_args, add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs,
+                          h2o_flags,
                           hardware_args, load_avg, mib, regime, run_flexh2o, table)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def base_point(args) -> dict:
     return {"model": args.model, "path": "_DUMMY_", "percent": args.percent, "prompt_len": args.prompt_len,
-            "gen_len": args.gen_len, "dtype": "bfloat16", "gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem,
+            "gen_len": args.gen_len, "dtype": args.dtype, "compute_dtype": args.compute_dtype, "gpu_mem": args.gpu_mem,
+            "cpu_mem": args.cpu_mem,
             "cpu_cache_compute": args.cpu_cache_compute, "num_gpu_batches": 1}
 
 
@@ -83,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-mem", default="512MB", help="the fixed gpu-tier cap (cache + working buffers)")
     ap.add_argument("--cpu-mem", default="1GB")
     add_h2o_args(ap)
+    add_dtype_args(ap)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS (default: torch's choice)")
     ap.add_argument("--hardware", help="hardware profile for flexh2o-run's predictions (default: flexh2o-run's)")
@@ -108,7 +112,8 @@ def main(argv=None) -> int:
                 f.write(json.dumps(out.record) + "\n")
         rows.append(column(name, largest[kv["kv_policy"]], out))
     print(f"\n{args.model}  prompt {args.prompt_len} + gen {args.gen_len}  --percent {args.percent}  "
-          f"--gpu-mem {args.gpu_mem}  --cpu-mem {args.cpu_mem}  bf16  threads {env.get('OMP_NUM_THREADS', 'default')}"
+          f"--gpu-mem {args.gpu_mem}  --cpu-mem {args.cpu_mem}  dtype {args.dtype}/{args.compute_dtype}  threads "
+          f"{env.get('OMP_NUM_THREADS', 'default')}"
           f"  OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}"
           f"  [{regime({'policy': {'percent': args.percent}})}]")
     print(table(rows, COLUMNS))

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a default flag for every point, e.g. --set gpu_mem=15GB (repeatable)")
     ap.add_argument("--hardware", help="hardware profile passed to flexh2o-run for its predictions (default: "
-                    "flexh2o-run's own, flexh2o/configs/hardware/cpu_measured.json on a CPU)")
+                    "flexh2o-run's --hardware auto: this machine's cached profile)")
     ap.add_argument("--dry-run", action="store_true", help="print the command lines, run nothing")
     args = ap.parse_args(argv)
     with open(args.config) as f:

@@ -133,7 +133,7 @@ def generate(model, ids: torch.Tensor, gen_len: int, clock=None) -> torch.Tensor
 
 def run(args) -> dict:
     cfg = model_configs.from_name(args.model)
-    dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(peer_dtype(args.dtype, args.batch_size, args.prompt_len, args.gen_len))
     ids = torch.tensor(synthetic_prompts(args.batch_size, args.prompt_len, cfg.vocab, args.seed))  # (b, t)
     os.makedirs(args.offload_dir, exist_ok=True)
     if args.prepare:
@@ -155,6 +155,14 @@ def run(args) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return make_record(args, cfg, dtype, placement, clock, start, disk)
+
+
+def peer_dtype(name: str, batch: int, prompt_len: int, gen_len: int) -> str:
+    """The dtype name to run: `name`, or for auto the one the dtype probe finds fastest stored and computed alike."""
+    if name != "auto":
+        return name
+    from flexh2o.planning.dtype_choice import fastest_uniform
+    return fastest_uniform(batch, prompt_len, gen_len)
 
 
 def make_record(args, cfg, dtype, placement, clock: StepClock, start: float, disk: int) -> dict:
@@ -187,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="weights and compute (transformers computes in its weights' "
+                   "dtype); auto: the fastest such dtype here (flexh2o's cached dtype probe)")
     p.add_argument("--cpu-mem", default="8GB", help="Accelerate max_memory['cpu'] (weights); the rest to disk")
     p.add_argument("--gpu-mem", help="flexh2o's gpu-tier cap, recorded only (no such device for Accelerate here)")
     p.add_argument("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))

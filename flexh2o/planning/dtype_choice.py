@@ -129,6 +129,16 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
     return DtypeChoice(s, c, reason, note)
 
 
+def fastest_uniform(batch: int, prompt_len: int, gen_len: int, probe: Optional[Callable[[], tuple]] = None) -> str:
+    """Name of the dtype that is fastest stored and computed alike (a peer such as transformers, or an evaluation
+    that keeps everything in memory) for this batch and these lengths, by the probe."""
+    from types import SimpleNamespace
+    timings, _ = (probe or cached_probe)()
+    shape = SimpleNamespace(gpu_batch_size=batch, num_gpu_batches=1, num_seqs=batch, prompt_len=prompt_len,
+                            gen_len=gen_len)
+    return dtype_name(min(CANDIDATES, key=lambda d: estimate(timings, shape, d, d)))
+
+
 def allowed_pairs(rc, storage: Optional[torch.dtype], compute: Optional[torch.dtype]) -> list:
     """(storage, compute) pairs open to the choice: explicit flags fix their side; auto storage is the compute
     dtype when everything is memory-homed and fits at it, else a 16-bit dtype."""
