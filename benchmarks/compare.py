@@ -145,6 +145,11 @@ def main(argv=None) -> int:
                     "but transformers, which needs the whole model in memory)")
     ap.add_argument("--mem-cap", help="run every process in a memory cgroup of this size (its memory and page "
                     "cache), e.g. 1.25GB; needs root")
+    ap.add_argument("--fair", action="store_true", help="with --mem-cap: every system at its best configuration "
+                    "under the cap (fair.py: flexh2o's own search inside the cap, Accelerate's largest completing "
+                    "batch)")
+    ap.add_argument("--fair-overhead", default="450MB", help="process memory outside flexh2o's tiers (--fair)")
+    ap.add_argument("--fair-max-batch", type=int, default=256, help="largest Accelerate batch tried (--fair)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")
@@ -160,6 +165,8 @@ def main(argv=None) -> int:
         return 2
     try:
         mem_cap = parse_bytes(args.mem_cap) if args.mem_cap else None
+        if args.fair and not mem_cap:
+            raise ValueError("--fair needs --mem-cap (the cap every system is sized to)")
         if mem_cap:
             MemCap(mem_cap, "probe").close()  # fails early, with what to do, where cgroups are not writable
     except (ValueError, RuntimeError) as e:
@@ -189,6 +196,10 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
     peers = [s for s in systems if s in ("accelerate", "transformers")]
     ckpt = prepare_checkpoint(args, env, workdir) if peers else os.path.join(workdir, "ckpt")
     cmds = commands(args, batches, ckpt)
+    if args.fair:
+        from fair import fair_commands
+        cmds = fair_commands(args, env, mem_cap, {s: cmds[s] for s in systems}, ckpt,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
     run_id, started, load0 = time.strftime("%Y%m%d-%H%M%S"), time.perf_counter(), load_avg()
     recs, failures = {s: [] for s in systems}, {s: [] for s in systems}
     paired = {s: [] for s in systems}
