@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-mem", default="64MB", help="flexh2o's cpu tier and Accelerate's max_memory['cpu']")
     add_h2o_args(ap)
     add_dtype_args(ap)
+    ap.add_argument("--batch", type=int, help="flexh2o's batch (default: each policy's largest that fits)")
     ap.add_argument("--peer-batch", type=int, help="batch of the peers (default: flexh2o full's largest batch)")
     ap.add_argument("--systems", help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --mem-cap all "
                     "but transformers, which needs the whole model in memory)")
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fair", action="store_true", help="with --mem-cap: every system at its best configuration "
                     "under the cap (fair.py: flexh2o's own search inside the cap, Accelerate's largest completing "
                     "batch)")
-    ap.add_argument("--fair-overhead", default="450MB", help="process memory outside flexh2o's tiers (--fair)")
+    ap.add_argument("--fair-overhead", default="650MB", help="process memory outside flexh2o's tiers (--fair)")
     ap.add_argument("--fair-max-batch", type=int, default=256, help="largest Accelerate batch tried (--fair)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300)
@@ -177,6 +178,8 @@ def main(argv=None) -> int:
             "gpu_batch_size": 1, "cpu_cache_compute": args.cpu_cache_compute,
             **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len)}
     batches = dry_run_batches(flag_args(base), env)
+    if args.batch:
+        batches = {k: min(v, args.batch) for k, v in batches.items()}
     if min(batches.values()) < 1:
         sys.exit(f"compare.py: not even batch 1 fits these caps ({batches}): raise --gpu-mem/--cpu-mem")
     if args.peer_dtype == "auto":  # resolved once, so the peers' checkpoint and runs agree

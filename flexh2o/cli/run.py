@@ -90,6 +90,7 @@ def _run(args) -> int:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     predicted = _predict(rc, hw)
     if args.dry_run:
+        _note(args)
         print(describe_plan(rc))
         if predicted:
             print(f"predicted (cost model, profile {hw_label}): prefill "
@@ -103,6 +104,7 @@ def _run(args) -> int:
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,
               tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
               dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
+    _note(args)
     report = run_job(rc, job)
     if opts.verbose >= 1:
         print(report.summary())
@@ -145,13 +147,17 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
 
 def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
     """Storage and compute dtypes from --dtype/--compute-dtype (planning/dtype_choice.py decides); the choice is
-    kept on args for the run's report, a note about a much faster pair goes to stderr."""
+    kept on args for the run's report and its note (_note, once every flag is validated)."""
     from flexh2o.planning.dtype_choice import choose_dtypes
-    choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits)
-    if choice.note:
+    args.dtype_choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits)
+    return rc.with_(dtype=args.dtype_choice.dtype, compute_dtype=args.dtype_choice.compute)
+
+
+def _note(args) -> None:
+    """The dtype choice's one-line note (a much faster pair exists), printed once the run is about to start."""
+    choice = getattr(args, "dtype_choice", None)
+    if choice is not None and choice.note:
         print(f"flexh2o-run: {choice.note}", file=sys.stderr)
-    args.dtype_choice = choice
-    return rc.with_(dtype=choice.dtype, compute_dtype=choice.compute)
 
 
 def _hardware(args, rc: RunConfig) -> tuple:
