@@ -5,9 +5,11 @@ Plain and slow on purpose:
   * every step recomputes the whole sequence from scratch (OPT or Llama, written out below) under a keep-mask
     `visible[layer][kv_head, query, key]`: query q sees exactly the tokens its (layer, KV head) kept when q was
     generated, plus itself. The prompt's queries see the whole causal prefix (prefill is full attention);
-  * kept sets are Python sets per (layer, KV head); scores live in fp32 and are the sum, over every query that has
-    attended to a token, of the probability it gave the token, summed over the query heads sharing the KV head;
-  * each policy is a handful of lines over those sets (class `RefPolicy`).
+  * kept sets are Python sets per (layer, KV head), next to a History per (layer, KV head): for every token, the
+    list of (query, probability) of every query that attended to it (summed over the query heads sharing the KV
+    head), and the L1 norm of its value vector;
+  * each policy is a handful of lines over those sets, its value of a token computed from the History by the
+    policy's definition (class `RefPolicy`), never from a running score.
 
 Only `random_key` (the seeded hash that defines the `random` policy's choice) comes from the engine.
 """
@@ -22,26 +24,43 @@ import torch.nn.functional as F
 
 from flexh2o.kv.policies.random import random_key
 
-ScoreFn = Callable[[int], float]  # position -> accumulated score (an fp32 value)
-
 
 # ---- policies ---------------------------------------------------------------------------------------------------
+@dataclass
+class History:
+    """What a (layer, KV head) has seen: `probs[t]` lists (query position, probability the query gave token t,
+    summed over the query heads of the KV head) for every query that attended to t; `vnorm[t]` is the L1 norm of
+    token t's value vector."""
+
+    probs: dict = field(default_factory=dict)
+    vnorm: dict = field(default_factory=dict)
+
+    def seen(self, query: int, token: int, p: float) -> None:
+        self.probs.setdefault(token, []).append((query, p))
+
+
+WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks")  # heavy tokens + a protected recent window
+SINKS = ("streaming", "vatp", "h2o_sinks")  # the first num_sinks positions are protected
+
+
 @dataclass(frozen=True)
 class RefPolicy:
-    """name in full / h2o / local / streaming / random. h2o and random: `heavy` + `recent`; local and streaming: a
-    budget of `heavy + recent` tokens (streaming: the first `num_sinks` of them are the attention sinks)."""
+    """name in full / local / streaming / tova: a budget of `heavy + recent` tokens (streaming: the first
+    `num_sinks` of them are the attention sinks). The WINDOWED policies keep the `recent` newest tokens plus `heavy`
+    others by their value (`_value`); those in SINKS also keep the first `num_sinks` tokens."""
 
     name: str
     heavy: int = 0
     recent: int = 0
     num_sinks: int = 4
     seed: int = 0
+    hh_decay: float = 0.98
 
     @property
     def budget(self) -> Optional[int]:
         return None if self.name == "full" else self.heavy + self.recent
 
-    def prefill(self, n: int, score: ScoreFn, layer: int, head: int) -> set:
+    def prefill(self, n: int, hist: History, layer: int, head: int) -> set:
         """Positions kept out of an n-token prompt."""
         everything = set(range(n))
         if self.budget is None or n <= self.budget:
@@ -50,26 +69,44 @@ class RefPolicy:
             return set(range(n - self.budget, n))
         if self.name == "streaming":
             return set(range(self.num_sinks)) | set(range(n - (self.budget - self.num_sinks), n))
-        recent = set(range(n - self.recent, n))
-        older = everything - recent
-        value = self._value(score, layer, head)
-        heavy = sorted(older, key=lambda t: (value(t), t), reverse=True)[:self.heavy]  # ties keep the newer
-        return recent | set(heavy)
+        if self.name == "tova":
+            return set(sorted(everything, key=lambda t: (self._value(t, n - 1, hist, layer, head), t),
+                              reverse=True)[:self.budget])  # ties keep the newer
+        protect = self._protected(everything, n - 1)
+        value = lambda t: (self._value(t, n - 1, hist, layer, head), t)  # noqa: E731
+        heavy = sorted(everything - protect, key=value, reverse=True)[:self.budget - len(protect)]
+        return protect | set(heavy)
 
-    def evict(self, kept: set, cur: int, score: ScoreFn, layer: int, head: int) -> int:
+    def evict(self, kept: set, cur: int, hist: History, layer: int, head: int) -> int:
         """The position to drop from `kept` (which holds one token too many; `cur` is the newest position)."""
         if self.name == "local":
             return min(kept)
         if self.name == "streaming":
             return min(t for t in kept if t >= self.num_sinks)
-        outside = [t for t in kept if t <= cur - self.recent]  # the recent window is the R newest positions
-        value = self._value(score, layer, head)
-        return min(outside, key=lambda t: (value(t), t))  # lowest value; ties evict the older
+        outside = kept - self._protected(kept, cur)
+        return min(outside, key=lambda t: (self._value(t, cur, hist, layer, head), t))  # ties evict the older
 
-    def _value(self, score: ScoreFn, layer: int, head: int) -> ScoreFn:
-        if self.name == "h2o":
-            return score
-        return lambda t: ref_random_key(self.seed, layer, head, t)
+    def _protected(self, kept: set, cur: int) -> set:
+        if self.name == "tova":
+            return set()
+        window = {t for t in kept if t > cur - self.recent}  # the R newest positions
+        return window | ({t for t in kept if t < self.num_sinks} if self.name in SINKS else set())
+
+    def _value(self, t: int, cur: int, hist: History, layer: int, head: int) -> float:
+        """How much a policy wants to keep token t when the newest position is cur, from its history alone."""
+        seen = hist.probs.get(t, [])
+        total = sum(p for _, p in seen)
+        if self.name == "random":
+            return ref_random_key(self.seed, layer, head, t)
+        if self.name == "tova":
+            return sum(p for q, p in seen if q == cur)
+        if self.name == "a2sf":
+            return sum(self.hh_decay ** (cur - q) * p for q, p in seen)
+        if self.name == "mean_attn":
+            return total / len(seen)
+        if self.name == "vatp":
+            return total * hist.vnorm[t]
+        return total  # h2o, h2o_sinks
 
 
 @lru_cache(maxsize=None)
@@ -82,7 +119,8 @@ def ref_random_key(seed: int, layer: int, head: int, pos: int) -> float:
 # ---- models -----------------------------------------------------------------------------------------------------
 def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optional[Callable] = None,
               prompt_len: int = 0) -> tuple:
-    """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), probs (kv, T, T) summed over each group).
+    """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), (probs (kv, T, T) summed over each group,
+    L1 norms of the values (kv, T))).
 
     With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V), the queries after the prompt (generated tokens)
     read the quantized K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends
@@ -94,26 +132,29 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     exact = _attention(q, k, v, visible, num_heads, kv_heads)
     packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache
+    vnorm = packed[1][1] if T > prompt_len else exact[1][1]  # decode steps weigh the values the cache holds
     return (torch.where(later[:, None], packed[0], exact[0]),
-            torch.where(later[None, :, None], packed[1], exact[1]))
+            (torch.where(later[None, :, None], packed[1][0], exact[1][0]), vnorm))
 
 
 def _attention(q, k, v, visible, num_heads: int, kv_heads: int) -> tuple:
-    """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), probs (kv, T, T) summed over each group)."""
+    """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), (probs (kv, T, T) summed over each group,
+    L1 norms of the values (kv, T)))."""
     T = q.shape[0]
     d = q.shape[1] // num_heads
     group = num_heads // kv_heads
+    vnorm = v.view(T, kv_heads, d).abs().sum(-1).T  # (kv, T)
     q = q.view(T, num_heads, d).transpose(0, 1)  # (n, T, d)
     k = k.view(T, kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)  # (n, T, d): query head h reads h // group
     v = v.view(T, kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)
     mask = visible.repeat_interleave(group, 0)  # (n, T, T)
     probs = ((q @ k.transpose(1, 2)) * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1)  # (n, T, T)
     out = (probs @ v).transpose(0, 1).reshape(T, num_heads * d)
-    return out, probs.view(kv_heads, group, T, T).sum(1)
+    return out, (probs.view(kv_heads, group, T, T).sum(1), vnorm)
 
 
 def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)) -> tuple:
-    """Pre-LayerNorm OPT. -> (logits of the last position (vocab,), [probs (kv, T, T) per layer])."""
+    """Pre-LayerNorm OPT. -> (logits of the last position (vocab,), [(probs (kv, T, T), vnorm (kv, T)) per layer])."""
     assert cfg.norm_before and cfg.embed_dim == cfg.hidden, "the reference covers pre-LN OPT without projections"
     P = "model.decoder."
     T = len(ids)
@@ -133,7 +174,7 @@ def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)
 
 
 def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)) -> tuple:
-    """Llama with grouped KV heads. -> (logits of the last position (vocab,), [probs (kv, T, T) per layer])."""
+    """Llama with grouped KV heads. -> (logits of the last position (vocab,), [(probs, vnorm) per layer])."""
     T, d = len(ids), cfg.head_dim
     x = w["model.embed_tokens.weight"][ids]  # (T, h)
     cos, sin = _rope(T, d, cfg.rope_theta)  # (T, d)
@@ -201,7 +242,7 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
     n, L, H = len(prompt), cfg.num_layers, cfg.kv_heads
     size = n + gen_len
     visible = [torch.zeros(H, size, size, dtype=torch.bool) for _ in range(L)]  # per layer (kv, query, key)
-    score = [torch.zeros(H, size, dtype=torch.float32) for _ in range(L)]  # per layer (kv, position)
+    hist = [[History() for _ in range(H)] for _ in range(L)]
     kept = [[set() for _ in range(H)] for _ in range(L)]
     ids = list(prompt)
     out = RefGeneration([], [])
@@ -215,14 +256,13 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
             for layer in range(L):
                 for head in range(H):
                     visible[layer][head, cur, sorted(kept[layer][head] | {cur})] = True
-        logits, probs = forward(cfg, w, ids, [m[:, :T, :T] for m in visible], (kv_quant, n))
+        logits, stats = forward(cfg, w, ids, [m[:, :T, :T] for m in visible], (kv_quant, n))
         for layer in range(L):
-            if step == 0:
-                score[layer][:, :T] = probs[layer].sum(1)  # every prompt query, fp32
-            else:
-                score[layer][:, :T] += probs[layer][:, cur]  # the new query, its own token included
+            probs, vnorm = stats[layer]
             for head in range(H):
-                _apply_policy(policy, kept[layer][head], step, cur, score[layer][head], layer, head)
+                _record(hist[layer][head], probs[head], visible[layer][head, :T, :T], vnorm[head],
+                        range(T) if step == 0 else [cur])
+                _apply_policy(policy, kept[layer][head], step, cur, hist[layer][head], layer, head)
         nxt = int(logits.argmax()) if forced is None else int(forced[step])
         out.tokens.append(nxt)
         out.step_logits.append(logits)
@@ -231,12 +271,19 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
     return out
 
 
-def _apply_policy(policy: RefPolicy, kept: set, step: int, cur: int, score: torch.Tensor, layer: int, head: int):
+def _record(hist: History, probs: torch.Tensor, visible: torch.Tensor, vnorm: torch.Tensor, queries) -> None:
+    """Add what `queries` gave every token they saw (probs, visible: (T, T)); the value norms are the latest."""
+    hist.vnorm.update(enumerate(vnorm.tolist()))
+    for q in queries:
+        for t in visible[q].nonzero()[:, 0].tolist():
+            hist.seen(q, t, float(probs[q, t]))
+
+
+def _apply_policy(policy: RefPolicy, kept: set, step: int, cur: int, hist: History, layer: int, head: int):
     """Update one (layer, KV head)'s kept set in place after the attention of `step`."""
-    value = lambda t: float(score[t])  # noqa: E731
     if step == 0:
-        kept |= policy.prefill(cur + 1, value, layer, head)
+        kept |= policy.prefill(cur + 1, hist, layer, head)
         return
     kept.add(cur)
     while policy.budget is not None and len(kept) > policy.budget:
-        kept.remove(policy.evict(kept, cur, value, layer, head))
+        kept.remove(policy.evict(kept, cur, hist, layer, head))

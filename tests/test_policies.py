@@ -8,25 +8,30 @@ import torch
 from flexh2o.kv.policies import POLICIES, Budget
 from flexh2o.kv.spec import make_policy, resolve_budget
 from flexh2o.kv.policies.random import random_key
-from reference_kv import RefPolicy
+from reference_kv import History, RefPolicy
 
 KV = 2  # KV heads per block in these tests
 SINKS = 2
 BUDGETS = {"full": None, "h2o": Budget(3, 2), "random": Budget(3, 2), "local": Budget(0, 5),
-           "streaming": Budget(0, 5)}
+           "streaming": Budget(0, 5), "tova": Budget(0, 5), "a2sf": Budget(3, 2), "mean_attn": Budget(3, 2),
+           "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2)}
 NAMES = sorted(BUDGETS)
 LENS = [9, 4, 1, 7, 5]  # unequal prompts, left-padded to 9: shorter, equal and longer than the budget of 5
 GEN = 14
+DIM = 2  # head_dim of the simulated values
+
+
+DECAY = 0.5  # a2sf's forgetting factor here: powers of two keep the quarter-step scores exact
 
 
 def _policy(name, budget="default", seed=3):
-    return make_policy(name, BUDGETS[name] if budget == "default" else budget, SINKS, seed)
+    return make_policy(name, BUDGETS[name] if budget == "default" else budget, SINKS, seed, DECAY)
 
 
 def _ref(name, budget="default", seed=3) -> RefPolicy:
     budget = BUDGETS[name] if budget == "default" else budget
     heavy, recent = (budget.heavy, budget.recent) if budget else (0, 0)
-    return RefPolicy(name, heavy, recent, SINKS, seed)
+    return RefPolicy(name, heavy, recent, SINKS, seed, DECAY)
 
 
 def _prompt_pos(lens: list) -> torch.Tensor:
@@ -45,34 +50,55 @@ def _tied_scores(shape, gen: torch.Generator) -> torch.Tensor:
 
 class Sim:
     """Drives a policy the way the cache does: prefill_keep, then per step write the new token into a free slot,
-    add probabilities, ask decode_evict. Checks every decision against the reference rules as it goes."""
+    add probabilities, ask decode_evict. Checks every decision against the reference rules as it goes: the
+    reference sees only each (row, head)'s History (who gave which token what probability, value norms)."""
 
     def __init__(self, name: str, lens: list = LENS, gen_len: int = GEN, layer: int = 1, seed: int = 0,
                  budget="default"):
         self.policy, self.ref, self.layer = _policy(name, budget), _ref(name, budget), layer
         self.gen = torch.Generator().manual_seed(seed)
+        b = len(lens)
+        self.hist = [[History() for _ in range(KV)] for _ in range(b)]
         pos = _prompt_pos(lens)
-        score = torch.where(pos >= 0, _tied_scores(pos.shape, self.gen), 0.0)
+        v = _tied_scores((*pos.shape, DIM), self.gen)  # (b, KV, t, DIM)
+        probs = self._prefill_probs(pos)  # (b, KV, query, key)
+        score = torch.einsum("bhqk,bq->bhk", probs, self.policy.query_weights(pos[:, 0]))
         self.cur = torch.tensor(lens) - 1  # (b,) newest position
-        keep = self.policy.prefill_keep(pos, score, layer, self.cur)
-        self._check_prefill(pos, score, keep)
+        self._record(pos, v)
+        keep = self.policy.prefill_keep(pos, score, layer, self.cur, v)
+        self._check_prefill(pos, keep)
         self.slots = self.policy.slots(max(lens), gen_len)
-        self.pos = torch.full((len(lens), KV, self.slots), -1, dtype=torch.long)
-        self.score = torch.zeros(len(lens), KV, self.slots)
-        for i in range(len(lens)):
+        self.pos = torch.full((b, KV, self.slots), -1, dtype=torch.long)
+        self.score = torch.zeros(b, KV, self.slots)
+        self.v = torch.zeros(b, KV, self.slots, DIM)
+        for i in range(b):
             for h in range(KV):
                 m = int(keep[i, h].sum())
                 assert m <= self.slots
-                self.pos[i, h, :m], self.score[i, h, :m] = pos[i, h][keep[i, h]], score[i, h][keep[i, h]]
+                k = keep[i, h]
+                self.pos[i, h, :m], self.score[i, h, :m], self.v[i, h, :m] = pos[i, h][k], score[i, h][k], v[i, h][k]
         self.evicted = []  # per step, the evicted positions (or None) per (row, head)
 
-    def _check_prefill(self, pos, score, keep):
+    def _prefill_probs(self, pos) -> torch.Tensor:
+        """Random probabilities of every prompt query for every earlier (or the same) prompt token."""
+        t = pos.shape[-1]
+        probs = _tied_scores((pos.shape[0], KV, t, t), self.gen)
+        seen = (pos[:, :, :, None] >= pos[:, :, None, :]) & (pos[:, :, None, :] >= 0)  # (b, KV, query, key)
+        probs = torch.where(seen, probs, 0.0)
+        for i, j, q, k in seen.nonzero().tolist():
+            self.hist[i][j].seen(int(pos[i, j, q]), int(pos[i, j, k]), float(probs[i, j, q, k]))
+        return probs
+
+    def _record(self, pos, v) -> None:
+        for i, j, s in (pos >= 0).nonzero().tolist():
+            self.hist[i][j].vnorm[int(pos[i, j, s])] = float(v[i, j, s].abs().sum())
+
+    def _check_prefill(self, pos, keep):
         assert not (keep & (pos < 0)).any(), "padding kept"
         for i in range(pos.shape[0]):
             for h in range(KV):
                 n = int((pos[i, h] >= 0).sum())
-                value = dict(zip(pos[i, h].tolist(), score[i, h].tolist()))
-                want = self.ref.prefill(n, value.get, self.layer, h)
+                want = self.ref.prefill(n, self.hist[i][h], self.layer, h)
                 assert set(pos[i, h][keep[i, h]].tolist()) == want, (i, h)
 
     def step(self) -> None:
@@ -82,9 +108,15 @@ class Sim:
             for h in range(KV):
                 free = (self.pos[i, h] < 0).nonzero()
                 assert len(free), "no free slot for the new token"
-                self.pos[i, h, free[0, 0]], self.score[i, h, free[0, 0]] = self.cur[i], 0.0
-        self.score += torch.where(self.pos >= 0, _tied_scores(self.pos.shape, self.gen), 0.0)
-        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur)
+                slot = free[0, 0]
+                self.pos[i, h, slot], self.score[i, h, slot] = self.cur[i], 0.0
+                self.v[i, h, slot] = _tied_scores((DIM,), self.gen)
+        self._record(self.pos, self.v)
+        probs = torch.where(self.pos >= 0, _tied_scores(self.pos.shape, self.gen), 0.0)
+        for i, j, s in (self.pos >= 0).nonzero().tolist():
+            self.hist[i][j].seen(int(self.cur[i]), int(self.pos[i, j, s]), float(probs[i, j, s]))
+        self.policy.accumulate(self.score, probs)
+        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur, self.v)
         self.evicted.append(self._check_evict(evict))
         if evict is not None:
             self.pos.masked_fill_(evict, -1)
@@ -96,9 +128,8 @@ class Sim:
             for h in range(KV):
                 valid = self.pos[i, h] >= 0
                 kept = set(self.pos[i, h][valid].tolist())
-                value = dict(zip(self.pos[i, h].tolist(), self.score[i, h].tolist()))
                 over = self.ref.budget is not None and len(kept) > self.ref.budget
-                want = self.ref.evict(kept, int(self.cur[i]), value.get, self.layer, h) if over else None
+                want = self.ref.evict(kept, int(self.cur[i]), self.hist[i][h], self.layer, h) if over else None
                 got = [] if evict is None else self.pos[i, h][evict[i, h]].tolist()
                 assert evict is None or not (evict[i, h] & ~valid).any(), "an empty slot marked for eviction"
                 assert got == ([want] if over else []), (i, h, got, want)
@@ -132,7 +163,7 @@ def test_kept_count_never_exceeds_budget(name):
             sim.step()
 
 
-@pytest.mark.parametrize("name", ["h2o", "random"])
+@pytest.mark.parametrize("name", [n for n in NAMES if POLICIES[n].windowed])
 def test_exactly_heavy_plus_recent_after_each_step(name):
     """Once more than B tokens were seen: the R newest positions are all kept, plus exactly H older ones."""
     sim = Sim(name)
@@ -150,8 +181,9 @@ def test_exactly_heavy_plus_recent_after_each_step(name):
             sim.step()
 
 
-def test_streaming_never_evicts_sinks():
-    sim = Sim("streaming")
+@pytest.mark.parametrize("name", [n for n in NAMES if POLICIES[n].uses_sinks])
+def test_streaming_never_evicts_sinks(name):
+    sim = Sim(name)
     for _ in range(GEN - 1):
         sim.step()
         for i, n in enumerate(LENS):
@@ -163,7 +195,7 @@ def test_streaming_never_evicts_sinks():
 def test_budget_covering_everything_equals_full(name):
     """B >= prompt + gen: same slots as full, nothing dropped at prefill, nothing evicted while decoding."""
     total = max(LENS) + GEN
-    budget = None if name == "full" else (Budget(total // 2, total - total // 2) if name in ("h2o", "random")
+    budget = None if name == "full" else (Budget(total // 2, total - total // 2) if POLICIES[name].windowed
                                           else Budget(0, total))
     policy = _policy(name, budget)
     assert policy.slots(max(LENS), GEN) == make_policy("full", None).slots(max(LENS), GEN) == total
@@ -184,6 +216,10 @@ def test_slots_are_budget_plus_one(name):
 # ---- the exact H2O rules, by hand ---------------------------------------------------------------------------------
 def _one_row(values: list) -> torch.Tensor:
     return torch.tensor(values).view(1, 1, -1)
+
+
+def _values(pos: torch.Tensor) -> torch.Tensor:
+    return torch.rand(*pos.shape, DIM)
 
 
 def test_h2o_evicts_lowest_score_outside_recent_window():
@@ -213,14 +249,14 @@ def test_h2o_prefill_ties_keep_the_newer_position():
 def test_prompt_within_budget_keeps_everything_but_padding():
     pos = _one_row([-1, -1, 0, 1, 2])
     for name in NAMES:
-        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]))
+        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos))
         assert pos[keep].tolist() == [0, 1, 2], name
 
 
 def test_nothing_evicted_within_budget():
     pos = _one_row([0, 1, 2, -1, -1, -1])
     for name in NAMES:
-        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]))
+        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos))
         assert evict is None or not evict.any(), name
 
 

@@ -35,6 +35,7 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     out = torch.empty_like(q)
     qg = q.view(b, kv, g, t, d)
     idx = torch.arange(t, device=q.device)
+    weight = policy.query_weights(pos) if scores and policy.needs_scores else None  # (b, t) fp32 per query
     chunk = prefill_chunk(b, n, t, chunk)
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
@@ -47,10 +48,10 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
         att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float()  # (b, kv, g, c, t)
         att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
         out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
-        score += torch.einsum("bhgqk,bq->bhk", att, valid[:, s:e].float())  # padding queries add nothing
+        score += torch.einsum("bhgqk,bq->bhk", att, weight[:, s:e])  # padding queries add nothing
     kpos = pos[:, None, :].expand(b, kv, t)
     cur = pos.max(-1).values  # (b,)
-    keep = policy.prefill_keep(kpos, score, layer, cur)
+    keep = policy.prefill_keep(kpos, score, layer, cur, v)
     _pack(k, v, kpos, score, keep, blk)
     return out
 
@@ -84,6 +85,7 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)
     out = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), expand(blk.v, q.dtype)).reshape(b, n, 1, d)
     if policy.needs_scores:
-        blk.score += att.sum(2)
-    blk.evict(policy.decode_evict(blk.pos, blk.score, layer, cur_pos))
+        policy.accumulate(blk.score, att.sum(2))
+    values = expand(blk.v, torch.float32) if policy.needs_values else None  # what the cache holds
+    blk.evict(policy.decode_evict(blk.pos, blk.score, layer, cur_pos, values))
     return out.to(home)

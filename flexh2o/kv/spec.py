@@ -4,21 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from flexh2o.kv.policies import POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
 from flexh2o.kv.policies.base import Budget, KVPolicy, cache_slots
-
-SPLIT = ("h2o", "random")  # policies whose budget is heavy + recent; the others keep one window (or sinks + window)
 
 
 @dataclass(frozen=True)
 class KVSpec:
     """policy: a name in kv.policies.POLICIES; budget: tokens per sequence, layer and KV head (None = unbounded);
-    num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random."""
+    num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random;
+    hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum)."""
 
     policy: str = "full"
     budget: Optional[Budget] = None
     num_sinks: int = 4
     seed: int = 0
+    hh_decay: float = DEFAULT_DECAY
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -32,12 +32,18 @@ class KVSpec:
         if self.policy == "streaming" and self.budget.total <= self.num_sinks:
             raise ValueError(f"--kv-budget {self.budget.total} must exceed --num-sinks {self.num_sinks} for the "
                              "streaming policy")
+        cls = POLICIES[self.policy]
+        if cls.uses_sinks and cls.windowed and self.num_sinks > self.budget.heavy:
+            raise ValueError(f"--num-sinks {self.num_sinks} exceeds the {self.budget.heavy} heavy tokens of the "
+                             f"{self.policy} policy: lower --num-sinks or raise the budget")
+        if not 0.0 <= self.hh_decay <= 1.0:
+            raise ValueError(f"--hh-decay must be between 0 and 1 (got {self.hh_decay})")
 
     @staticmethod
     def from_flags(policy: Optional[str], prompt_len: int, hh_ratio: Optional[float] = None,
                    recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None, num_sinks: int = 4,
-                   seed: int = 0) -> "KVSpec":
-        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed.
+                   seed: int = 0, hh_decay: float = DEFAULT_DECAY) -> "KVSpec":
+        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed/--hh-decay.
 
         No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
         heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, split evenly (heavy = N // 2) for
@@ -48,15 +54,17 @@ class KVSpec:
             if budgeted:
                 raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
                                  "policy")
-            return KVSpec("full", None, num_sinks, seed)
-        return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed)
+            return KVSpec("full", None, num_sinks, seed, hh_decay)
+        return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed,
+                      hh_decay)
 
     @staticmethod
-    def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0) -> "KVSpec":
+    def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0,
+                 hh_decay: float = DEFAULT_DECAY) -> "KVSpec":
         """A spec at a total budget of `tokens` (None or policy full: unbounded)."""
         if policy == "full":
-            return KVSpec("full", None, num_sinks, seed)
-        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed)
+            return KVSpec("full", None, num_sinks, seed, hh_decay)
+        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, hh_decay=hh_decay)
 
     @property
     def needs_scores(self) -> bool:
@@ -72,14 +80,14 @@ class KVSpec:
 
     def make(self) -> KVPolicy:
         """The policy object (built once per engine)."""
-        return POLICIES[self.policy](self.budget, self.num_sinks, self.seed)
+        return POLICIES[self.policy](self.budget, self.num_sinks, self.seed, self.hh_decay)
 
     def kv_budget_flag(self) -> Optional[int]:
         """N such that --kv-budget N gives this spec back, or ValueError when none does; None for full."""
         if self.budget is None:
             return None
         n = self.budget.total
-        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed) != self:
+        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed, self.hh_decay) != self:
             raise ValueError(f"KV budget heavy {self.budget.heavy} + recent {self.budget.recent} cannot be written "
                              f"as --kv-budget for policy {self.policy} (it splits a budget evenly)")
         return n
@@ -90,9 +98,10 @@ class KVSpec:
         return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent})"
 
 
-def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0) -> KVPolicy:
+def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0,
+                hh_decay: float = DEFAULT_DECAY) -> KVPolicy:
     """A policy object from its parts (validated as a KVSpec)."""
-    return KVSpec(name, budget, num_sinks, seed).make()
+    return KVSpec(name, budget, num_sinks, seed, hh_decay).make()
 
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,
@@ -103,7 +112,7 @@ def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = Non
     if kv_budget is not None:
         if kv_budget < 1:
             raise ValueError(f"--kv-budget must be a positive number of tokens (got {kv_budget})")
-        if policy in SPLIT:
+        if _windowed(policy):
             heavy = kv_budget // 2
             return Budget(heavy, kv_budget - heavy)
         return Budget(0, kv_budget)
@@ -113,6 +122,11 @@ def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = Non
     recent = heavy if recent_ratio is None else int(recent_ratio * prompt_len)
     if heavy + recent < 1:
         raise ValueError(f"--hh-ratio {hh_ratio} of a {prompt_len}-token prompt keeps no tokens: raise the ratio")
-    if policy in SPLIT:
+    if _windowed(policy):
         return Budget(heavy, recent)
     return Budget(0, heavy + recent)
+
+
+def _windowed(policy: str) -> bool:
+    """The policy's budget is heavy + recent (a --kv-budget splits evenly); the others keep one window."""
+    return policy in POLICIES and POLICIES[policy].windowed

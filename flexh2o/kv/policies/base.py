@@ -3,11 +3,17 @@
 Tensors a policy sees, per cache block (one layer, one GPU batch), all shaped (b, kv_heads, slots):
   pos    int64, position of the token in each slot (index among the sequence's real tokens); -1 = empty slot
   score  float32, accumulated attention probability (filled only when `needs_scores`)
+  v      the cached values (b, kv_heads, slots, head_dim), for policies that weigh tokens by them
 cur_pos (b,) int64 is the position of the newest token of each sequence.
 
 A policy is a `priority` (higher = keep) plus a `protected` set (never evicted). Eviction removes the
 lowest-priority unprotected token, ties going to the older position; prefill keeps the protected tokens and
 then the highest priorities, ties going to the newer position.
+
+Scores: with a `decay` d, a token's score after query c is the sum over the queries q that attended to it of
+d ** (c - q) times the probability q gave it (summed over the query heads of the KV head), in fp32. d = 1 (the
+default) is H2O's plain sum; d = 0 keeps only the newest query's probability; 0 < d < 1 forgets old attention.
+Prefill weights query q by `query_weights`; each decode step computes score <- d * score + probability.
 """
 from __future__ import annotations
 
@@ -38,27 +44,49 @@ class KVPolicy:
 
     name = "base"
     needs_scores = False
+    windowed = False  # a --kv-budget is split evenly into heavy tokens and a protected recent window
+    uses_sinks = False  # protects the first --num-sinks positions
+    needs_values = False  # priority reads the cached values
+    decay = 1.0
 
-    def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0):
+    def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0):
         self.budget = budget
         self.num_sinks = num_sinks
         self.seed = seed
+        self.hh_decay = hh_decay
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return cache_slots(self.budget, prompt_len, gen_len)
 
-    def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int) -> torch.Tensor:
+    def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
+                 v: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
     def protected(self, pos: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(pos, dtype=torch.bool)
 
-    def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor) -> torch.Tensor:
+    def query_weights(self, qpos: torch.Tensor) -> torch.Tensor:
+        """qpos (b, t) prompt positions (-1 = padding) -> fp32 (b, t) weight of each query's probabilities in the
+        prefill score: decay ** (newest - q), 0 on padding (decay 0: only the newest query counts)."""
+        valid = qpos >= 0
+        if self.decay == 1.0:
+            return valid.float()
+        age = (qpos.max(-1, keepdim=True).values - qpos).clamp(min=0).float()  # (b, t)
+        return torch.where(valid, torch.tensor(self.decay, dtype=torch.float32).pow(age), 0.0)
+
+    def accumulate(self, score: torch.Tensor, att: torch.Tensor) -> None:
+        """One decode step, in place: score <- decay * score + att (fp32, both (b, h, s))."""
+        if self.decay != 1.0:
+            score.mul_(self.decay)
+        score.add_(att)
+
+    def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
+                     v: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
         valid = pos >= 0
         if self.budget is None:
             return valid
-        prio = self.priority(pos, score, layer).float()
+        prio = self.priority(pos, score, layer, cur_pos, v).float()
         prot = self.protected(pos, cur_pos) & valid
         # lexicographic descending sort on (valid, protected, priority, pos) via stable sorts, last key first
         order = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -69,14 +97,15 @@ class KVPolicy:
         rank.scatter_(-1, order, torch.arange(order.shape[-1], device=pos.device).expand_as(order))
         return valid & (rank < self.budget.total)
 
-    def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor):
+    def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
+                     v: Optional[torch.Tensor] = None):
         """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None."""
         if self.budget is None:
             return None
         valid = pos >= 0
         over = valid.sum(-1, keepdim=True) > self.budget.total  # (b, h, 1)
         cand = valid & ~self.protected(pos, cur_pos) & over
-        prio = self.priority(pos, score, layer).float()
+        prio = self.priority(pos, score, layer, cur_pos, v).float()
         low = torch.where(cand, prio, torch.inf).amin(-1, keepdim=True)
         tie = cand & (prio == low)
         oldest = torch.where(tie, pos, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
@@ -94,3 +123,8 @@ def cache_slots(budget: Optional[Budget], prompt_len: int, gen_len: int) -> int:
 def recent_window(pos: torch.Tensor, cur_pos: torch.Tensor, recent: int) -> torch.Tensor:
     """Bool: the `recent` most recent positions of each sequence (the newest token included)."""
     return pos > (cur_pos.view(-1, 1, 1) - recent)
+
+
+def sinks(pos: torch.Tensor, num_sinks: int) -> torch.Tensor:
+    """Bool: the first `num_sinks` positions of each sequence (StreamingLLM's attention sinks)."""
+    return (pos >= 0) & (pos < num_sinks)

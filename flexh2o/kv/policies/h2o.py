@@ -9,8 +9,9 @@ from flexh2o.kv.policies.base import KVPolicy, recent_window
 class H2OPolicy(KVPolicy):
     name = "h2o"
     needs_scores = True
+    windowed = True
 
-    def priority(self, pos, score, layer):
+    def priority(self, pos, score, layer, cur_pos, v):
         return score
 
     def protected(self, pos, cur_pos):

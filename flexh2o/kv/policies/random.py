@@ -18,8 +18,9 @@ def random_key(seed: int, layer: int, pos: torch.Tensor) -> torch.Tensor:
 
 class RandomPolicy(KVPolicy):
     name = "random"
+    windowed = True
 
-    def priority(self, pos, score, layer):
+    def priority(self, pos, score, layer, cur_pos, v):
         return random_key(self.seed, layer, pos)
 
     def protected(self, pos, cur_pos):

@@ -1,12 +1,13 @@
 """`streaming` (StreamingLLM): the first `num_sinks` tokens (attention sinks) plus the most recent ones."""
-from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.kv.policies.base import KVPolicy, sinks
 
 
 class StreamingPolicy(KVPolicy):
     name = "streaming"
+    uses_sinks = True
 
-    def priority(self, pos, score, layer):
+    def priority(self, pos, score, layer, cur_pos, v):
         return pos
 
     def protected(self, pos, cur_pos):
-        return (pos >= 0) & (pos < self.num_sinks)
+        return sinks(pos, self.num_sinks)
