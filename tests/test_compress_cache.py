@@ -10,8 +10,8 @@ import reference_kv as ref
 from flexh2o.compress import CompressionSpec, dequantize, quantize, stored_bytes
 from flexh2o.engine import Engine
 from flexh2o.sampling import TeacherForcer
-from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, SEED, SINKS, _assert_matches, _engine, \
-    _rc
+from test_kv_equivalence import BUDGETS, COMBOS, DECAY, GEN, LENS, MODELS, POLICIES, SEED, SINKS, _assert_matches, \
+    _engine, _rc
 
 SPEC = CompressionSpec(4, 16, -1)  # head_dim 16: one group per token and head
 LLAMA_COMBOS = ("gpu-overlap", "disk-overlap")  # OPT runs every cache placement, Llama two of them
@@ -41,7 +41,7 @@ def packed_reference(tmp_path_factory, data):
                 weights[model] = {k: v.clone() for k, v in eng.weights.handles.items()}
         if (model, policy) not in cache:
             b = BUDGETS[policy]
-            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED)
+            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED, DECAY)
             cache[model, policy] = [ref.generate(MODELS[model], weights[model], p, GEN, pol, forced[i].tolist(),
                                                  kv_quant) for i, p in enumerate(prompts)]
         return cache[model, policy]

@@ -8,6 +8,8 @@ scaled up (see _engine) so attention is peaky and a wrong eviction moves the log
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from flexh2o.config import ModelConfig, from_name
 from flexh2o.engine import Engine
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
-from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES as ENGINE_POLICIES, Budget
+from flexh2o.kv.policies import POLICIES as ENGINE_POLICIES, Budget
 from flexh2o.kv.spec import KVSpec, make_policy, resolve_budget
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.sampling import TeacherForcer
@@ -34,6 +36,7 @@ BUDGETS = {"full": None, "h2o": Budget(5, 3), "random": Budget(5, 3), "local": B
            "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3)}  # heavy != recent, so a swapped split shows
 POLICIES = sorted(BUDGETS)
 SINKS, SEED = 4, 0
+DECAY = 0.7  # a2sf's forgetting factor here (not the default, so a lost --hh-decay shows)
 SHARPEN = 4.0  # see _engine
 LENS = [12, 7, 3, 10, 5, 12]  # 6 sequences; shorter and longer than the budget of 8
 GEN = 33  # the prefill step + 32 decode steps
@@ -71,7 +74,7 @@ def _rc(model: str, policy: str, offload_dir: str, percent=(100, 0, 100, 0), ove
     return RunConfig(model=MODELS[model], percent=Percent.parse(list(percent)), gpu_batch_size=batching[0],
                      num_gpu_batches=batching[1], prompt_len=max(LENS), gen_len=GEN, dtype=torch.float32,
                      overlap=overlap, cpu_cache_compute=cpu_cache_compute, seed=SEED,
-                     kv=KVSpec(policy, BUDGETS[policy] if budget == "default" else budget, SINKS, SEED),
+                     kv=KVSpec(policy, BUDGETS[policy] if budget == "default" else budget, SINKS, SEED, DECAY),
                      offload_dir=offload_dir, attn_chunk=attn_chunk)
 
 
@@ -114,7 +117,7 @@ def reference(weights, data):
         key = (model, policy, greedy)
         if key not in cache:
             b = BUDGETS[policy]
-            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED, DEFAULT_DECAY)
+            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED, DECAY)
             cache[key] = [ref.generate(MODELS[model], weights(model), p, GEN, pol,
                                        None if greedy else forced[i].tolist()) for i, p in enumerate(prompts)]
         return cache[key]
@@ -183,7 +186,8 @@ def test_protected_sinks_change_h2o(weights, data, offload_dir):
     gap = max(float((x - y).abs().max()) for ra, rb in zip(refs["h2o"], refs["h2o_sinks"])
               for x, y in zip(ra.step_logits, rb.step_logits))
     assert gap > 100 * ATOL
-    rc = _rc("opt", "h2o_sinks", offload_dir, [0, 100, 0, 100], True, False, (3, 2), 5).with_(num_sinks=5)
+    rc = _rc("opt", "h2o_sinks", offload_dir, [0, 100, 0, 100], True, False, (3, 2), 5)
+    rc = rc.with_(kv=replace(rc.kv, num_sinks=5))
     with _engine(rc) as eng:
         gen = eng.generate(prompts, GEN, forced=forced, record_logits=True)
     _assert_matches(gen, refs["h2o_sinks"], b)
