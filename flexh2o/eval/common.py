@@ -18,7 +18,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
@@ -26,7 +26,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.sampling import TeacherForcer
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
 
-EVICTING = tuple(p for p in POLICIES if p != "full")  # h2o, local, streaming, random
+EVICTING = tuple(p for p in POLICIES if p != "full")  # every policy but full
 TEXTS = ("hamlet", "macbeth", "julius_caesar")
 
 
@@ -42,6 +42,7 @@ class EvalModel:
     seed: int = 0
     compress_weight: Optional[CompressionSpec] = None  # --compress-weight (grouped along dimension 0)
     compress_cache: Optional[CompressionSpec] = None  # --compress-cache (grouped along head_dim)
+    hh_decay: float = DEFAULT_DECAY
 
 
 def smollm2_gguf() -> str:
@@ -108,16 +109,38 @@ def budget_tokens(spec: str, context: int) -> int:
     return n
 
 
+def spec_of(model: EvalModel, policy: str, budget: Optional[int]) -> KVSpec:
+    """The KVSpec of `policy` at a total of `budget` tokens, with the model's sinks, seed and decay."""
+    return KVSpec.of_total(policy, budget, model.num_sinks, model.seed, model.hh_decay)
+
+
 def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: list, targets: torch.Tensor,
                on_step: Optional[Callable] = None, num_batches: int = 1) -> TeacherForcer:
     """Prefill `prompts`, then feed `targets` (n, steps) one token per step under `policy` at `budget` tokens."""
+    return _forced(model, spec_of(model, policy, budget), prompts, targets, on_step, num_batches)
+
+
+def lanes_run(model: EvalModel, lanes: list, prompts: list, targets: torch.Tensor,
+              on_step: Optional[Callable] = None) -> list:
+    """Several (policy, budget tokens) lanes in ONE engine pass over the same `prompts` and `targets` (n, steps):
+    each lane gets its own n rows of one batch, with its own policy and budget (KVSpec.of_lanes), so each weight
+    read serves every lane. -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
+    n = targets.shape[0]
+    spec = KVSpec.of_lanes([(n, spec_of(model, policy, tokens)) for policy, tokens in lanes])
+    scorer = _forced(model, spec, list(prompts) * len(lanes), targets.repeat(len(lanes), 1), on_step, 1,
+                     prefill_batch=n * len(lanes))
+    return [(scorer.logprob[i * n:(i + 1) * n], scorer.correct[i * n:(i + 1) * n]) for i in range(len(lanes))]
+
+
+def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, on_step: Optional[Callable],
+            num_batches: int, prefill_batch: Optional[int] = None) -> TeacherForcer:
     from flexh2o.engine import Engine
     n, steps = targets.shape
+    prompt_len = max(len(p) for p in prompts)
     rc = RunConfig(model=model.cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=n // num_batches,
-                   num_gpu_batches=num_batches, prompt_len=max(len(p) for p in prompts), gen_len=steps,
-                   path=model.path, dtype=model.dtype, seed=model.seed,
-                   kv=KVSpec.of_total(policy, budget, model.num_sinks, model.seed), gpu_mem=64 << 30, cpu_mem=64 << 30,
-                   max_positions=max(model.cfg.max_positions, max(len(p) for p in prompts) + steps),
+                   num_gpu_batches=num_batches, prompt_len=prompt_len, gen_len=steps, path=model.path,
+                   dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
+                   max_positions=max(model.cfg.max_positions, prompt_len + steps), prefill_batch=prefill_batch,
                    compress_weight=model.compress_weight, compress_cache=model.compress_cache)
     scorer = TeacherForcer(targets)
     with Engine(rc) as eng:

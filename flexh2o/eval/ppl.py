@@ -5,6 +5,10 @@ Each window of `context` tokens is read the way generation reads it: the first `
 goes. The logits of each step are scored against the next token of the text. Windows from every text form the GPU
 batch of one run; each (policy, budget) is one run. Perplexity is reported over all scored tokens and over the
 second half of each window ("late"), where every budget up to 50% is already evicting.
+
+Lanes: every (policy, budget) is a lane of its own rows in a shared batch (kv/policies/lanes.py), so one engine pass
+reads each weight once for many lanes; lanes are grouped into passes by cache size (`lane_passes`). A lane's figures
+equal those of a run of its policy alone (tests/test_eval.py checks it).
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, budget_tokens,
-                                 forced_run, load_text, machine, progress_bar)
+from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, budget_tokens, lanes_run, load_text,
+                                 machine, progress_bar, spec_of)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class PplSettings:
     prefix: int = 1
     budgets: tuple = ("10%", "20%", "50%")
     policies: tuple = EVICTING
+    lane_mem: float = 1.5e9  # bytes of KV cache per engine pass of lanes
+    separate: bool = False  # one engine pass per (policy, budget), as before lanes
 
     def __post_init__(self):
         if not 1 <= self.prefix < self.context:
@@ -40,6 +46,8 @@ class PplSettings:
                 raise ValueError(f"unknown policy {p!r}: choose from {', '.join(EVICTING)}")
         for b in self.budgets:
             budget_tokens(b, self.context)
+        if self.lane_mem <= 0:
+            raise ValueError(f"--lane-mem must be positive (got {self.lane_mem / 1e9:g} GB)")
         for t in self.texts:
             if t not in TEXTS and not os.path.isfile(t):
                 raise ValueError(f"unknown text {t!r}: choose one of {', '.join(TEXTS)} or give a file path")
@@ -55,7 +63,7 @@ def text_windows(tokens: list, context: int, count: int) -> list:
 
 
 def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> EvalResult:
-    """Every policy at every budget, plus full, over the same windows."""
+    """Every policy at every budget, plus full, over the same windows: lanes of equal cache size share a pass."""
     names, windows = [], []
     for text in s.texts:
         for w in text_windows(model.tokenizer.encode(load_text(text)), s.context, s.windows):
@@ -64,24 +72,46 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> EvalResu
     ids = torch.tensor(windows)  # (n, context)
     prompts, targets = ids[:, :s.prefix].tolist(), ids[:, s.prefix:]
     jobs = [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
+    lanes = list(dict.fromkeys((p, tokens) for p, _, tokens in jobs))  # 50% of 1024 and 512 run once
+    passes = lane_passes(model, lanes, s.prefix, targets.shape[1], len(windows), s.lane_mem, s.separate)
     result = EvalResult("ppl", s, machine=machine())
     steps = targets.shape[1]
     late = max(s.context // 2 - s.prefix, 0)  # first scored step predicting a token in the second half
-    bar = progress_bar(len(jobs) * steps * len(windows), "ppl", progress)
+    bar = progress_bar(len(lanes) * steps * len(windows), "ppl", progress)
+    nll = {}
     try:
-        for policy, spec, tokens in jobs:
-            bar.set_postfix_str(f"{policy} {spec or ''}".strip())
-            scorer = forced_run(model, policy, tokens, prompts, targets, lambda _: bar.update(len(windows)))
-            nll = -scorer.logprob  # (n, steps)
-            for text in s.texts:
-                rows = torch.tensor([i for i, t in enumerate(names) if t == text])
-                result.rows.append({"policy": policy, "budget": spec or "all", "budget_tokens": tokens, "text": text,
-                                    "ppl": math.exp(nll[rows].mean().item()),
-                                    "ppl_late": math.exp(nll[rows, late:].mean().item()),
-                                    "tokens": int(nll[rows].numel())})
+        for group in passes:
+            bar.set_postfix_str(f"{len(group)} lanes")
+            done = lanes_run(model, group, prompts, targets, lambda _: bar.update(len(windows) * len(group)))
+            nll.update({lane: -logprob for lane, (logprob, _) in zip(group, done)})  # (n, steps) each
     finally:
         bar.close()
+    for policy, spec, tokens in jobs:
+        for text in s.texts:
+            rows = torch.tensor([i for i, t in enumerate(names) if t == text])
+            x = nll[policy, tokens][rows]
+            result.rows.append({"policy": policy, "budget": spec or "all", "budget_tokens": tokens, "text": text,
+                                "ppl": math.exp(x.mean().item()), "ppl_late": math.exp(x[:, late:].mean().item()),
+                                "tokens": int(x.numel())})
     return result
+
+
+def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows: int, mem: float,
+                separate: bool = False) -> list:
+    """Lanes grouped into engine passes: sorted by cache slots, a pass grows while its KV cache (every lane's rows
+    at the pass's largest slot count) stays within `mem` bytes. separate: one lane per pass."""
+    if separate:
+        return [[lane] for lane in lanes]
+    cfg = model.cfg
+    per_slot = rows * cfg.num_layers * cfg.kv_heads * (2 * cfg.head_dim * model.dtype.itemsize + 12)
+    slots = {lane: spec_of(model, *lane).slots(prompt_len, steps) for lane in lanes}
+    passes, cur = [], []
+    for lane in sorted(lanes, key=lambda x: slots[x]):
+        if cur and (len(cur) + 1) * slots[lane] * per_slot > mem:
+            passes.append(cur)
+            cur = []
+        cur.append(lane)
+    return passes + [cur]
 
 
 def format_ppl(result: EvalResult, key: str = "ppl") -> str:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, budget_tokens,
-                                 forced_run, load_text, machine, progress_bar)
+from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, budget_tokens, lanes_run, load_text, machine,
+                                 progress_bar)
 
 TASKS = ("passkey", "kv")
+LANE_ROWS = 48  # rows of one engine pass: (policy, budget) lanes x the samples of one group
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Jack", "Kate", "Laura", "Mark",
          "Nina", "Oscar", "Paul", "Rachel", "Sam", "Tom", "Victor", "Anna")
 
@@ -103,19 +104,22 @@ def run_recall(model: EvalModel, s: RecallSettings, progress: bool = True) -> Ev
     samples = make_samples(model.tokenizer, s)
     jobs = [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
     result = EvalResult("recall", s, machine=machine())
+    lanes = [(policy, tokens) for policy, _, tokens in jobs]
     total = sum(len(x.prompt) + len(x.forced) for x in samples) * len(jobs)
     bar = progress_bar(total, "recall", progress)
     try:
-        for policy, spec, tokens in jobs:
-            bar.set_postfix_str(f"{policy} {spec or ''}".strip())
-            for task in s.tasks:
-                hits = [_answer_hits(model, policy, tokens, g) for g in _by_length(samples, task)]
-                exact = torch.cat([h.all(-1) for h in hits])  # (samples,)
-                right = torch.cat([h.flatten() for h in hits])  # every answer token of every sample
+        for task in s.tasks:
+            hits = {lane: [] for lane in lanes}  # per lane, one (n, answer tokens) tensor per group
+            for group in _by_length(samples, task):
+                for lane, h in zip(lanes, _answer_hits(model, lanes, group)):
+                    hits[lane].append(h)
+            bar.update(len(jobs) * sum(len(x.prompt) + len(x.forced) for x in samples if x.task == task))
+            for policy, spec, tokens in jobs:
+                exact = torch.cat([h.all(-1) for h in hits[policy, tokens]])  # (samples,)
+                right = torch.cat([h.flatten() for h in hits[policy, tokens]])  # every answer token of every sample
                 result.rows.append({"policy": policy, "budget": spec or "all", "budget_tokens": tokens,
                                     "task": task, "exact_match": exact.float().mean().item(),
                                     "token_accuracy": right.float().mean().item(), "samples": len(exact)})
-                bar.update(sum(len(x.prompt) + len(x.forced) for x in samples if x.task == task))
     finally:
         bar.close()
     return result
@@ -130,11 +134,16 @@ def _by_length(samples: list, task: str) -> list:
     return list(groups.values())
 
 
-def _answer_hits(model: EvalModel, policy: str, tokens, group: list) -> torch.Tensor:
-    """Bool (n, answer tokens): the argmax of each answer step is the answer token."""
+def _answer_hits(model: EvalModel, lanes: list, group: list) -> list:
+    """Per lane (policy, budget tokens), bool (n, answer tokens): the argmax of each answer step is the answer
+    token. Lanes share engine passes of at most LANE_ROWS rows."""
     forced = torch.tensor([x.forced for x in group])  # (n, steps)
-    scorer = forced_run(model, policy, tokens, [x.prompt for x in group], forced)
-    return scorer.correct[:, group[0].answer_start:]
+    prompts, per_pass = [x.prompt for x in group], max(1, LANE_ROWS // len(group))
+    out = []
+    for i in range(0, len(lanes), per_pass):
+        out += [correct[:, group[0].answer_start:]
+                for _, correct in lanes_run(model, lanes[i:i + per_pass], prompts, forced)]
+    return out
 
 
 def format_recall(result: EvalResult) -> str:

@@ -6,21 +6,32 @@ from typing import Optional
 
 from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
 from flexh2o.kv.policies.base import Budget, KVPolicy, cache_slots
+from flexh2o.kv.policies.lanes import LanePolicy
+
+LANES = "lanes"
 
 
 @dataclass(frozen=True)
 class KVSpec:
     """policy: a name in kv.policies.POLICIES; budget: tokens per sequence, layer and KV head (None = unbounded);
     num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random;
-    hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum)."""
+    hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum).
+    lanes (policy "lanes"): ((rows, KVSpec), ...), each lane's spec for its own rows of one batch (see of_lanes)."""
 
     policy: str = "full"
     budget: Optional[Budget] = None
     num_sinks: int = 4
     seed: int = 0
     hh_decay: float = DEFAULT_DECAY
+    lanes: tuple = ()
 
     def __post_init__(self):
+        if self.policy == LANES:
+            if not self.lanes or self.budget is not None or any(rows < 1 for rows, _ in self.lanes):
+                raise ValueError("a lanes spec needs one or more (rows, KVSpec) lanes and no budget of its own")
+            return
+        if self.lanes:
+            raise ValueError(f"only the {LANES!r} spec has lanes")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown KV policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if self.policy == "full" and self.budget is not None:
@@ -66,24 +77,40 @@ class KVSpec:
             return KVSpec("full", None, num_sinks, seed, hh_decay)
         return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, hh_decay=hh_decay)
 
+    @staticmethod
+    def of_lanes(lanes: list) -> "KVSpec":
+        """Lanes (rows, KVSpec) of one batch, in row order: each row runs its lane's policy and budget exactly as a
+        run of that spec alone would. The batch must be one GPU batch, prefilled in one piece."""
+        return KVSpec(LANES, lanes=tuple(lanes))
+
     @property
     def needs_scores(self) -> bool:
         """The policy accumulates attention probabilities (prefill then materialises them in fp32)."""
+        if self.lanes:
+            return any(spec.needs_scores for _, spec in self.lanes)
         return POLICIES[self.policy].needs_scores
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         """Cache slots per sequence and KV head: budget + 1 (the incoming token), or the whole sequence."""
+        if self.lanes:
+            return max(spec.slots(prompt_len, gen_len) for _, spec in self.lanes)
         return cache_slots(self.budget, prompt_len, gen_len)
 
     def evicts(self, prompt_len: int, gen_len: int) -> bool:
+        if self.lanes:
+            return any(spec.evicts(prompt_len, gen_len) for _, spec in self.lanes)
         return self.slots(prompt_len, gen_len) < prompt_len + gen_len
 
     def make(self) -> KVPolicy:
         """The policy object (built once per engine)."""
+        if self.lanes:
+            return LanePolicy([(rows, spec.make()) for rows, spec in self.lanes])
         return POLICIES[self.policy](self.budget, self.num_sinks, self.seed, self.hh_decay)
 
     def kv_budget_flag(self) -> Optional[int]:
         """N such that --kv-budget N gives this spec back, or ValueError when none does; None for full."""
+        if self.lanes:
+            raise ValueError("a lanes spec has no single --kv-budget")
         if self.budget is None:
             return None
         n = self.budget.total
@@ -93,6 +120,8 @@ class KVSpec:
         return n
 
     def describe(self) -> str:
+        if self.lanes:
+            return "lanes: " + ", ".join(f"{rows} x {spec.describe()}" for rows, spec in self.lanes)
         if self.budget is None:
             return self.policy
         return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent})"

@@ -84,6 +84,8 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
         parts.append(f"--kv-policy {rc.kv.policy} --kv-budget {rc.kv.kv_budget_flag()}")
     if rc.kv.policy == "streaming" and rc.kv.num_sinks != 4:
         parts.append(f"--num-sinks {rc.kv.num_sinks}")
+    if rc.kv.policy == "a2sf":
+        parts.append(f"--hh-decay {rc.kv.hh_decay}")
     if rc.seed:
         parts.append(f"--seed {rc.seed}")
     dtype = str(rc.dtype).replace("torch.", "")

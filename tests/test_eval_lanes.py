@@ -1,0 +1,60 @@
+"""flexh2o-eval's lanes: several (policy, budget) lanes in one engine pass give the figures of separate runs of each
+lane (the same log-probabilities within fp32 noise, 1e-6; the same argmax hits), and the lane policy refuses a block
+that does not cover its rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexh2o.config import ModelConfig
+from flexh2o.eval.common import EvalModel, forced_run, lanes_run
+from flexh2o.eval.ppl import lane_passes
+from flexh2o.kv.policies import Budget
+from flexh2o.kv.spec import make_policy
+from flexh2o.kv.policies.lanes import LanePolicy
+
+CFG = ModelConfig("tiny-llama", "llama", hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn=128, vocab=1000,
+                  max_positions=256, tie_embeddings=False)
+LENS = [5, 9, 3]
+STEPS = 30
+LANES = [("h2o", 8), ("tova", 8), ("a2sf", 10), ("mean_attn", 6), ("vatp", 12), ("h2o_sinks", 10),
+         ("streaming", 7), ("local", 6), ("random", 8), ("full", None)]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENS]
+    return prompts, torch.randint(4, 1000, (len(LENS), STEPS), generator=g)
+
+
+def test_lanes_equal_separate_runs(data):
+    prompts, targets = data
+    model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32, num_sinks=2, hh_decay=0.9)
+    together = lanes_run(model, LANES, prompts, targets)
+    gaps = []
+    for (policy, tokens), (logprob, correct) in zip(LANES, together):
+        alone = forced_run(model, policy, tokens, prompts, targets)
+        torch.testing.assert_close(logprob, alone.logprob, atol=1e-6, rtol=0, msg=policy)  # measured: <= 1.5e-7
+        assert torch.equal(correct, alone.correct), policy
+        gaps.append(float((logprob - together[-1][0]).abs().max()))  # against the full lane
+    assert min(gaps[:-1]) > 1e-3, "the lanes must really evict differently from full"
+
+
+def test_lane_passes_group_by_cache_size():
+    model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32)
+    lanes = [("h2o", 64), ("tova", 512), ("h2o", 512), ("full", None), ("local", 64)]
+    per_lane = 2 * CFG.num_layers * CFG.kv_heads * (2 * CFG.head_dim * 4 + 12)  # 2 rows per lane
+    passes = lane_passes(model, lanes, 64, 960, 2, mem=2 * 513 * per_lane)
+    assert passes == [[("h2o", 64), ("local", 64)], [("tova", 512), ("h2o", 512)], [("full", None)]]
+    assert lane_passes(model, lanes, 64, 960, 2, mem=1e12) == [sorted(lanes, key=lambda x: x[1] or 2000)]
+    assert lane_passes(model, lanes, 64, 960, 2, mem=1e12, separate=True) == [[lane] for lane in lanes]
+
+
+def test_lane_policy_needs_its_whole_batch():
+    lanes = LanePolicy([(2, make_policy("h2o", Budget(2, 2))), (1, make_policy("tova", Budget(0, 4)))])
+    pos = torch.arange(6).expand(2, 1, 6)  # 2 rows, not 3
+    with pytest.raises(ValueError, match="3 rows"):
+        lanes.decode_evict(pos, torch.rand(2, 1, 6), 0, torch.tensor([5, 5]))
