@@ -189,7 +189,7 @@ def test_protected_sinks_change_h2o(weights, data, offload_dir):
     rc = _rc("opt", "h2o_sinks", offload_dir, [0, 100, 0, 100], True, False, (3, 2), 5)
     rc = rc.with_(kv=replace(rc.kv, num_sinks=5))
     with _engine(rc) as eng:
-        gen = eng.generate(prompts, GEN, forced=forced, record_logits=True)
+        gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
     _assert_matches(gen, refs["h2o_sinks"], b)
 
 

@@ -127,6 +127,8 @@ def format_ppl(result: EvalResult, key: str = "ppl") -> str:
         for p in s.policies:
             cells = [_cell(_find(rows, p, b)[key], full) for b in s.budgets]
             out.append(f"| {p} | " + " | ".join(cells) + " |")
+        best = [min(s.policies, key=lambda p: _find(rows, p, b)[key]) for b in s.budgets]
+        out.append("| **best** | " + " | ".join(f"**{p}**" for p in best) + " |")
         out.append("")
     return "\n".join(out)
 
