@@ -61,8 +61,8 @@ def main() -> int:
                 times[name].append(time.perf_counter() - start)
         rows[m] = {name: statistics.median(ts[1:]) for name, ts in times.items()}  # the first round warms up
         flops = 2 * m * n * k
-        print(f"rows {m:4d}: " + "  ".join(f"{name} {t * 1e3:7.2f} ms ({flops / t / 1e9:5.1f} GF/s)"
-                                          for name, t in rows[m].items()), flush=True)
+        cells = [f"{name} {t * 1e3:7.2f} ms ({flops / t / 1e9:5.1f} GF/s)" for name, t in rows[m].items()]
+        print(f"rows {m:4d}: " + "  ".join(cells), flush=True)
     record = {"shape": [n, k], "rows": rows, "threads": 1, "uptime": _sh("uptime"),
               "cpu": _sh("lscpu | grep -E 'Model name|Flags' | cut -c1-400"), "torch": torch.__version__}
     if args.out:
