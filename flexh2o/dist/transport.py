@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ class LinkStats:
     received_bytes: int = 0
     sent: int = 0
     received: int = 0
+    sent_by_step: dict = field(default_factory=dict)  # step -> bytes sent
 
 
 class Ring:
@@ -69,7 +70,9 @@ class Ring:
         self.sending = [(w, t, k) for w, t, k in self.sending if not w.done()]
         self.sending.append((_Waiter(work, self.timeout_s), tensor, key))
         self.stats.sent += 1
-        self.stats.sent_bytes += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.sent_bytes += nbytes
+        self.stats.sent_by_step[key[0]] = self.stats.sent_by_step.get(key[0], 0) + nbytes
 
     def close(self) -> None:
         """Wait (bounded) until every send has left; drop receives never taken."""

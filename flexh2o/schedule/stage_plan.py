@@ -34,6 +34,11 @@ def consumer(step: int, layer: int, total_layers: int) -> tuple:
     return (step, layer + 1) if layer + 1 < total_layers else (step + 1, 0)
 
 
+def source(step: int, layer: int, total_layers: int) -> tuple:
+    """(step, layer) of the compute whose output compute (step, layer) reads (the inverse of `consumer`)."""
+    return (step, layer - 1) if layer > 0 else (step - 1, total_layers - 1)
+
+
 def stage_schedule(num_steps: int, layers: range, total_layers: int, groups: list, has_cache,
                    num_stages: int = 1) -> Iterator[Op]:
     """Ops of the stage computing `layers` (engine indices, out of `total_layers` including embedding and head).
@@ -55,7 +60,7 @@ def stage_schedule(num_steps: int, layers: range, total_layers: int, groups: lis
         if num_stages == 1 or u >= len(units):
             return
         step, group = units[u]
-        src = (step, first - 1) if first > 0 else (step - 1, total_layers - 1)
+        src = source(step, first, total_layers)
         if src[0] >= 0:
             for batch in group:
                 yield Op(RECV, src[0], src[1], batch)

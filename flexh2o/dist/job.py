@@ -1,0 +1,124 @@
+"""One batch job across pipeline stages (one per rank, launched by torchrun): split, agree on the pre-flight plan,
+run every stage's engine over its layers, and report from the rank holding the head."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from flexh2o.cli.console import one_line
+from flexh2o.dist.group import StageGroup, local_rank, terminate_as_interrupt
+from flexh2o.dist.pipe import StagePipe, stage_config
+from flexh2o.dist.split import Stage, parse_stage_layers, split_stages
+from flexh2o.dist.transport import Ring
+from flexh2o.engine import Engine
+from flexh2o.job import Job, policy_flags, write_outputs
+from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings
+from flexh2o.planning.memory_plan import plan_memory
+from flexh2o.prompts import fill_batch
+from flexh2o.run_config import RunConfig
+from flexh2o.schedule.plan import COMPUTE
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class Refusal(ValueError):
+    """A pre-flight refusal every rank agreed on (said once per machine, by its local rank 0)."""
+
+
+def run_stages(rc: RunConfig, job: Job, stage_layers: Optional[str] = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> Optional[RunReport]:
+    """This rank's part of the job; the report on the rank holding the head, None elsewhere."""
+    terminate_as_interrupt()
+    group = StageGroup.start(rc.device, timeout_s)
+    ok = False
+    try:
+        stage, src = _preflight(group, rc, stage_layers)
+        report = _run_stage(group, stage, src, job, timeout_s)
+        ok = True
+        return report
+    finally:
+        if ok:
+            group.close()  # after a failure a peer may be gone: exit without the goodbye
+
+
+def _preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> tuple:
+    """The split and every stage's memory plan, before anything is allocated; any refusal stops every rank."""
+    refusal, stage, src = None, None, None
+    try:
+        counts = parse_stage_layers(stage_layers) if stage_layers else None
+        stage = split_stages(rc.model, group.world, counts)[group.rank]
+        src = stage_config(rc, stage, group.device)
+        plan_memory(src).check()
+    except ValueError as e:
+        refusal = one_line(e)
+    try:
+        group.agree(refusal)
+    except ValueError as e:
+        raise Refusal(str(e)) from None
+    return stage, src
+
+
+def _run_stage(group: StageGroup, stage: Stage, rc: RunConfig, job: Job, timeout_s: float) -> Optional[RunReport]:
+    total = rc.model.num_layers + 2
+
+    def pipe() -> StagePipe:
+        return StagePipe(stage, Ring(group.rank, stage.prev, stage.next, rc.num_gpu_batches, timeout_s,
+                                     group.device), total)
+    rss = RssPeak()
+    with Engine(rc) as eng:
+        if job.warmup:
+            eng.generate(fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2, pipe=pipe())
+        moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
+        timed = pipe()
+        gen = eng.generate(fill_batch(job.prompts, rc.num_seqs), rc.gen_len, job.sampler, pipe=timed,
+                           on_step=rss.sample)
+        moved = {t: (tier.bytes_loaded - moved0[t]) // rc.gen_len for t, tier in eng.tiers.items()}
+        mine = _stage_record(stage, rc, gen, timed.ring.stats, moved, peak_bytes(eng, rss), eng.plan.bytes)
+    records = group.gather(mine, dst=group.world - 1)
+    if not stage.is_last:
+        return None
+    return _report(rc, job, gen, records)
+
+
+def _stage_record(stage: Stage, rc: RunConfig, gen, link, moved: dict, peaks: dict, plan: dict) -> dict:
+    """Where one stage's time went: compute, I/O between its tiers, waiting for the previous stage."""
+    busy = dict(gen.busy_s)
+    compute = busy.pop(COMPUTE, 0.0) - link.wait_s  # waits for messages happen inside the stage's first compute
+    stall = busy.pop("stall", 0.0)
+    decode = [b for step, b in sorted(link.sent_by_step.items()) if step > 0]
+    return {"stage": stage.index, "layers": stage.describe(rc.model.num_layers), "compute_s": compute,
+            "io_s": sum(busy.values()), "io_stall_s": stall, "wait_s": link.wait_s, "sent_bytes": link.sent_bytes,
+            "sent_bytes_prefill": link.sent_by_step.get(0, 0),
+            "sent_bytes_per_decode_step": decode[0] if decode else 0, "received_bytes": link.received_bytes,
+            "moved_bytes_per_step": moved, "peak_bytes": peaks, "plan_bytes": plan}
+
+
+def _report(rc: RunConfig, job: Job, gen, records: list) -> RunReport:
+    """The head's report: its timings (the last stage emits every token), the placement and traffic summed over
+    stages, the largest per-process peaks, and one record per stage."""
+    def summed(key: str) -> dict:
+        out: dict = {}
+        for r in records:
+            for tier, v in r[key].items():
+                out[tier] = (out.get(tier, 0) + v) if not isinstance(v, dict) else {
+                    k: out.get(tier, {}).get(k, 0) + x for k, x in v.items()}
+        return out
+    peaks = {t: max(r["peak_bytes"][t] for r in records) for t in records[0]["peak_bytes"]}
+    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
+                       gen.decode_s, peaks, summed("moved_bytes_per_step"), summed("plan_bytes"),
+                       threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
+                       stages=records)
+    if not job.warmup:
+        report.warmup = "no warm-up (--no-warmup)"
+    if job.output_file:
+        write_outputs(job.output_file, gen.tokens[:len(job.prompts)].tolist(), job.tokenizer)
+    if job.log_file:
+        append_json_line(job.log_file, report.record())
+    return report
+
+
+def refusal_exit(e: Refusal) -> int:
+    """Every rank exits 2; only local rank 0 of each machine prints the line (so one machine shows it once)."""
+    if local_rank() == 0:
+        print(f"flexh2o-run: error: {one_line(e)}", file=sys.stderr)
+    return 2
