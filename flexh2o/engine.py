@@ -22,6 +22,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
 from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, LOAD_WEIGHT, STORE_ACT,
                                    STORE_CACHE, Op, block_schedule)
+from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
 from flexh2o.storage.factory import make_tiers
 from flexh2o.weights.store import WeightStore
@@ -37,6 +38,7 @@ class Generation:
     decode_s: float
     step_logits: Optional[list] = None  # per step, (num_seqs, vocab), when asked for
     kept: dict = field(default_factory=dict)  # cache layer -> max tokens kept per row after the last step (if asked)
+    busy_s: dict = field(default_factory=dict)  # op kind -> seconds in its handlers ('stall': waiting for loads)
 
 
 class Engine:
@@ -76,20 +78,21 @@ class Engine:
         self.close()
 
     def generate(self, prompts: list, gen_len: int, sampler: Optional[Callable] = None, record_logits: bool = False,
-                 on_step: Optional[Callable] = None, kept_stats: bool = False) -> Generation:
+                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None) -> Generation:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
-        (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer."""
-        run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step)
+        (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
+        pipe: when this engine is one pipeline stage (dist/pipe.py), the stage's schedule and its messages."""
+        run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe)
         return run.execute(kept_stats)
 
 
 class _Run:
     """One generate() call: the schedule's op handlers over the run's sequences, buffers and layer compute."""
 
-    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step):
+    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step, pipe):
         rc, cfg = eng.rc, eng.cfg
         self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
-        self.sampler, self.on_step = sampler, on_step
+        self.sampler, self.on_step, self.pipe = sampler, on_step, pipe
         self.seqs = Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, cfg.pad_token_id, cfg.vocab,
                               record_logits)
         t = self.seqs.t
@@ -127,6 +130,8 @@ class _Run:
 
     def compute(self, op: Op) -> None:
         step, layer, batch, bufs = op.step, op.layer, op.batch, self.bufs
+        if self.pipe is not None and self.pipe.feeds(op):
+            self._receive(op)
         ids, pos = self.seqs.inputs(step, batch, self.eng.device)
         w = bufs.weights_of(layer)
         if layer == 0:
@@ -138,6 +143,26 @@ class _Run:
             bufs.put_block(layer, batch, blk)
         else:
             bufs.a[batch] = self.layers.decode(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch))
+
+    # ---- a pipeline stage's messages: the hidden states of its last layer, or the head's tokens --------------
+    def recv(self, op: Op) -> None:
+        """Post the receive of compute `op`'s output (of the previous stage) into a buffer of its shape."""
+        b = self.rc.gpu_batch_size
+        if op.layer == self.cfg.num_layers + 1:
+            self.pipe.post(op, (b,), torch.long)
+        else:
+            self.pipe.post(op, (b, self.seqs.t if op.step == 0 else 1, self.cfg.hidden), self.rc.compute)
+
+    def send(self, op: Op) -> None:
+        head = op.layer == self.cfg.num_layers + 1
+        self.pipe.send(op, self.seqs.tokens[op.batch, :, op.step] if head else self.bufs.a.pop(op.batch))
+
+    def _receive(self, op: Op) -> None:
+        x = self.pipe.take(op)
+        if op.layer == 0:
+            self.seqs.tokens[op.batch, :, op.step - 1] = x.cpu()  # the tokens the last stage emitted
+        else:
+            self.bufs.a[op.batch] = x
 
     def _emit(self, step: int, batch: int, logits: torch.Tensor) -> None:
         self.seqs.emit(step, batch, logits, self.sampler)
@@ -158,28 +183,31 @@ class _Run:
     def execute(self, kept_stats: bool) -> Generation:
         handlers = {LOAD_WEIGHT: self.load_weight, FREE_WEIGHT: self.free_weight, LOAD_CACHE: self.load_cache,
                     STORE_CACHE: self.store_cache, LOAD_ACT: self.load_act, STORE_ACT: self.store_act,
-                    COMPUTE: self.compute}
-        L = self.cfg.num_layers
-        ops = block_schedule(self.gen_len, L + 2, self.rc.num_gpu_batches, lambda layer: 1 <= layer <= L)
-        ex = Executor(handlers, self.rc.overlap, self.rc.io_threads, self.rc.device, self._compute_inputs)
+                    COMPUTE: self.compute, SEND: self.send, RECV: self.recv}
+        L, nb = self.cfg.num_layers, self.rc.num_gpu_batches
+        ops = (self.pipe.schedule(self.gen_len, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
+               else block_schedule(self.gen_len, L + 2, nb, lambda layer: 1 <= layer <= L))
+        ex = Executor(handlers, self.rc.overlap, self.rc.io_threads, self.rc.device, self._compute_inputs,
+                      inline=(SEND, RECV))
         start = time.perf_counter()
         try:
             with torch.inference_mode():
                 ex.run(ops)
+            if self.pipe is not None:
+                self.pipe.close()
             kept = self._kept() if kept_stats else {}
         finally:
             self.bufs.cache.close()
             self.bufs.close()
-        s = self.seqs
-        return Generation(s.flat(s.tokens), s.flat(s.last_logits), self.times[0] - start,
-                          self.times[-1] - self.times[0],
-                          [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept)
+        s, times = self.seqs, self.times or [time.perf_counter()]  # a stage without the head emits no steps
+        return Generation(s.flat(s.tokens), s.flat(s.last_logits), times[0] - start, times[-1] - times[0],
+                          [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept, ex.busy_s)
 
     def _kept(self) -> dict:
         """Cache layer -> the most tokens any row keeps (reads every block back: for tests and reports only)."""
         out: dict = {}
-        for layer in range(self.cfg.num_layers):
-            for batch in range(self.rc.num_gpu_batches):
+        for layer, row in enumerate(self.rc.placement.cache):  # a pipeline stage holds only its own layers
+            for batch in range(len(row)):
                 blk = self.bufs.cache.load(layer, batch, torch.device("cpu"))
                 out[layer] = max(out.get(layer, 0), int(blk.kept().max()))
         return out

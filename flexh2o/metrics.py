@@ -29,6 +29,7 @@ class RunReport:
     dtype_reason: str = ""
     measured_steps: int = 0  # generation steps run; fewer than gen_len (--cut-gen-len): decode is projected
     measured_decode_s: float = 0.0  # decode seconds of the steps run
+    stages: list = field(default_factory=list)  # pipeline stages: per stage compute, I/O, waiting, bytes sent
 
     @property
     def prefill_throughput(self) -> float:
@@ -78,6 +79,7 @@ class RunReport:
         if self.dtype_reason:
             lines.insert(2, f"dtypes  storage {self.policy['dtype']}  compute {self.policy['compute_dtype']}: "
                          f"{self.dtype_reason}")
+        lines += [stage_line(s) for s in self.stages]
         if self.predicted:
             lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "
                          f"{self.predicted.get('decode_throughput', 0):.1f} tok/s")
@@ -88,6 +90,14 @@ class RunReport:
             return ""
         return (f"  PROJECTED from {self.measured_steps} of {self.gen_len} steps (measured decode "
                 f"{self.measured_decode_s:.3f} s over {self.measured_steps - 1} steps)")
+
+
+def stage_line(s: dict) -> str:
+    """One pipeline stage: where its time went (waiting = the pipeline bubble) and what it sent to the next."""
+    return (f"stage {s['stage']} ({s['layers'].split(': ', 1)[-1]})  compute {s['compute_s']:.3f} s  I/O "
+            f"{s['io_s']:.3f} s (compute stalled {s['io_stall_s']:.3f} s)  waiting {s['wait_s']:.3f} s  sent "
+            f"{fmt_bytes(s['sent_bytes_prefill'])} prefill + {fmt_bytes(s['sent_bytes_per_decode_step'])} per "
+            "decode step")
 
 
 class RssPeak:

@@ -34,7 +34,8 @@ def _child(fn, rank, world, port, args, results):
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 120.0, start: str = "fork") -> list:
-    """fn(rank, world, *args) in `world` processes (forked: no second import of torch, each child on one thread);
+    """fn(rank, world, *args) in `world` processes (forked: no second import of torch, each child on one thread;
+    fn returns no tensors, only lists or numpy arrays);
     returns [(status, result)] by rank, ("exited", exit code) for a rank that ended without a word. Every process
     is ended before returning."""
     ctx = mp.get_context(start)

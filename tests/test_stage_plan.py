@@ -56,7 +56,8 @@ def _simulate(stages, plans, cost=lambda op: 1):
 
 
 SHAPES = [(4, [2, 2], 1, 3), (4, [2, 2], 2, 3), (4, [1, 3], 4, 2), (6, [2, 2, 2], 3, 3), (6, [1, 2, 3], 2, 4),
-          (6, [2, 2, 2], 5, 2), (7, [2, 3, 2], 6, 3), (5, [1, 1, 1, 2], 4, 2)]
+          (6, [2, 2, 2], 5, 2), (7, [2, 3, 2], 6, 3), (5, [1, 1, 1, 2], 4, 2), (4, [2, 1, 1], 2, 3),
+          (3, [1, 1, 1], 1, 3), (3, [1, 1, 1], 3, 2)]
 
 
 @pytest.mark.parametrize("num_layers,counts,nb,steps", SHAPES)
@@ -94,6 +95,45 @@ def test_receive_posted_before_its_sender_needs_it_and_sent_after_compute(num_la
         for o in plan:
             if o.kind == SEND:
                 assert at[COMPUTE, o.step, o.layer, o.batch] < at[SEND, o.step, o.layer, o.batch]
+
+
+@pytest.mark.parametrize("num_layers,counts,nb,steps", SHAPES)
+def test_weights_resident_when_computed_and_loaded_once_each_time(num_layers, counts, nb, steps):
+    """Replaying each rank's plan: a compute finds its layer's weights loaded, a layer is never loaded while
+    resident, at most two layers are resident, and none is left at the end (a one-layer stage keeps its own)."""
+    from flexh2o.schedule.plan import FREE_WEIGHT, LOAD_WEIGHT
+    _, plans = _plans(num_layers, counts, nb, steps)
+    for plan in plans:
+        resident, peak = set(), 0
+        for o in plan:
+            if o.kind == LOAD_WEIGHT:
+                assert o.layer not in resident
+                resident.add(o.layer)
+                peak = max(peak, len(resident))
+            elif o.kind == FREE_WEIGHT:
+                resident.remove(o.layer)
+            elif o.kind == COMPUTE:
+                assert o.layer in resident
+        assert peak <= 2 and not resident
+
+
+@pytest.mark.parametrize("num_layers,counts,nb,steps", SHAPES)
+def test_cache_blocks_loaded_after_their_last_store(num_layers, counts, nb, steps):
+    """A compute finds its (layer, batch) cache block loaded, and a block is loaded again only once the previous
+    step's version is stored home."""
+    from flexh2o.schedule.plan import LOAD_CACHE, STORE_CACHE
+    _, plans = _plans(num_layers, counts, nb, steps)
+    for plan in plans:
+        resident = set()
+        for o in plan:
+            if o.kind == LOAD_CACHE:
+                assert (o.layer, o.batch) not in resident
+                resident.add((o.layer, o.batch))
+            elif o.kind == STORE_CACHE:
+                resident.remove((o.layer, o.batch))
+            elif o.kind == COMPUTE and 0 < o.layer < num_layers + 1:
+                assert (o.layer, o.batch) in resident
+        assert not resident
 
 
 def test_one_stage_is_the_block_schedule():

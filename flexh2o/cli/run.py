@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import sys
 from typing import Optional
@@ -19,6 +20,8 @@ from flexh2o.run_config import RunConfig
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
+from flexh2o.dist.group import launched_by_torchrun
+from flexh2o.dist.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 
 
@@ -64,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
     add_flexgen_flags(p)
+    a("--stage-layers", help="under torchrun: decoder layers per stage, one count per rank (e.g. 12,12); default: "
+      "split by weight bytes")
+    a("--stage-timeout", type=float, default=300.0, help="under torchrun: seconds a stage waits for a peer before "
+      "the job stops")
     return p
 
 
@@ -105,8 +112,29 @@ def _run(args) -> int:
               tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
               dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
     _note(args)
+    if launched_by_torchrun():
+        return _run_stages(args, rc, job)
+    if args.stage_layers:
+        split_stages(cfg, 1, parse_stage_layers(args.stage_layers))  # one process: only "all layers" is valid
     report = run_job(rc, job)
     if opts.verbose >= 1:
+        print(report.summary())
+    return 0
+
+
+def _run_stages(args, rc: RunConfig, job) -> int:
+    """This rank's stage of a job torchrun launched; the summary comes from the rank holding the head."""
+    from flexh2o.dist.job import Refusal, refusal_exit, run_stages
+    if args.stage_timeout <= 0:
+        raise ValueError(f"--stage-timeout {args.stage_timeout}: give a positive number of seconds")
+    if job.measured_steps:
+        raise ValueError("--cut-gen-len and --debug-mode fewer_batch shorten a one-process run: drop them under "
+                         "torchrun")
+    try:
+        report = run_stages(rc, replace(job, predicted=None), args.stage_layers, args.stage_timeout)
+    except Refusal as e:
+        return refusal_exit(e)
+    if report is not None:
         print(report.summary())
     return 0
 

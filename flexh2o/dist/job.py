@@ -32,7 +32,7 @@ def run_stages(rc: RunConfig, job: Job, stage_layers: Optional[str] = None,
     group = StageGroup.start(rc.device, timeout_s)
     ok = False
     try:
-        stage, src = _preflight(group, rc, stage_layers)
+        stage, src = preflight(group, rc, stage_layers)
         report = _run_stage(group, stage, src, job, timeout_s)
         ok = True
         return report
@@ -41,7 +41,7 @@ def run_stages(rc: RunConfig, job: Job, stage_layers: Optional[str] = None,
             group.close()  # after a failure a peer may be gone: exit without the goodbye
 
 
-def _preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> tuple:
+def preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> tuple:
     """The split and every stage's memory plan, before anything is allocated; any refusal stops every rank."""
     refusal, stage, src = None, None, None
     try:
@@ -58,22 +58,26 @@ def _preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) ->
     return stage, src
 
 
-def _run_stage(group: StageGroup, stage: Stage, rc: RunConfig, job: Job, timeout_s: float) -> Optional[RunReport]:
-    total = rc.model.num_layers + 2
+def stage_generate(eng: Engine, group: StageGroup, stage: Stage, prompts: list, gen_len: int, timeout_s: float,
+                   **kw) -> tuple:
+    """One generate() of this rank's stage engine, its messages on a fresh ring: (Generation, LinkStats). The
+    tokens and logits are those of the job on the last stage only."""
+    ring = Ring(group.rank, stage.prev, stage.next, eng.rc.num_gpu_batches, timeout_s, group.device)
+    gen = eng.generate(prompts, gen_len, pipe=StagePipe(stage, ring, eng.cfg.num_layers + 2), **kw)
+    return gen, ring.stats
 
-    def pipe() -> StagePipe:
-        return StagePipe(stage, Ring(group.rank, stage.prev, stage.next, rc.num_gpu_batches, timeout_s,
-                                     group.device), total)
+
+def _run_stage(group: StageGroup, stage: Stage, rc: RunConfig, job: Job, timeout_s: float) -> Optional[RunReport]:
     rss = RssPeak()
     with Engine(rc) as eng:
         if job.warmup:
-            eng.generate(fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2, pipe=pipe())
+            stage_generate(eng, group, stage, fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2, timeout_s)
         moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
-        timed = pipe()
-        gen = eng.generate(fill_batch(job.prompts, rc.num_seqs), rc.gen_len, job.sampler, pipe=timed,
-                           on_step=rss.sample)
+        gen, link = stage_generate(eng, group, stage, fill_batch(job.prompts, rc.num_seqs), rc.gen_len, timeout_s,
+                                   sampler=job.sampler, on_step=rss.sample)
+        rss.sample()
         moved = {t: (tier.bytes_loaded - moved0[t]) // rc.gen_len for t, tier in eng.tiers.items()}
-        mine = _stage_record(stage, rc, gen, timed.ring.stats, moved, peak_bytes(eng, rss), eng.plan.bytes)
+        mine = _stage_record(stage, rc, gen, link, moved, peak_bytes(eng, rss), eng.plan.bytes)
     records = group.gather(mine, dst=group.world - 1)
     if not stage.is_last:
         return None
@@ -107,7 +111,7 @@ def _report(rc: RunConfig, job: Job, gen, records: list) -> RunReport:
     report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
                        gen.decode_s, peaks, summed("moved_bytes_per_step"), summed("plan_bytes"),
                        threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
-                       stages=records)
+                       measured_steps=rc.gen_len, measured_decode_s=gen.decode_s, stages=records)
     if not job.warmup:
         report.warmup = "no warm-up (--no-warmup)"
     if job.output_file:

@@ -7,6 +7,8 @@ and records an event that the compute stream waits on (no device-wide sync).
 """
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
@@ -17,16 +19,21 @@ from flexh2o.schedule.plan import COMPUTE, Op
 
 class Executor:
     def __init__(self, handlers: dict, overlap: bool, io_threads: int = 2, device: str = "cpu",
-                 inputs: Optional[Callable] = None):
-        """handlers: op kind -> callable(op). inputs(op) -> the buffers a compute op reads."""
+                 inputs: Optional[Callable] = None, inline: tuple = ()):
+        """handlers: op kind -> callable(op). inputs(op) -> the buffers a compute op reads. inline: kinds run on
+        the caller's thread in plan order (the non-blocking posts of a pipeline stage's messages).
+        busy_s: seconds spent in each kind's handler ('stall': computes waiting for their loads)."""
         self.handlers, self.overlap, self.io_threads = handlers, overlap, io_threads
         self.cuda = torch.device(device).type == "cuda"
         self.inputs = inputs or (lambda op: [])
+        self.inline = set(inline) | {COMPUTE}
+        self.busy_s: dict = {}
+        self._lock = threading.Lock()
 
     def run(self, ops: Iterable[Op]) -> None:
         if not self.overlap:
             for op in ops:
-                self.handlers[op.kind](op)
+                self._handle(op)
             return
         # one side stream: every I/O op on it first waits for the compute issued before it, so memory freed
         # by the caching allocator on this stream is never reused while a kernel may still read it
@@ -35,10 +42,12 @@ class Executor:
         pending: dict = {}
         try:
             for op in ops:
-                if op.kind == COMPUTE:
-                    for buf in self.inputs(op):
+                if op.kind in self.inline:
+                    start = time.perf_counter()
+                    for buf in self.inputs(op) if op.kind == COMPUTE else ():
                         _wait(pending.get(buf), self.cuda)
-                    self.handlers[COMPUTE](op)
+                    self._count("stall", start)
+                    self._handle(op)
                     continue
                 after = pending.get(op.buffer)
                 ready = torch.cuda.Event() if self.cuda else None
@@ -50,16 +59,26 @@ class Executor:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
+    def _handle(self, op: Op) -> None:
+        start = time.perf_counter()
+        self.handlers[op.kind](op)
+        self._count(op.kind, start)
+
+    def _count(self, kind: str, start: float) -> None:
+        took = time.perf_counter() - start
+        with self._lock:  # I/O threads add too
+            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + took
+
     def _io(self, op: Op, after: Optional[Future], ready):
         if after is not None:
             after.result()
         if not self.cuda:
-            self.handlers[op.kind](op)
+            self._handle(op)
             return None
         stream = self.stream
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            self.handlers[op.kind](op)
+            self._handle(op)
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()  # host-side readers (cpu-cache-compute, disk) see finished copies once the future resolves

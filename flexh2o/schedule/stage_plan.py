@@ -74,19 +74,24 @@ def stage_schedule(num_steps: int, layers: range, total_layers: int, groups: lis
         if (step, layer, batch) in starts:
             if layer == first and batch == units[unit_of[step, batch]][1][0]:
                 yield from recvs(unit_of[step, batch] + 1)
-            if block + 1 < len(blocks):
+            if block + 1 < len(blocks) and blocks[block + 1][1] != layer:  # a one-layer stage keeps its weights
                 yield Op(LOAD_WEIGHT, *blocks[block + 1])
-        if i + 1 < len(computes) and has_cache(computes[i + 1][1]):
-            yield Op(LOAD_CACHE, *computes[i + 1], cache_of[computes[i + 1][1]])
+        nxt = computes[i + 1] if i + 1 < len(computes) and has_cache(computes[i + 1][1]) else None
+        again = nxt is not None and nxt[1:] == (layer, batch)  # a one-layer stage with one batch: the same block
+        if nxt is not None and not again:
+            yield Op(LOAD_CACHE, *nxt, cache_of[nxt[1]])
         yield Op(LOAD_ACT, step, layer, batch)
         yield Op(COMPUTE, step, layer, batch, cache_of[layer])
         if has_cache(layer):
             yield Op(STORE_CACHE, step, layer, batch, cache_of[layer])
+        if again:
+            yield Op(LOAD_CACHE, *nxt, cache_of[nxt[1]])  # only once this step's block is home
         to = consumer(step, layer, total_layers)
         if layer == last and num_stages > 1 and to[0] < num_steps:
             yield Op(SEND, step, layer, batch)
         else:
             yield Op(STORE_ACT, step, layer, batch)
         if (step, layer, batch) in ends:
-            yield Op(FREE_WEIGHT, step, layer)
+            if block + 1 == len(blocks) or blocks[block + 1][1] != layer:
+                yield Op(FREE_WEIGHT, step, layer)
             block += 1
