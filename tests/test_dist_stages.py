@@ -91,3 +91,23 @@ def test_stages_equal_the_single_process_engine(staged, world, i, one_thread):
     for rank in range(world - 1):
         assert results[rank][1][i] == rc.num_gpu_batches * b * h * 4 * (t + GEN - 1)
     assert tokens.shape == (rc.num_seqs, GEN) and torch.isfinite(logits).all()
+
+
+def _refusal_worker(rank, world, split):
+    from flexh2o.dist.group import StageGroup
+    from flexh2o.dist.job import Refusal, preflight
+    group = StageGroup.start("cpu", 30.0)
+    try:
+        preflight(group, _config(CASES[2][0], world, "/nonexistent"), split)
+    except Refusal as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world,split,needle", [(2, "3,3", "sum to the 4 decoder layers"),
+                                                (3, "2,2", "names 2 stages but 3 ranks run"),
+                                                (2, "x", "integers")])
+def test_a_bad_stage_split_is_refused_on_every_rank(world, split, needle):
+    out = run_ranks(_refusal_worker, world, split, timeout=60)
+    assert all(status == "ok" and value and needle in value for status, value in out), out
+    assert len({value for _, value in out}) == 1  # the same line everywhere

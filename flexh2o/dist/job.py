@@ -2,6 +2,7 @@
 run every stage's engine over its layers, and report from the rank holding the head."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -17,6 +18,7 @@ from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
 from flexh2o.schedule.plan import COMPUTE
+from flexh2o.storage.offload_dir import remove_stale_run_dirs
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -30,15 +32,17 @@ def run_stages(rc: RunConfig, job: Job, stage_layers: Optional[str] = None,
     """This rank's part of the job; the report on the rank holding the head, None elsewhere."""
     terminate_as_interrupt()
     group = StageGroup.start(rc.device, timeout_s)
-    ok = False
     try:
         stage, src = preflight(group, rc, stage_layers)
         report = _run_stage(group, stage, src, job, timeout_s)
-        ok = True
-        return report
-    finally:
-        if ok:
-            group.close()  # after a failure a peer may be gone: exit without the goodbye
+    except BaseException:
+        # this rank's engine has removed its own files; a rank killed on this machine could not: remove those of
+        # dead owners too. No goodbye to the group: a peer may be gone.
+        if os.path.isdir(rc.offload_dir):
+            remove_stale_run_dirs(rc.offload_dir)
+        raise
+    group.close()
+    return report
 
 
 def preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> tuple:

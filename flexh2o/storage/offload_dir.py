@@ -69,7 +69,7 @@ def _owner_alive(path: str) -> bool:
         if pid is None or pid == 0:
             return False
         return psutil.pid_exists(pid) and os.path.getmtime(path) >= _create_time(pid) - 1.0
-    if not psutil.pid_exists(pid):
+    if not psutil.pid_exists(pid) or _zombie(pid):  # a killed run not yet reaped by its parent is gone too
         return False
     return created is None or abs(_create_time(pid) - created) < 1.0
 
@@ -86,6 +86,13 @@ def _read_owner(path: str) -> tuple[Optional[int], Optional[float]]:
 def _pid_from_name(name: str) -> Optional[int]:
     head = name[len(RUN_PREFIX):].split("-", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def _create_time(pid: int) -> float:

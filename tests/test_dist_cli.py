@@ -1,0 +1,150 @@
+"""flexh2o-run under torchrun (2 local ranks on 127.0.0.1): one summary and one JSON record from the head's rank,
+tokens equal transformers, a pre-flight refusal on one rank stops both with one line, a killed rank or Ctrl-C on
+the launcher ends the job within a bounded time with no offload files left."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import hf_greedy, ragged_prompts
+from dist_util import free_port, rank_env
+from flexh2o.cli import run as cli
+
+MAX_S = 60  # a launch that takes longer than this is a hang
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A converted 4-layer OPT (transformers save_pretrained -> flexh2o-convert), its HF model and prompts."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from flexh2o.cli import convert
+    d = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=500, hidden_size=32, num_hidden_layers=4, ffn_dim=64,
+                                     num_attention_heads=4, max_position_embeddings=1024, word_embed_proj_dim=32))
+    model.eval().save_pretrained(d / "hf")
+    assert convert.main([str(d / "hf"), str(d / "conv"), "--dtype", "float32"]) == 0
+    prompts = ragged_prompts(4, 7, 500, seed=11)
+    (d / "p.json").write_text(json.dumps(prompts))
+    return d, model, prompts
+
+
+def _torchrun(args: list, offload_dir: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, **{k: v for k, v in rank_env(0, 2, 0).items() if k.startswith(("OMP", "GLOO"))})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "flexh2o.cli", "--dtype", "float32", "--compute-dtype", "float32",
+           "--offload-dir", offload_dir, "--no-warmup", "--stage-timeout", "20"] + args
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _finish(proc: subprocess.Popen) -> tuple:
+    out, err = proc.communicate(timeout=MAX_S)
+    return proc.returncode, out, err
+
+
+def test_one_summary_and_record_from_the_head_and_tokens_equal_transformers(tiny, tmp_path, offload_dir):
+    d, model, prompts = tiny
+    out, log = tmp_path / "out.json", tmp_path / "log.json"
+    rc, stdout, stderr = _finish(_torchrun(["--path", str(d / "conv"), "--prompt-file", str(d / "p.json"),
+                                            "--gen-len", "5", "--percent", "0", "0", "50", "0", "--gpu-batch-size",
+                                            "2", "--num-gpu-batches", "2", "--output-file", str(out),
+                                            "--log-file", str(log)], offload_dir))
+    assert rc == 0, stderr
+    assert stdout.count("tok/s (generated)") == 1 and stdout.count("\nstage ") == 2, stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 1 and [s["stage"] for s in records[0]["stages"]] == [0, 1]
+    for s in records[0]["stages"]:
+        assert min(s["compute_s"], s["io_s"], s["wait_s"]) >= 0 and s["sent_bytes"] > 0
+    assert records[0]["stages"][0]["sent_bytes_per_decode_step"] == 2 * 2 * 32 * 4  # batches x rows x hidden x fp32
+    got = [r["tokens"] for r in json.loads(out.read_text())]
+    assert got == [hf_greedy(model, p, 5)[0] for p in prompts]
+
+
+def test_a_refusal_on_one_rank_stops_both_with_one_line(tiny, offload_dir):
+    """--stage-layers 1,3 with a gpu tier that holds one stage but not the other: that rank refuses, every rank
+    exits 2, and the machine shows the refusal once."""
+    d, _, _ = tiny
+    gpu_mem, refuser = _between_stage_needs(d)
+    args = ["--path", str(d / "conv"), "--prompt-file", str(d / "p.json"), "--gen-len", "4", "--stage-layers", "1,3",
+            "--percent", "100", "0", "100", "0", "--gpu-mem", gpu_mem, "--gpu-batch-size", "4"]
+    rc, _, stderr = _finish(_torchrun(args, offload_dir))
+    lines = [line for line in stderr.splitlines() if line.startswith("flexh2o-run: error:")]
+    assert len(lines) == 1 and f"rank {refuser}: gpu tier needs" in lines[0], stderr
+    assert rc != 0 and stderr.count("exitcode  : 2") == 2, stderr  # torchrun's summary: both workers exited 2
+
+
+def _between_stage_needs(d) -> tuple:
+    """(a --gpu-mem between the two stages' gpu-tier needs, the rank of the larger)."""
+    from flexh2o import config
+    from flexh2o.dist.pipe import stage_config
+    from flexh2o.dist.split import split_stages
+    from flexh2o.planning.memory_plan import plan_memory
+    from flexh2o.run_config import RunConfig
+    cfg = config.load_converted_config(str(d / "conv"))
+    rc = RunConfig(model=cfg, gpu_batch_size=4, prompt_len=7, gen_len=4, dtype=torch.float32,
+                   compute_dtype=torch.float32)
+    need = [plan_memory(stage_config(rc, s, torch.device("cpu"))).total("gpu") for s in split_stages(cfg, 2, [1, 3])]
+    assert need[0] != need[1]
+    return str((need[0] + need[1]) // 2), int(need[1] > need[0])
+
+
+def _long_run(d, offload_dir) -> subprocess.Popen:
+    """A job long enough to be stopped midway, with weights and cache on disk (files to clean up)."""
+    return _torchrun(["--path", str(d / "conv"), "--prompt-len", "8", "--gen-len", "1000", "--percent", "0", "0", "0",
+                      "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2"], offload_dir, start_new_session=True)
+
+
+def _run_dirs(offload_dir) -> list:
+    return [n for n in os.listdir(offload_dir) if n.startswith("flexh2o-run-")] if os.path.isdir(offload_dir) else []
+
+
+def _wait_for_both_stages(proc, offload_dir) -> list:
+    deadline = time.monotonic() + MAX_S
+    while len(_run_dirs(offload_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the stages are generating now
+    assert proc.poll() is None, "the job ended before it could be stopped"
+    return _run_dirs(offload_dir)
+
+
+def test_a_killed_rank_ends_the_job_with_a_clear_error_and_no_files(tiny, offload_dir):
+    d, _, _ = tiny
+    proc = _long_run(d, offload_dir)
+    dirs = _wait_for_both_stages(proc, offload_dir)
+    victim = int(dirs[0][len("flexh2o-run-"):].split("-")[0])  # a run dir is named after its owner's pid
+    os.kill(victim, signal.SIGKILL)
+    start = time.monotonic()
+    rc, _, stderr = _finish(proc)
+    assert time.monotonic() - start < 30
+    assert rc != 0 and "Signal 9 (SIGKILL)" in stderr, stderr  # torchrun names the killed rank
+    assert "flexh2o-run: error: rank" in stderr or "flexh2o-run: interrupted" in stderr, stderr
+    assert not _run_dirs(offload_dir), "offload files left behind"
+
+
+def test_ctrl_c_on_the_launcher_cleans_up_every_rank(tiny, offload_dir):
+    d, _, _ = tiny
+    proc = _long_run(d, offload_dir)
+    _wait_for_both_stages(proc, offload_dir)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the launcher and its workers get SIGINT
+    start = time.monotonic()
+    rc, _, stderr = _finish(proc)
+    assert time.monotonic() - start < 30 and rc != 0
+    assert stderr.count("flexh2o-run: interrupted; offload files removed") == 2, stderr
+    assert not _run_dirs(offload_dir), "offload files left behind"
+
+
+def test_stage_layers_without_torchrun_is_refused(tiny, capsys):
+    d, _, _ = tiny
+    assert cli.main(["--path", str(d / "conv"), "--stage-layers", "2,2", "--gen-len", "2", "--prompt-len", "4",
+                     "--dry-run"]) == 0  # a dry run plans one process and ignores stages
+    assert cli.main(["--path", str(d / "conv"), "--stage-layers", "2,2", "--gen-len", "2", "--prompt-len", "4",
+                     "--no-warmup"]) == 2
+    assert "names 2 stages but 1 ranks run" in capsys.readouterr().err
