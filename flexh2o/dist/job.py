@@ -14,7 +14,7 @@ from flexh2o.dist.transport import Ring
 from flexh2o.engine import Engine
 from flexh2o.job import Job, policy_flags, write_outputs
 from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings
-from flexh2o.planning.memory_plan import plan_memory
+from flexh2o.planning.memory_plan import act_block_bytes, plan_memory
 from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
 from flexh2o.schedule.plan import COMPUTE
@@ -52,7 +52,9 @@ def preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> 
         counts = parse_stage_layers(stage_layers) if stage_layers else None
         stage = split_stages(rc.model, group.world, counts)[group.rank]
         src = stage_config(rc, stage, group.device)
-        plan_memory(src).check()
+        plan = plan_memory(src)
+        plan.bytes["gpu"]["buffers"] += ring_bytes(src, stage)
+        plan.check()
     except ValueError as e:
         refusal = one_line(e)
     try:
@@ -69,6 +71,13 @@ def stage_generate(eng: Engine, group: StageGroup, stage: Stage, prompts: list, 
     ring = Ring(group.rank, stage.prev, stage.next, eng.rc.num_gpu_batches, timeout_s, group.device)
     gen = eng.generate(prompts, gen_len, pipe=StagePipe(stage, ring, eng.cfg.num_layers + 2), **kw)
     return gen, ring.stats
+
+
+def ring_bytes(rc: RunConfig, stage: Stage) -> int:
+    """Compute-side bytes of the ring: a group's hidden states received one unit ahead and a group's in flight to
+    the next stage (prefill sizes, the largest)."""
+    group = -(-rc.num_gpu_batches // min(rc.num_gpu_batches, stage.num_stages))
+    return 2 * group * act_block_bytes(rc)
 
 
 def _run_stage(group: StageGroup, stage: Stage, rc: RunConfig, job: Job, timeout_s: float) -> Optional[RunReport]:
