@@ -70,7 +70,7 @@ def test_one_summary_and_record_from_the_head_and_tokens_equal_transformers(tiny
 
 def test_a_refusal_on_one_rank_stops_both_with_one_line(tiny, offload_dir):
     """--stage-layers 1,3 with a gpu tier that holds one stage but not the other: that rank refuses, every rank
-    exits 2, and the machine shows the refusal once."""
+    exits 2 (every rank raises the agreed refusal: test_dist_stages), and the machine shows the refusal once."""
     d, _, _ = tiny
     gpu_mem, refuser = _between_stage_needs(d)
     args = ["--path", str(d / "conv"), "--prompt-file", str(d / "p.json"), "--gen-len", "4", "--stage-layers", "1,3",
@@ -78,20 +78,22 @@ def test_a_refusal_on_one_rank_stops_both_with_one_line(tiny, offload_dir):
     rc, _, stderr = _finish(_torchrun(args, offload_dir))
     lines = [line for line in stderr.splitlines() if line.startswith("flexh2o-run: error:")]
     assert len(lines) == 1 and f"rank {refuser}: gpu tier needs" in lines[0], stderr
-    assert rc != 0 and stderr.count("exitcode  : 2") == 2, stderr  # torchrun's summary: both workers exited 2
+    # torchrun's summary: a worker exited 2 (torchrun may stop the other before it exits 2 as well)
+    assert rc != 0 and "exitcode  : 2" in stderr and "/flexh2o/" not in stderr, stderr  # no traceback of ours
 
 
 def _between_stage_needs(d) -> tuple:
     """(a --gpu-mem between the two stages' gpu-tier needs, the rank of the larger)."""
     from flexh2o import config
+    from flexh2o.dist.job import stage_memory_plan
     from flexh2o.dist.pipe import stage_config
     from flexh2o.dist.split import split_stages
-    from flexh2o.planning.memory_plan import plan_memory
     from flexh2o.run_config import RunConfig
     cfg = config.load_converted_config(str(d / "conv"))
     rc = RunConfig(model=cfg, gpu_batch_size=4, prompt_len=7, gen_len=4, dtype=torch.float32,
                    compute_dtype=torch.float32)
-    need = [plan_memory(stage_config(rc, s, torch.device("cpu"))).total("gpu") for s in split_stages(cfg, 2, [1, 3])]
+    need = [stage_memory_plan(stage_config(rc, s, torch.device("cpu")), s).total("gpu")
+            for s in split_stages(cfg, 2, [1, 3])]
     assert need[0] != need[1]
     return str((need[0] + need[1]) // 2), int(need[1] > need[0])
 

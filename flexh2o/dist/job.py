@@ -14,7 +14,7 @@ from flexh2o.dist.transport import Ring
 from flexh2o.engine import Engine
 from flexh2o.job import Job, policy_flags, write_outputs
 from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings
-from flexh2o.planning.memory_plan import act_block_bytes, plan_memory
+from flexh2o.planning.memory_plan import MemoryPlan, act_block_bytes, plan_memory
 from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
 from flexh2o.schedule.plan import COMPUTE
@@ -52,9 +52,7 @@ def preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> 
         counts = parse_stage_layers(stage_layers) if stage_layers else None
         stage = split_stages(rc.model, group.world, counts)[group.rank]
         src = stage_config(rc, stage, group.device)
-        plan = plan_memory(src)
-        plan.bytes["gpu"]["buffers"] += ring_bytes(src, stage)
-        plan.check()
+        stage_memory_plan(src, stage).check()
     except ValueError as e:
         refusal = one_line(e)
     try:
@@ -73,11 +71,13 @@ def stage_generate(eng: Engine, group: StageGroup, stage: Stage, prompts: list, 
     return gen, ring.stats
 
 
-def ring_bytes(rc: RunConfig, stage: Stage) -> int:
-    """Compute-side bytes of the ring: a group's hidden states received one unit ahead and a group's in flight to
-    the next stage (prefill sizes, the largest)."""
+def stage_memory_plan(rc: RunConfig, stage: Stage) -> MemoryPlan:
+    """A stage's pre-flight plan (rc: the stage's config): its own tensors, plus on the compute side the ring's
+    buffers, a group's hidden states received one unit ahead and a group's in flight to the next stage."""
+    plan = plan_memory(rc)
     group = -(-rc.num_gpu_batches // min(rc.num_gpu_batches, stage.num_stages))
-    return 2 * group * act_block_bytes(rc)
+    plan.bytes["gpu"]["buffers"] += 2 * group * act_block_bytes(rc)
+    return plan
 
 
 def _run_stage(group: StageGroup, stage: Stage, rc: RunConfig, job: Job, timeout_s: float) -> Optional[RunReport]:
