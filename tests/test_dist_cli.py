@@ -128,7 +128,7 @@ def test_a_killed_rank_ends_the_job_with_a_clear_error_and_no_files(tiny, offloa
     assert time.monotonic() - start < 30
     assert rc != 0 and "Signal 9 (SIGKILL)" in stderr, stderr  # torchrun names the killed rank
     assert "flexh2o-run: error: rank" in stderr or "flexh2o-run: interrupted" in stderr, stderr
-    assert not _run_dirs(offload_dir), "offload files left behind"
+    assert not _run_dirs(offload_dir), f"offload files left behind: {_run_dirs(offload_dir)}, killed {victim}\n{stderr}"
 
 
 def test_ctrl_c_on_the_launcher_cleans_up_every_rank(tiny, offload_dir):

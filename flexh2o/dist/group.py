@@ -67,5 +67,17 @@ class StageGroup:
 
 def terminate_as_interrupt() -> None:
     """SIGTERM (what torchrun sends the other ranks when one fails or it is stopped) unwinds like Ctrl-C, so every
-    rank's `finally` blocks remove its offload files."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    rank's `finally` blocks remove its offload files; the first stop signal makes later ones ignored."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+
+
+def ignore_stop_signals() -> None:
+    """The job is ending: let the cleanup run to its end (a second SIGTERM or Ctrl-C would cut it short)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _stop(signum, frame):
+    ignore_stop_signals()
+    raise KeyboardInterrupt

@@ -10,7 +10,8 @@ from dataclasses import replace
 import torch
 
 from flexh2o.dist.split import Stage
-from flexh2o.dist.transport import Ring
+from flexh2o.dist.group import ignore_stop_signals
+from flexh2o.dist.transport import Ring, StageLost
 from flexh2o.models import layer_specs
 from flexh2o.placement import Placement, WeightHomes, block_homes
 from flexh2o.run_config import RunConfig
@@ -34,13 +35,21 @@ class StagePipe:
         self.ring.post((op.step, op.layer, op.batch), shape, dtype)
 
     def take(self, op) -> torch.Tensor:
-        return self.ring.take((*source(op.step, op.layer, self.total), op.batch))
+        try:
+            return self.ring.take((*source(op.step, op.layer, self.total), op.batch))
+        except StageLost:
+            ignore_stop_signals()  # torchrun is about to stop this rank too: finish the cleanup first
+            raise
 
     def send(self, op, tensor: torch.Tensor) -> None:
         self.ring.send((op.step, op.layer, op.batch), tensor)
 
     def close(self) -> None:
-        self.ring.close()
+        try:
+            self.ring.close()
+        except StageLost:
+            ignore_stop_signals()
+            raise
 
 
 def stage_placement(rc: RunConfig, stage: Stage) -> Placement:
