@@ -92,7 +92,7 @@ def main() -> None:
             rec.update(config=name, repeat=rep, load=load_avg(), when=time.strftime("%H:%M:%S"))
             results[name].append(rec)
             print(f"{name} #{rep}: {rec.get('status')} {rec.get('total_throughput', 0):.2f} tok/s load "
-                  f"{rec['load']}", flush=True)
+                  f"{rec['load']} {rec.get('message', '')}", flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")

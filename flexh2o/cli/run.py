@@ -107,7 +107,8 @@ def _run(args) -> int:
     _check_output_path(args.output_file, "--output-file")
     _check_output_path(opts.log_file, "--log-file")
     from flexh2o.planning.refusal import check_fits
-    check_fits(rc, hw)
+    if not launched_by_torchrun():  # under torchrun each stage plans its own layers (dist/job.py)
+        check_fits(rc, hw)
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,
               tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
               dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)

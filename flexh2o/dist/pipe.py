@@ -32,23 +32,23 @@ class StagePipe:
         return (self.stage.num_stages > 1 and op.layer == self.stage.first and (op.step, op.layer) != (0, 0))
 
     def post(self, op, shape: tuple, dtype: torch.dtype) -> None:
-        self.ring.post((op.step, op.layer, op.batch), shape, dtype)
+        self._lost_ends_quietly(self.ring.post, (op.step, op.layer, op.batch), shape, dtype)
 
     def take(self, op) -> torch.Tensor:
-        try:
-            return self.ring.take((*source(op.step, op.layer, self.total), op.batch))
-        except StageLost:
-            ignore_stop_signals()  # torchrun is about to stop this rank too: finish the cleanup first
-            raise
+        return self._lost_ends_quietly(self.ring.take, (*source(op.step, op.layer, self.total), op.batch))
 
     def send(self, op, tensor: torch.Tensor) -> None:
-        self.ring.send((op.step, op.layer, op.batch), tensor)
+        self._lost_ends_quietly(self.ring.send, (op.step, op.layer, op.batch), tensor)
 
     def close(self) -> None:
+        self._lost_ends_quietly(self.ring.close)
+
+    @staticmethod
+    def _lost_ends_quietly(fn, *args):
         try:
-            self.ring.close()
+            return fn(*args)
         except StageLost:
-            ignore_stop_signals()
+            ignore_stop_signals()  # torchrun is about to stop this rank too: let the cleanup finish first
             raise
 
 

@@ -52,7 +52,10 @@ class Ring:
     def post(self, key: tuple, shape: tuple, dtype: torch.dtype) -> None:
         """Post the receive of message `key` (step, layer, batch) into a fresh buffer."""
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self.posted[key] = (buf, dist.irecv(buf, self.src, tag=self.tag(key)))
+        try:
+            self.posted[key] = (buf, dist.irecv(buf, self.src, tag=self.tag(key)))
+        except RuntimeError as e:  # the connection is already gone
+            raise StageLost(self._lost(key, "from", self.src).format(_first_line(e))) from None
 
     def take(self, key: tuple) -> torch.Tensor:
         """The tensor of message `key`, waiting (bounded) for it to arrive."""
@@ -66,7 +69,10 @@ class Ring:
 
     def send(self, key: tuple, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
-        work = dist.isend(tensor, self.dst, tag=self.tag(key))
+        try:
+            work = dist.isend(tensor, self.dst, tag=self.tag(key))
+        except RuntimeError as e:
+            raise StageLost(self._lost(key, "to", self.dst).format(_first_line(e))) from None
         self.sending = [(w, t, k) for w, t, k in self.sending if not w.done()]
         self.sending.append((_Waiter(work, self.timeout_s), tensor, key))
         self.stats.sent += 1
