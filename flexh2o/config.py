@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -32,6 +33,7 @@ class ModelConfig:
     eos_token_id: int = 2
 
     def __post_init__(self):
+        _check_fields(self)
         if self.family not in ("opt", "llama"):
             raise ValueError(f"unknown model family {self.family!r}: use opt or llama")
         if self.hidden % self.num_heads:
@@ -58,6 +60,33 @@ class ModelConfig:
     def from_dict(d: dict) -> "ModelConfig":
         known = {f for f in ModelConfig.__dataclass_fields__}
         return ModelConfig(**{k: v for k, v in d.items() if k in known})
+
+
+SIZE_FIELDS = ("hidden", "num_layers", "num_heads", "ffn", "vocab", "max_positions")
+
+
+def _check_fields(c: ModelConfig) -> None:
+    """Types and ranges of every field (a hand-edited config must fail here, in one line, not deep in the engine)."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    for f in SIZE_FIELDS + ("num_kv_heads", "word_embed_dim"):
+        v = getattr(c, f)
+        if (v is not None or f in SIZE_FIELDS) and not (is_int(v) and v >= 1):
+            raise ValueError(f"{f} is {v!r}: it must be a positive integer")
+    for f in ("norm_eps", "rope_theta"):
+        v = getattr(c, f)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
+            raise ValueError(f"{f} is {v!r}: it must be a positive finite number")
+    for f in ("norm_before", "tie_embeddings"):
+        if not isinstance(getattr(c, f), bool):
+            raise ValueError(f"{f} is {getattr(c, f)!r}: it must be true or false")
+    for f in ("bos_token_id", "eos_token_id"):
+        if not is_int(getattr(c, f)):
+            raise ValueError(f"{f} is {getattr(c, f)!r}: it must be an integer")
+    if not (is_int(c.pad_token_id) and 0 <= c.pad_token_id < c.vocab):
+        raise ValueError(f"pad_token_id is {c.pad_token_id!r}: it must be a token id below vocab {c.vocab}")
+    if not isinstance(c.name, str) or not isinstance(c.family, str):
+        raise ValueError("name and family must be strings")
 
 
 def _opt(name, hidden, layers, heads, **kw) -> ModelConfig:
@@ -110,7 +139,7 @@ def load_converted_config(path: str) -> ModelConfig:
     d = read_json(f, "run flexh2o-convert again", dict)
     try:
         return ModelConfig.from_dict(d)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{f} is corrupt ({e}): run flexh2o-convert again") from None
 
 

@@ -33,11 +33,23 @@ def load_prompts(path: str, vocab: int, tokenizer=None) -> list:
     if tokenizer is None:
         raise ValueError(f"--prompt-file {path} is text: pass --tokenizer PATH (a local tokenizer file or folder), "
                          "or give a .json list of token-id lists")
-    with open(path, encoding="utf-8") as f:
-        lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}): save it as UTF-8") from None
     if not lines:
         raise ValueError(f"--prompt-file {path} has no prompts (one per line)")
-    return [tokenizer.encode(ln) for ln in lines]
+    prompts = [tokenizer.encode(ln) for ln in lines]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"--prompt-file {path}: line {i + 1} encodes to no tokens")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"--prompt-file {path}: line {i + 1} encodes to token id {bad[0]}, outside the model's "
+                             f"vocabulary (0..{vocab - 1}): pass the --tokenizer of this model")
+    return prompts
 
 
 def fill_batch(prompts: list, num_seqs: int) -> list:

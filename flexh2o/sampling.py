@@ -3,6 +3,7 @@ step and GPU batch, `rows` being the slice of sequences the batch holds. Sampler
 and top-p with a seeded generator. TeacherForcer: feeds given tokens and scores the logits against them."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -10,13 +11,17 @@ import torch
 
 class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
-        if temperature < 0 or not 0 < top_p <= 1:
+        if not (0 <= temperature < math.inf and 0 < top_p <= 1):
             raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {temperature}, {top_p})")
         self.temperature, self.top_p = temperature, top_p
         self.gen = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
-        """logits (b, vocab) fp32 on CPU -> token ids (b,)."""
+        """logits (b, vocab) fp32 on CPU -> token ids (b,). NaN/Inf logits are refused in one line (corrupt weights
+        or an overflowing compute dtype), never turned into a token or a multinomial traceback."""
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("the model produced NaN/Inf logits: its weights hold NaN/Inf or overflow the compute "
+                             "dtype; re-run flexh2o-convert on the source checkpoint or pass --compute-dtype float32")
         if self.temperature == 0:
             return logits.argmax(-1)
         probs = (logits / self.temperature).softmax(-1)

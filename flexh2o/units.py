@@ -1,6 +1,8 @@
 """Byte sizes: reading '16GB' from the command line, printing 1.5 GiB, and the disk tier's alignment."""
 from __future__ import annotations
 
+import math
+
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 ALIGN = 4096  # direct I/O: disk-tier buffers, offsets and file sizes are multiples of this
 
@@ -30,7 +32,9 @@ def parse_bytes(text: str) -> int:
     try:
         value = float(s)
     except ValueError:
-        raise ValueError(f"cannot read {text!r} as a size: use a number with a unit, e.g. 16GB or 512MB") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"cannot read {text!r} as a size: use a finite number with a unit, e.g. 16GB or 512MB")
     if value < 0:
         raise ValueError(f"size {text!r} is negative")
     return int(value * m)

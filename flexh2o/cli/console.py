@@ -1,12 +1,17 @@
 """What every console script shares: argument errors and user errors as one line on stderr with exit status 2,
-Ctrl-C as exit status 130, never a traceback for bad input."""
+Ctrl-C as exit status 130 (SIGTERM and SIGHUP the same way: 128 + the signal), never a traceback for bad input."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from typing import Callable
 
-from flexh2o.storage.base import TierFullError
+from flexh2o.storage.base import TierError
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 class UsageError(ValueError):
@@ -20,17 +25,50 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread like Ctrl-C, so every cleanup that handles Ctrl-C runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
 def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
-    """Run a script's body; ValueError/OSError/TierFullError -> 'prog: error: ...' and 2, Ctrl-C -> 130."""
+    """Run a script's body; ValueError/OSError/TierError -> 'prog: error: ...' and 2, Ctrl-C -> 130,
+    SIGTERM/SIGHUP -> 128 + signal, each after the body's own cleanup (finally blocks, context managers) ran."""
     try:
-        return body()
-    except (ValueError, OSError, TierFullError) as e:
+        with stop_signals_as_interrupts():
+            return body()
+    except (ValueError, OSError, TierError) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except Terminated as e:
+        print(f"{prog}: {interrupted} ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def stop_signals_as_interrupts():
+    """While inside, SIGTERM/SIGHUP raise Terminated in the main thread (then are ignored until the exit, so a
+    second signal cannot cut the cleanup short); the previous handlers come back after. No-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Terminated(signum)
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from flexh2o.cli.checks import check_kv_flags
 from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
 from flexh2o.kv.spec import KVSpec
 
@@ -24,5 +25,6 @@ def add_kv_flags(p: argparse.ArgumentParser, budgets: bool = True) -> None:
 
 def kv_spec(args: argparse.Namespace, prompt_len: int) -> KVSpec:
     """The run's KVSpec from parsed flags (the only place where --hh-ratio becomes token counts)."""
+    check_kv_flags(args, args.kv_policy)
     return KVSpec.from_flags(args.kv_policy, prompt_len, args.hh_ratio, getattr(args, "recent_ratio", None),
                              args.kv_budget, args.num_sinks, args.seed, args.hh_decay)

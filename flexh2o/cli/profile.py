@@ -35,6 +35,8 @@ def main(argv: Optional[list] = None) -> int:
 
 def _profile(args, argv: Optional[list]) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device {device}: use cpu or cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here")
     dtypes = args.dtype or (["float16"] if device.startswith("cuda") else ["float32", "bfloat16"])

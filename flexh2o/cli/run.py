@@ -17,6 +17,7 @@ from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
+from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags, given_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
@@ -75,16 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_main("flexh2o-run", lambda: _run(build_parser().parse_args(argv)),
-                    "interrupted; offload files removed")
+    return run_main("flexh2o-run", lambda: _run(_parse(argv)), "interrupted; offload files removed")
+
+
+def _parse(argv: Optional[list]):
+    args = build_parser().parse_args(argv)
+    args.given = given_flags(argv)
+    check_run_flags(args.given, args)
+    return args
 
 
 def _run(args) -> int:
     from flexh2o.job import Job, run_job
     from flexh2o.prompts import load_prompts, load_tokenizer, synthetic_prompts
     from flexh2o.sampling import Sampler
+    from flexh2o.storage.offload_dir import sweep
 
     opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
+    sweep(args.offload_dir)  # stale run dirs of killed runs go first, before free space is measured
     cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
            else model_configs.from_name(args.model))
     tokenizer = load_tokenizer(args.tokenizer)
@@ -93,8 +102,6 @@ def _run(args) -> int:
     hw, hw_label = _hardware(args, rc)
     if args.policy == "auto":
         rc = _auto_policy(args, rc, hw)
-    if prompts is None:
-        prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     predicted = _predict(rc, hw)
     if args.dry_run:
         _note(args)
@@ -104,11 +111,12 @@ def _run(args) -> int:
                   f"{predicted['prefill_s']:.2f} s, decode {predicted['decode_s']:.2f} s, total "
                   f"{predicted['total_throughput']:.1f} tok/s, decode {predicted['decode_throughput']:.1f} tok/s")
         return 0
-    _check_output_path(args.output_file, "--output-file")
-    _check_output_path(opts.log_file, "--log-file")
+    check_output_path(opts.log_file, "--log-file")
     from flexh2o.planning.refusal import check_fits
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (dist/job.py)
-        check_fits(rc, hw)
+        check_fits(rc, hw)  # before anything is built from the sizes (the prompts included)
+    if prompts is None:
+        prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,
               tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
               dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
@@ -253,9 +261,11 @@ def _capacities(args, device: str) -> tuple:
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
         disk_default = free_disk_bytes(probe or ".")
-    return (parse_bytes(args.gpu_mem) if args.gpu_mem else gpu_default,
-            parse_bytes(args.cpu_mem) if args.cpu_mem else cpu_default,
-            parse_bytes(args.disk_mem) if args.disk_mem else disk_default)
+    caps = (parse_bytes(args.gpu_mem) if args.gpu_mem is not None else gpu_default,
+            parse_bytes(args.cpu_mem) if args.cpu_mem is not None else cpu_default,
+            parse_bytes(args.disk_mem) if args.disk_mem is not None else disk_default)
+    check_host_capacity(device, caps[0], caps[1])
+    return caps
 
 
 def describe_plan(rc: RunConfig) -> str:
@@ -275,14 +285,6 @@ def _compression_note(rc: RunConfig) -> str:
     parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
              (("weights", rc.compress_weight), ("cache", rc.compress_cache)) if spec]
     return f"  compressed {', '.join(parts)}" if parts else ""
-
-
-def _check_output_path(path: Optional[str], flag: str) -> None:
-    if path is None:
-        return
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d) or not os.access(d, os.W_OK):
-        raise ValueError(f"{flag} {path}: directory {d} does not exist or is not writable")
 
 
 if __name__ == "__main__":

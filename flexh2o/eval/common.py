@@ -101,9 +101,12 @@ def load_text(name: str) -> str:
 def budget_tokens(spec: str, context: int) -> int:
     """'20%' -> 20% of `context` tokens (rounded down); '64' -> 64."""
     try:
-        n = int(float(spec[:-1]) / 100 * context) if spec.endswith("%") else int(spec)
+        pct = float(spec[:-1]) if spec.endswith("%") else None
+        n = int(pct / 100 * context) if pct is not None else int(spec)
     except ValueError:
         raise ValueError(f"cannot read budget {spec!r}: use a token count (64) or a percentage (20%)") from None
+    if pct is not None and not 0 < pct <= 100:
+        raise ValueError(f"budget {spec!r} is not a share of the context: use a percentage in (0, 100]")
     if n < 1:
         raise ValueError(f"budget {spec!r} of a {context}-token context keeps no tokens")
     return n

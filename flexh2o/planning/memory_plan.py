@@ -13,6 +13,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 
 KINDS = ("weights", "cache", "activations", "buffers")
+PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte int object
 
 
 def cache_block_bytes(rc: RunConfig) -> int:
@@ -76,7 +77,16 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None) -> MemoryP
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
     plan.bytes["gpu"]["buffers"] = working_bytes(rc, where)
+    plan.bytes["cpu"]["buffers"] = host_bytes(rc)
     return plan
+
+
+def host_bytes(rc: RunConfig) -> int:
+    """Host memory the run keeps per sequence wherever the tiers are: the last logits (fp32, vocab wide), the
+    padded ids and positions and the generated tokens (int64), and the prompts and outputs as Python lists."""
+    tokens = rc.prompt_len + rc.gen_len
+    per_seq = rc.model.vocab * 4 + (2 * rc.prompt_len + rc.gen_len) * 8 + tokens * PY_TOKEN_BYTES
+    return rc.num_seqs * per_seq
 
 
 def working_bytes(rc: RunConfig, where: Placement) -> int:

@@ -6,7 +6,12 @@ from typing import Optional
 import torch
 
 
-class TierFullError(RuntimeError):
+class TierError(RuntimeError):
+    """A tier cannot do what the run asks (full, or its storage failed under the run); the message is one line
+    naming the tier, the place and the fix."""
+
+
+class TierFullError(TierError):
     """Raised when an allocation would pass a tier's capacity (the pre-flight plan should prevent it)."""
 
 

@@ -6,10 +6,12 @@ pages it touched (posix_fadvise DONTNEED) after every read and write.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import itertools
 import os
+import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -17,9 +19,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from flexh2o.storage.base import Tier, as_bytes, nbytes_of
+from flexh2o.storage.base import Tier, TierError, TierFullError, as_bytes, nbytes_of
 from flexh2o.storage.offload_dir import OWNER_FILE
-from flexh2o.units import ALIGN, padded as round_up
+from flexh2o.units import ALIGN, fmt_bytes, padded as round_up
 
 STAGE_BYTES = 16 << 20  # staging buffer used to stream writes (bounds extra RAM per store)
 
@@ -70,22 +72,29 @@ def probe_direct_io(directory: str) -> bool:
 
 
 class DiskTier(Tier):
-    """Tensors in files under `directory` (the run directory, owned by this tier: close() removes it).
+    """Tensors in files under `directory` (the run directory, owned by this tier: close() removes it; a locked run
+    dir from make_run_dir is removed with its lock, also when this constructor fails).
 
     Capacity counts the real tensor bytes, as the memory plan does; each file's padding (< 4096 bytes) is not counted.
     """
 
     name = "disk"
 
-    def __init__(self, directory: str, capacity: int):
+    def __init__(self, directory, capacity: int):
         super().__init__(capacity)
-        self.directory = directory
-        os.makedirs(directory, exist_ok=True)
-        self.is_direct = probe_direct_io(directory)
+        self.run_dir = directory if hasattr(directory, "remove") else None
+        self.directory = os.fspath(directory)
+        self._files: dict[str, DiskHandle] = {}
+        try:
+            with self._io_errors("preparing"):
+                os.makedirs(self.directory, exist_ok=True)
+                self.is_direct = probe_direct_io(self.directory)
+        except BaseException:
+            self.close()
+            raise
         if not self.is_direct:
             print(f"flexh2o: warning: {directory} does not support direct I/O (O_DIRECT); "
                   "using buffered I/O with page-cache eviction", file=sys.stderr)
-        self._files: dict[str, DiskHandle] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -98,12 +107,13 @@ class DiskTier(Tier):
             self._reserve(handle.nbytes)
             self._files[handle.path] = handle
         try:
-            fd = os.open(handle.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, handle.padded)  # sparse until written
-            finally:
-                os.close(fd)
-        except OSError:
+            with self._io_errors("creating", handle):
+                fd = os.open(handle.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, handle.padded)  # sparse until written
+                finally:
+                    os.close(fd)
+        except BaseException:
             self.free(handle)
             raise
         return handle
@@ -123,6 +133,9 @@ class DiskTier(Tier):
         """Delete every file, then the run directory (only if nothing foreign is left in it). Idempotent."""
         for handle in list(self._files.values()):
             self.free(handle)
+        if self.run_dir is not None:
+            self.run_dir.remove()
+            return
         try:
             os.unlink(os.path.join(self.directory, OWNER_FILE))
         except FileNotFoundError:
@@ -136,12 +149,13 @@ class DiskTier(Tier):
     def load(self, handle: DiskHandle, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Read the file into a fresh aligned buffer (RAM: padded size + ALIGN); the GIL is released while reading."""
         buf = aligned_empty(handle.padded)
-        fd = self._open(handle.path, os.O_RDONLY)
-        try:
-            _read_all(fd, buf)
-            self._evict(fd, sync=False)
-        finally:
-            os.close(fd)
+        with self._io_errors("reading", handle):
+            fd = self._open(handle.path, os.O_RDONLY)
+            try:
+                _read_all(fd, buf)
+                self._evict(fd, sync=False)
+            finally:
+                os.close(fd)
         with self._lock:
             self.bytes_loaded += handle.nbytes
         out = buf[:handle.nbytes].view(handle.dtype).view(handle.shape)  # (handle.shape), a view of buf
@@ -163,6 +177,12 @@ class DiskTier(Tier):
         """Write the file from consecutive pieces (any dtype/device, viewed as bytes) at increasing offsets, through
         one staging buffer, so a huge tensor never has to exist whole in memory. The pieces must add up to exactly
         handle.nbytes."""
+        with self._io_errors("writing", handle):
+            self._write_from(handle, chunks)
+        with self._lock:
+            self.bytes_stored += handle.nbytes
+
+    def _write_from(self, handle: DiskHandle, chunks: Iterable[torch.Tensor]) -> None:
         stage = aligned_empty(min(STAGE_BYTES, handle.padded))
         fill = offset = total = 0
         fd = self._open(handle.path, os.O_WRONLY)
@@ -189,8 +209,29 @@ class DiskTier(Tier):
             self._evict(fd, sync=True)
         finally:
             os.close(fd)
-        with self._lock:
-            self.bytes_stored += handle.nbytes
+
+    @contextlib.contextmanager
+    def _io_errors(self, doing: str, handle: Optional[DiskHandle] = None):
+        """OSError/EOFError of the filesystem under a running job -> one line naming the tier, the directory, the
+        bytes and the fix (a full disk: the flag too)."""
+        try:
+            yield
+        except EOFError as e:
+            raise TierError(f"disk tier: {e} under {self.directory}: an offload file was truncated by something "
+                            "else during the run; do not touch --offload-dir during a run, and rerun") from None
+        except OSError as e:
+            need = handle.nbytes if handle else 0
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = _free_bytes(self.directory)
+                raise TierFullError(
+                    f"disk tier: no space left in {self.directory} ({e.strerror}) while {doing} {need} bytes "
+                    f"({fmt_bytes(need)}): the run holds {self.used} bytes there and asked for up to "
+                    f"{self.capacity} (--disk-mem), but the filesystem has {free} bytes ({fmt_bytes(free)}) free; "
+                    "free space, pass --offload-dir on a larger filesystem, or lower --disk-mem / move --percent "
+                    "to memory") from None
+            what = os.path.basename(handle.path) if handle else self.directory
+            raise TierError(f"disk tier: {doing} {what} in {self.directory} failed: {e.strerror or e} "
+                            f"(errno {e.errno}); check --offload-dir (space, inodes, permissions) and rerun") from None
 
     def _open(self, path: str, flags: int) -> int:
         return os.open(path, flags | (os.O_DIRECT if self.is_direct else 0))
@@ -203,6 +244,13 @@ class DiskTier(Tier):
             os.fdatasync(fd)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 0
 
 
 def _read_all(fd: int, buf: torch.Tensor) -> None:

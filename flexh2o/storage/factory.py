@@ -8,8 +8,9 @@ from flexh2o.storage.memory import MemoryTier
 
 def make_tiers(rc, need_disk: bool) -> dict:
     """gpu = the compute device (host memory with an enforced capacity on a CPU-only run), cpu = host memory
-    (pinned when CUDA is present, unless --pin-weight false), disk = files in a fresh run directory under
-    --offload-dir (only when used)."""
+    (pinned when CUDA is present, unless --pin-weight false), disk = files in a fresh locked run directory under
+    --offload-dir (only when used; removed with its lock by the tier's close(), also when the tier cannot be
+    made)."""
     device = torch.device(rc.device)
     tiers = {"gpu": MemoryTier("gpu", device, rc.gpu_mem),
              "cpu": MemoryTier("cpu", torch.device("cpu"), rc.cpu_mem, pin=device.type == "cuda" and rc.pin_weight)}

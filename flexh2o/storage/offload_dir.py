@@ -1,51 +1,85 @@
-"""Run directories under --offload-dir: one per run, marked with its owner's pid, and cleaned up after killed runs."""
+"""Run directories under --offload-dir: one per run, locked by its owner for the run's lifetime (dirlock.py), and
+swept at every start when their owner is gone (killed runs)."""
 from __future__ import annotations
 
 import os
 import shutil
 import sys
-import tempfile
 from typing import Optional
 
 import psutil
 
+from flexh2o.storage.dirlock import LOCK_FILE, LockedDir, lock_state, make_locked_dir, remove_if_unlocked, \
+    stale_staging
+
 RUN_PREFIX = "flexh2o-run-"
-OWNER_FILE = "owner.pid"  # "<pid> <process create time>\n"
+NEW_PREFIX = ".flexh2o-new-"  # a run dir being born: renamed to RUN_PREFIX... once its lock is held
+OWNER_FILE = "owner.pid"  # "<pid> <process create time>\n": for people reading the directory, and older versions
 
 
-def make_run_dir(offload_dir: str) -> str:
-    """Create and return offload_dir/flexh2o-run-<pid>-<random>/ (with owner.pid), after removing stale run dirs.
+def make_run_dir(offload_dir: str) -> LockedDir:
+    """Create offload_dir/flexh2o-run-<pid>-<random>/ holding its lock (and owner.pid), after removing stale run
+    dirs. The result is a path (os.PathLike); its `remove()` deletes the directory and drops the lock.
 
     Raises ValueError with a one-line message when offload_dir cannot be created or written.
     """
     try:
         os.makedirs(offload_dir, exist_ok=True)
         remove_stale_run_dirs(offload_dir)
-        path = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=offload_dir)
-        with open(os.path.join(path, OWNER_FILE), "w") as f:
-            f.write(f"{os.getpid()} {_create_time(os.getpid())}\n")
+        pid = os.getpid()
+        run = make_locked_dir(offload_dir, f"{NEW_PREFIX}{pid}-",
+                              lambda staged: RUN_PREFIX + staged[len(NEW_PREFIX):])
+        try:
+            with open(os.path.join(run.path, OWNER_FILE), "w") as f:
+                f.write(f"{pid} {_create_time(pid)}\n")
+        except BaseException:
+            run.remove()
+            raise
     except OSError as e:
         raise ValueError(f"--offload-dir {offload_dir} is not writable: {e.strerror or e}; "
                          "pass a writable directory") from None
-    return path
+    return run
 
 
-def remove_run_dir(path: str) -> None:
-    """Delete a run directory and everything in it; missing is fine. Refuses paths that are not run dirs."""
-    if not os.path.basename(os.path.normpath(path)).startswith(RUN_PREFIX):
-        raise ValueError(f"refusing to remove {path}: not a {RUN_PREFIX}* directory")
-    shutil.rmtree(path, ignore_errors=True)
+def remove_run_dir(path) -> None:
+    """Delete a run directory and everything in it (dropping its lock if this process holds it); missing is fine.
+    Refuses paths that are not run dirs."""
+    if not os.path.basename(os.path.normpath(os.fspath(path))).startswith(RUN_PREFIX):
+        raise ValueError(f"refusing to remove {os.fspath(path)}: not a {RUN_PREFIX}* directory")
+    if isinstance(path, LockedDir):
+        path.remove()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep(offload_dir: Optional[str]) -> list[str]:
+    """The stale sweep every start does (dry runs and runs without a disk tier too), before free space is
+    measured; a missing offload dir is left alone (not created)."""
+    if not offload_dir or not os.path.isdir(offload_dir):
+        return []
+    try:
+        return remove_stale_run_dirs(offload_dir)
+    except OSError:
+        return []  # unreadable: make_run_dir reports it if the run needs the directory
 
 
 def remove_stale_run_dirs(offload_dir: str) -> list[str]:
-    """Remove run dirs whose owner process is gone (or whose owner.pid is missing/corrupt); return their paths."""
+    """Remove run dirs whose owner is gone (their lock is free; for dirs of older versions without a lock, the
+    owner.pid names no live process); return their paths."""
     removed = []
     for name in sorted(os.listdir(offload_dir)):
         path = os.path.join(offload_dir, name)
-        if not name.startswith(RUN_PREFIX) or not os.path.isdir(path) or _owner_alive(path):
+        if not os.path.isdir(path) or os.path.islink(path):
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
+        if name.startswith(RUN_PREFIX):
+            state = lock_state(path)
+            gone = remove_if_unlocked(path) if state is False else (state is None and _remove_legacy(path))
+        elif name.startswith(NEW_PREFIX) and stale_staging(path):
+            shutil.rmtree(path, ignore_errors=True)
+            gone = not os.path.exists(path)
+        else:
+            continue
+        if gone:
             print(f"flexh2o: removed stale offload directory {path} left by a killed run", file=sys.stderr)
             removed.append(path)
     return removed
@@ -59,10 +93,16 @@ def free_disk_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def _remove_legacy(path: str) -> bool:
+    if os.path.exists(os.path.join(path, LOCK_FILE)) or _owner_alive(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.exists(path)
+
+
 def _owner_alive(path: str) -> bool:
-    """Is the process that made this run dir still running? A pid file that names a live pid with a different start
-    time belongs to a reused pid, i.e. the owner is dead. A dir whose pid file is not written yet (a run starting right
-    now) is judged by the pid in its name, so a concurrent start is never mistaken for a stale one."""
+    """Run dirs of older versions (no lock file): is the process named in owner.pid (or in the name, while the pid
+    file is not written yet) still running with the same start time?"""
     pid, created = _read_owner(path)
     if pid is None:
         pid = _pid_from_name(os.path.basename(path))

@@ -1,0 +1,102 @@
+"""Command-line values checked before anything is built from them: each bad value or bad combination is one
+ValueError naming the flag and the fix (console.run_main turns it into one line and exit status 2)."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+MAX_NUM_GPU_BATCHES = 1 << 12  # the plan and the schedule enumerate layers x GPU batches; FlexGen uses <= 64
+MAX_SEED = (1 << 63) - 1  # torch.Generator.manual_seed takes a 64-bit value
+
+
+def check_real(flag: str, value: Optional[float], lo: float, hi: float = math.inf, lo_open: bool = False,
+               fix: str = "") -> None:
+    """value is None (not given) or a finite number in [lo, hi] ((lo, hi] when lo_open)."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi) else f"{'>' if lo_open else '>='} {lo:g}"
+        raise ValueError(f"{flag} {value}: must be a finite number {'in ' if math.isfinite(hi) else ''}{rng}"
+                         + (f"; {fix}" if fix else ""))
+
+
+def check_int(flag: str, value: Optional[int], lo: int, hi: Optional[int] = None, fix: str = "") -> None:
+    if value is None:
+        return
+    if value < lo or (hi is not None and value > hi):
+        bound = f"at least {lo}" if hi is None else f"{lo}..{hi}"
+        raise ValueError(f"{flag} {value}: must be {bound}" + (f"; {fix}" if fix else ""))
+
+
+def check_kv_flags(args, policy: Optional[str]) -> None:
+    """--hh-ratio/--recent-ratio/--kv-budget/--num-sinks: ranges, and the combinations that would silently drop one.
+    policy: --kv-policy as given (None: chosen from the other flags)."""
+    fix = "a ratio is the share of the prompt kept, e.g. 0.2"
+    hh, recent, kv_budget = (getattr(args, f, None) for f in ("hh_ratio", "recent_ratio", "kv_budget"))
+    check_real("--hh-ratio", hh, 0.0, 1.0, fix=fix)
+    check_real("--recent-ratio", recent, 0.0, 1.0, fix=fix)
+    check_int("--num-sinks", getattr(args, "num_sinks", None), 0, fix="the number of first tokens always kept")
+    if hh is not None and kv_budget is not None:
+        raise ValueError("--hh-ratio and --kv-budget both set the KV budget: give one of them")
+    if recent is not None and hh is None:
+        raise ValueError("--recent-ratio sets the recent window beside --hh-ratio: give --hh-ratio too "
+                         "(or --kv-budget alone)")
+    if policy == "full" and (recent is not None or hh is not None or kv_budget is not None):
+        raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--recent-ratio/--kv-budget or pick "
+                         "another policy")
+
+
+def check_run_flags(argv_flags: set, args) -> None:
+    """Every flexh2o-run value that is not checked where it is parsed, before any config, prompt or tier exists."""
+    if args.path != "_DUMMY_" and "--model" in argv_flags:
+        raise ValueError("--model and --path both name the model: --path uses the config stored with the converted "
+                         "checkpoint, so drop --model")
+    check_kv_flags(args, args.kv_policy)
+    check_int("--prompt-len", args.prompt_len, 1)
+    check_int("--gen-len", args.gen_len, 1)
+    check_int("--num-gpu-batches", args.num_gpu_batches, 1, MAX_NUM_GPU_BATCHES,
+              fix="raise --gpu-batch-size instead")
+    check_int("--seed", args.seed, 0, MAX_SEED)
+    check_real("--temperature", args.temperature, 0.0, fix="0 is greedy decoding")
+    check_real("--top-p", args.top_p, 0.0, 1.0, lo_open=True)
+    for flag in ("--gpu-mem", "--cpu-mem", "--disk-mem"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} is empty: give a size such as 16GB, or leave the flag out for the default")
+    check_output_path(args.output_file, "--output-file")
+    check_output_path(args.log_file, "--log-file")
+
+
+def check_host_capacity(device: str, gpu_mem: int, cpu_mem: int) -> None:
+    """Host memory a plan may count on cannot exceed the machine's (RAM + swap): past that, the plan's refusal
+    would be replaced by the kernel's OOM killer. On a CPU-only run the gpu tier is host memory too."""
+    import psutil
+    host = cpu_mem + (gpu_mem if device == "cpu" else 0)
+    have = psutil.virtual_memory().total + psutil.swap_memory().total
+    if host > have:
+        from flexh2o.units import fmt_bytes
+        flags = "--gpu-mem + --cpu-mem" if device == "cpu" else "--cpu-mem"
+        raise ValueError(f"{flags} ({fmt_bytes(host)}) exceed this machine's memory ({fmt_bytes(have)} with swap): "
+                         "give at most what it has, or leave the flags out for the detected defaults")
+
+
+def given_flags(argv: Optional[list]) -> set:
+    """The long flags present on the command line (`--flag` and `--flag=value`)."""
+    import sys
+    words = sys.argv[1:] if argv is None else argv
+    return {w.split("=", 1)[0] for w in words if isinstance(w, str) and w.startswith("--")}
+
+
+def check_output_path(path: Optional[str], flag: str) -> None:
+    """A file this run will write: not a directory, in a writable directory, itself writable if it exists."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory: give a file path")
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise ValueError(f"{flag} {path}: directory {d} does not exist or is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable: give another file")
