@@ -31,33 +31,43 @@ class Job:
     measured_steps: Optional[int] = None  # --cut-gen-len: steps actually run; decode is projected to gen_len
 
 
+def rounds_of(prompts: list, num_seqs: int) -> list:
+    """The prompts in rounds of at most num_seqs (every prompt runs; the last round is filled by fill_batch)."""
+    return [prompts[i:i + num_seqs] for i in range(0, len(prompts), num_seqs)]
+
+
 def run_job(rc: RunConfig, job: Job) -> RunReport:
     rss = RssPeak()
+    rounds = rounds_of(job.prompts, rc.num_seqs)
     with Engine(rc) as eng:
         if job.warmup:
-            eng.generate(fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2)
+            eng.generate(fill_batch([p[:8] for p in job.prompts[:rc.num_seqs]], rc.num_seqs), 2)
         moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
         steps = job.measured_steps or rc.gen_len
-        bar = tqdm(total=steps, desc="generate", unit="tok", disable=not job.progress, file=sys.stderr)
+        bar = tqdm(total=steps * len(rounds), desc="generate", unit="tok", disable=not job.progress,
+                   file=sys.stderr)
 
         def on_step(step):
             rss.sample()
             bar.update(1)
         try:
-            gen = eng.generate(fill_batch(job.prompts, rc.num_seqs), steps, job.sampler, on_step=on_step)
+            gens = [eng.generate(fill_batch(r, rc.num_seqs), steps, job.sampler, on_step=on_step) for r in rounds]
         finally:
             bar.close()
-        moved = {t: (tier.bytes_loaded - moved0[t]) // steps for t, tier in eng.tiers.items()}
+        moved = {t: (tier.bytes_loaded - moved0[t]) // (steps * len(rounds)) for t, tier in eng.tiers.items()}
         peaks = peak_bytes(eng, rss)
-    decode_s = gen.decode_s if steps == rc.gen_len else gen.decode_s / (steps - 1) * (rc.gen_len - 1)
-    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
-                       decode_s, peaks, moved, eng.plan.bytes, threads=thread_settings(),
-                       predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
-                       measured_steps=steps, measured_decode_s=gen.decode_s)
+    measured = sum(g.decode_s for g in gens)
+    decode_s = measured if steps == rc.gen_len else measured / (steps - 1) * (rc.gen_len - 1)
+    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs * len(rounds), rc.prompt_len, rc.gen_len,
+                       sum(g.prefill_s for g in gens), decode_s, peaks, moved, eng.plan.bytes,
+                       threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
+                       measured_steps=steps, measured_decode_s=measured)
+    report.policy["rounds"] = len(rounds)
     if not job.warmup:
         report.warmup = "no warm-up (--no-warmup)"
-    if job.output_file:
-        write_outputs(job.output_file, gen.tokens[:len(job.prompts)].tolist(), job.tokenizer)  # steps tokens
+    if job.output_file:  # `steps` tokens per prompt, every prompt of every round
+        tokens = [t for g, r in zip(gens, rounds) for t in g.tokens[:len(r)].tolist()]
+        write_outputs(job.output_file, tokens, job.tokenizer)
     if job.log_file:
         append_json_line(job.log_file, report.record())
     return report

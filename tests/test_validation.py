@@ -225,3 +225,24 @@ def test_measured_peaks_stay_within_the_plan(tmp_path):
         assert peak["cpu_tier"] <= total["cpu"] and peak["disk"] <= total["disk"], (gbs, nb, percent, peak, plan)
         assert rss <= total["gpu"] + total["cpu"] + overhead + SLACK, (gbs, nb, percent, rss, overhead, plan)
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss > 0
+
+
+@pytest.mark.parametrize("gbs,nb", [("2", "1"), ("2", "2"), ("3", "1")])
+def test_every_prompt_of_a_prompt_file_runs(capsys, tmp_path, gbs, nb):
+    """5 prompts with --gpu-batch-size 2 used to generate for 2 and drop 3 (exit 0). Now every prompt runs (in
+    rounds), and each gets the tokens it gets in one batch of all five (equal lengths, float32, greedy)."""
+    ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"), tiny_opt(vocab=128))
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[5 + i, 6 + 2 * i, 7, 8 + i] for i in range(5)]))
+    base = ["--path", ckpt, "--gen-len", "3", "--dtype", "float32", "--no-warmup", "--prompt-file", str(prompts)]
+    out_all, out = tmp_path / "all.json", tmp_path / "out.json"
+    assert cli.main(base + ["--output-file", str(out_all)]) == 0  # default batch: all five at once
+    log = tmp_path / "log.jsonl"
+    assert cli.main(base + ["--gpu-batch-size", gbs, "--num-gpu-batches", nb, "--output-file", str(out),
+                            "--log-file", str(log)]) == 0
+    seqs = int(gbs) * int(nb)
+    assert f"5 prompts run in {-(-5 // seqs)} rounds" in capsys.readouterr().err
+    rows, want = json.loads(out.read_text()), json.loads(out_all.read_text())
+    assert len(rows) == 5 and rows == want
+    rec = json.loads(log.read_text())
+    assert rec["policy"]["rounds"] == -(-5 // seqs) and rec["num_seqs"] == seqs * rec["policy"]["rounds"]

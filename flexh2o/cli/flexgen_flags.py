@@ -84,7 +84,7 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
 
 def auto_log_name(args: argparse.Namespace) -> str:
     """FlexGen's --log-file auto: a name made of the model size, batch, lengths, --percent and options."""
-    size = args.model.split("-")[-1]
+    size = (args.model or "opt-125m").split("-")[-1]
     name = (f"fo-{size}-gbs{args.gpu_batch_size or 'default'}-ngbs{args.num_gpu_batches}-prompt{args.prompt_len}-"
             f"gen{args.gen_len}-percent-{'-'.join(map(str, args.percent))}-"
             f"{'cpu' if args.cpu_cache_compute else 'gpu'}-cache")

@@ -115,6 +115,9 @@ def _run(args) -> int:
     from flexh2o.planning.refusal import check_fits
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (dist/job.py)
         check_fits(rc, hw)  # before anything is built from the sizes (the prompts included)
+    if prompts is not None and len(prompts) > rc.num_seqs:  # every prompt runs: job.py runs them in rounds
+        print(f"flexh2o-run: {len(prompts)} prompts run in {-(-len(prompts) // rc.num_seqs)} rounds of {rc.num_seqs} "
+              "sequences (--gpu-batch-size x --num-gpu-batches)", file=sys.stderr)
     if prompts is None:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,

@@ -217,7 +217,7 @@ class DiskTier(Tier):
         try:
             yield
         except EOFError as e:
-            raise TierError(f"disk tier: {e} under {self.directory}: an offload file was truncated by something "
+            raise TierError(f"{e} in {self.directory}: an offload file was truncated by something "
                             "else during the run; do not touch --offload-dir during a run, and rerun") from None
         except OSError as e:
             need = handle.nbytes if handle else 0

@@ -2,11 +2,17 @@
 
 Layout of a checkpoint directory DST:
     flexh2o_config.json   ModelConfig.to_json(); written last, so its presence marks a complete checkpoint
-    index.json            {"format": 1, "dtype": ..., "tensors": {name: {file, shape, dtype, nbytes}}}
+    index.json            {"format": 1, "dtype": ..., "tensors": {name: {file, shape, dtype, nbytes, blake2b}}}
     tensors/<name>.bin    contiguous bytes of the tensor, C order, little-endian
+
+blake2b is the hex BLAKE2b-128 digest of the file, computed while it is written and checked while it is read, chunk
+by chunk as each chunk arrives (no second pass over the tensor); indexes written before it existed load unchecked.
+While converting, DST's staging directory (.DST.partial-*) holds a lock (storage/dirlock.py); a later convert to the
+same DST removes staging directories whose lock is free (a convert killed by a signal or kill -9).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,11 +26,17 @@ from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import DTYPES, dtype_name, parse_dtype
 from flexh2o.models import unique_specs
 from flexh2o.storage.base import as_bytes
+from flexh2o.storage.dirlock import LOCK_FILE, make_locked_dir, stale_staging
 
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 TENSOR_DIR = "tensors"
 FIX = "re-run flexh2o-convert"
+CHUNK = 8 << 20  # bytes hashed per piece, while the piece is still in cache
+
+
+def digest():
+    return hashlib.blake2b(digest_size=16)
 
 
 def file_name(name: str) -> str:
@@ -55,7 +67,9 @@ class CheckpointWriter:
         _check_dst(self.dst, overwrite)
         parent = os.path.dirname(self.dst)
         os.makedirs(parent, exist_ok=True)
-        self.stage = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(self.dst)}.partial-")
+        sweep_staging(self.dst)
+        self.stage_dir = make_locked_dir(parent, f".{os.path.basename(self.dst)}.partial-")
+        self.stage = self.stage_dir.path
         os.mkdir(os.path.join(self.stage, TENSOR_DIR))
 
     def __enter__(self) -> "CheckpointWriter":
@@ -76,13 +90,18 @@ class CheckpointWriter:
             raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)} but the config implies "
                              f"{list(spec.shape)}: check config.json matches the weights")
         t = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
+        _check_finite(name, tensor, t)
         fname = file_name(name)
         path = os.path.join(self.stage, TENSOR_DIR, fname)
+        data, h = memoryview(as_bytes(t).numpy()), digest()
         with open(path + ".tmp", "wb") as fh:
-            fh.write(memoryview(as_bytes(t).numpy()))
+            for i in range(0, len(data), CHUNK):
+                fh.write(data[i:i + CHUNK])
+                h.update(data[i:i + CHUNK])
         os.replace(path + ".tmp", path)
         nbytes = t.numel() * t.element_size()
-        self.entries[name] = {"file": fname, "shape": list(t.shape), "dtype": self.dtype_name, "nbytes": nbytes}
+        self.entries[name] = {"file": fname, "shape": list(t.shape), "dtype": self.dtype_name, "nbytes": nbytes,
+                              "blake2b": h.hexdigest()}
         self.num_bytes += nbytes
 
     def missing(self) -> list:
@@ -98,11 +117,38 @@ class CheckpointWriter:
         index = {"format": FORMAT_VERSION, "dtype": self.dtype_name, "tensors": self.entries}
         _write_atomic(os.path.join(self.stage, INDEX_FILE), json.dumps(index, indent=1))
         _write_atomic(os.path.join(self.stage, CONFIG_FILE), self.cfg.to_json())
+        os.unlink(os.path.join(self.stage, LOCK_FILE))  # still held (the fd) until the move is done
         _move_into_place(self.stage, self.dst)
+        self.stage_dir.release()
 
     def abort(self) -> None:
         """Remove everything this writer created."""
-        shutil.rmtree(self.stage, ignore_errors=True)
+        self.stage_dir.remove()
+
+
+def sweep_staging(dst: str) -> list:
+    """Remove DST's staging (.DST.partial-*) and replaced (.DST.old-*) directories left by killed converts."""
+    parent, base, removed = os.path.dirname(os.path.abspath(dst)), os.path.basename(os.path.abspath(dst)), []
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if (name.startswith((f".{base}.partial-", f".{base}.old-")) and os.path.isdir(path)
+                and not os.path.islink(path) and stale_staging(path)):
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"flexh2o-convert: removed {path} left by an interrupted convert", file=sys.stderr)
+            removed.append(path)
+    return removed
+
+
+def _check_finite(name: str, source: torch.Tensor, stored: torch.Tensor) -> None:
+    """NaN/Inf in a tensor is refused here, at conversion, not found later as NaN logits."""
+    if not stored.is_floating_point() or bool(torch.isfinite(stored).all()):
+        return
+    bad = int((~torch.isfinite(stored)).sum())
+    if source.is_floating_point() and bool(torch.isfinite(source).all()):
+        raise ValueError(f"tensor {name!r}: {bad} values overflow {dtype_name(stored.dtype)} (beyond its range): "
+                         "convert with --dtype bfloat16 or float32")
+    raise ValueError(f"tensor {name!r} holds {bad} NaN/Inf values: the source checkpoint is corrupt; download it "
+                     "again")
 
 
 def _check_dst(dst: str, overwrite: bool) -> None:
@@ -180,11 +226,24 @@ class CheckpointReader:
             out.copy_(self.read(name))
 
     def _read_raw(self, name: str, out: torch.Tensor) -> None:
-        path = self.file_of(name)
+        """Read the file into `out` piece by piece, hashing each piece right after it is read (when the index has
+        a checksum); a mismatch is refused naming the file."""
+        path, e = self.file_of(name), self.entries[name]
+        view, got = memoryview(as_bytes(out).numpy()), 0
+        h = digest() if "blake2b" in e else None
         with open(path, "rb", buffering=0) as fh:
-            got = fh.readinto(memoryview(as_bytes(out).numpy()))
-        if got != self.entries[name]["nbytes"]:
-            raise ValueError(f"{path} is truncated: {got} of {self.entries[name]['nbytes']} bytes; {FIX}")
+            while got < len(view):
+                n = fh.readinto(view[got:got + CHUNK])
+                if not n:
+                    break
+                if h is not None:
+                    h.update(view[got:got + n])
+                got += n
+        if got != e["nbytes"]:
+            raise ValueError(f"{path} is truncated: {got} of {e['nbytes']} bytes; {FIX}")
+        if h is not None and h.hexdigest() != e["blake2b"]:
+            raise ValueError(f"{path} does not match its checksum in {INDEX_FILE} (blake2b): the file is corrupt; "
+                             f"{FIX}")
 
     def _validate(self) -> None:
         index = os.path.join(self.path, INDEX_FILE)
@@ -227,7 +286,8 @@ def _load_index(index: str) -> dict:
     for name, e in d["tensors"].items():
         ok = (isinstance(e, dict) and isinstance(e.get("file"), str) and e.get("dtype") in DTYPES
               and isinstance(e.get("shape"), list) and all(isinstance(x, int) and x >= 0 for x in e["shape"])
-              and isinstance(e.get("nbytes"), int) and os.path.basename(e["file"]) == e["file"])
+              and isinstance(e.get("nbytes"), int) and os.path.basename(e["file"]) == e["file"]
+              and isinstance(e.get("blake2b", ""), str))
         if not ok:
             raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
     return d["tensors"]
