@@ -83,6 +83,7 @@ def test_fuzz_exit_0_or_one_line_exit_2(tiny, case):
             status = cli.main(argv)
         lines = err.getvalue().strip().splitlines()
         assert "Traceback" not in err.getvalue(), (argv, err.getvalue())
+        assert "cannot convert float NaN" not in err.getvalue(), (argv, err.getvalue())
         assert status in (0, 2), (argv, status, err.getvalue())
         if status == 2:
             assert len([ln for ln in lines if ln.startswith("flexh2o-run: error: ")]) == 1, (argv, lines)

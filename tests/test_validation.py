@@ -246,3 +246,16 @@ def test_every_prompt_of_a_prompt_file_runs(capsys, tmp_path, gbs, nb):
     assert len(rows) == 5 and rows == want
     rec = json.loads(log.read_text())
     assert rec["policy"]["rounds"] == -(-5 // seqs) and rec["num_seqs"] == seqs * rec["policy"]["rounds"]
+
+
+def test_nan_logits_refused_in_one_line():
+    """NaN weights reach the sampler as NaN logits: greedy and sampling both refuse them with a ValueError (one line,
+    exit 2 through run_main), never a multinomial RuntimeError or a silent argmax over NaN."""
+    import torch
+    from flexh2o.sampling import Sampler
+    logits = torch.zeros(2, 7)
+    logits[1, 3] = math.nan
+    for s in (Sampler(), Sampler(0.7, 0.9)):
+        with pytest.raises(ValueError, match="NaN/Inf logits.*flexh2o-convert"):
+            s(logits)
+    assert Sampler()(torch.arange(14.0).view(2, 7)).tolist() == [6, 6]

@@ -48,9 +48,9 @@ def check_kv_flags(args, policy: Optional[str]) -> None:
                          "another policy")
 
 
-def check_run_flags(argv_flags: set, args) -> None:
+def check_run_flags(args) -> None:
     """Every flexh2o-run value that is not checked where it is parsed, before any config, prompt or tier exists."""
-    if args.path != "_DUMMY_" and "--model" in argv_flags:
+    if args.path != "_DUMMY_" and args.model is not None:
         raise ValueError("--model and --path both name the model: --path uses the config stored with the converted "
                          "checkpoint, so drop --model")
     check_kv_flags(args, args.kv_policy)
@@ -80,13 +80,6 @@ def check_host_capacity(device: str, gpu_mem: int, cpu_mem: int) -> None:
         flags = "--gpu-mem + --cpu-mem" if device == "cpu" else "--cpu-mem"
         raise ValueError(f"{flags} ({fmt_bytes(host)}) exceed this machine's memory ({fmt_bytes(have)} with swap): "
                          "give at most what it has, or leave the flags out for the detected defaults")
-
-
-def given_flags(argv: Optional[list]) -> set:
-    """The long flags present on the command line (`--flag` and `--flag=value`)."""
-    import sys
-    words = sys.argv[1:] if argv is None else argv
-    return {w.split("=", 1)[0] for w in words if isinstance(w, str) and w.startswith("--")}
 
 
 def check_output_path(path: Optional[str], flag: str) -> None:

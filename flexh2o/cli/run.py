@@ -17,7 +17,7 @@ from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
-from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags, given_flags
+from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
@@ -29,7 +29,7 @@ from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
     a = p.add_argument
-    a("--model", default="opt-125m", help="opt-125m ... opt-175b (facebook/ prefix accepted)")
+    a("--model", default=None, help="opt-125m (default) ... opt-175b (facebook/ prefix accepted); not with --path")
     a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), or _DUMMY_ for seeded weights")
     a("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
       help="weights-gpu weights-cpu cache-gpu cache-cpu [act-gpu act-cpu]; disk gets the rest")
@@ -81,8 +81,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def _parse(argv: Optional[list]):
     args = build_parser().parse_args(argv)
-    args.given = given_flags(argv)
-    check_run_flags(args.given, args)
+    check_run_flags(args)
     return args
 
 
@@ -95,7 +94,7 @@ def _run(args) -> int:
     opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
     sweep(args.offload_dir)  # stale run dirs of killed runs go first, before free space is measured
     cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
-           else model_configs.from_name(args.model))
+           else model_configs.from_name(args.model or "opt-125m"))
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None
     rc = build_run_config(args, cfg, prompts)
