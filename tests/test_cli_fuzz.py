@@ -79,8 +79,11 @@ def test_fuzz_exit_0_or_one_line_exit_2(tiny, case):
         argv = argv + ["--offload-dir", off, "--dry-run"]
     err, out = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            status = cli.main(argv)
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                status = cli.main(argv)
+        except Exception as e:  # anything but exit 0 / exit 2 through run_main is a failure: name the command line
+            raise AssertionError(f"{argv}: {type(e).__name__}: {e}") from e
         lines = err.getvalue().strip().splitlines()
         assert "Traceback" not in err.getvalue(), (argv, err.getvalue())
         assert "cannot convert float NaN" not in err.getvalue(), (argv, err.getvalue())
