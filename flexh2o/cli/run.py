@@ -144,7 +144,12 @@ def _run_stages(args, rc: RunConfig, job) -> int:
     try:
         report = run_stages(rc, replace(job, predicted=None), args.stage_layers, args.stage_timeout)
     except Refusal as e:
-        return refusal_exit(e)
+        code = refusal_exit(e)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # skip interpreter teardown: once torchrun has stopped a peer, c10d/gloo destructors can abort (SIGABRT,
+        # exit -6 instead of 2); nothing is left to clean, the refusal comes before anything is allocated
+        os._exit(code)
     if report is not None:
         print(report.summary())
     return 0
