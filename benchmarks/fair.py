@@ -14,6 +14,7 @@ import sys
 from typing import Callable
 
 from bench_common import REPO
+from flexh2o.planning.memory_plan import largest_passing
 
 SPLITS = (0.25, 0.5, 0.75)  # gpu tier's share of the memory left inside the cap
 
@@ -47,16 +48,7 @@ def largest_completing(completes: Callable[[int], bool], limit: int = 1024) -> t
     def ok(b: int) -> bool:
         tries.append((b, completes(b)))
         return tries[-1][1]
-    if not ok(1):
-        return 0, tries
-    lo, hi = 1, 2
-    while hi <= limit and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, tries
+    return largest_passing(ok, limit), tries
 
 
 def fair_commands(args, env: dict, mem_cap: int, cmds: dict, ckpt: str, log=print) -> dict:

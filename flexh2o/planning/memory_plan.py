@@ -116,17 +116,21 @@ def working_bytes(rc: RunConfig, where: Placement) -> int:
 
 
 def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:
-    """Largest --gpu-batch-size up to `limit` that fits every tier (0 when even 1 does not): doubling, then
-    bisection. The one batch search: --gpu-batch-size auto, --dry-run and the policy search use it."""
-    def fits(b: int) -> bool:
-        return plan_memory(rc.with_(gpu_batch_size=b)).overflow() is None
-    if not fits(1):
+    """Largest --gpu-batch-size up to `limit` that fits every tier (0 when even 1 does not). The one batch search:
+    --gpu-batch-size auto, --dry-run and the policy search use it."""
+    return largest_passing(lambda b: plan_memory(rc.with_(gpu_batch_size=b)).overflow() is None, limit)
+
+
+def largest_passing(ok, limit: int) -> int:
+    """Largest b in 1..limit with ok(b), for an ok that holds up to some b and fails above (0 when ok(1) fails):
+    doubling from 1, then bisection between the last success and the first failure."""
+    if not ok(1):
         return 0
     lo, hi = 1, 2
-    while hi <= limit and fits(hi):
+    while hi <= limit and ok(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
