@@ -3,6 +3,7 @@ cached per machine, disk-homed data stays 16-bit; the CLI records what ran and w
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -73,6 +74,25 @@ def test_probe_is_cached_per_machine(tmp_path, monkeypatch):
     assert calls == [1] and (cached1, cached2) == (False, True) and first == second
     files = list(tmp_path.glob("dtype_probe-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["fingerprint"] == machine.fingerprint("cpu")
+
+
+def test_probe_taken_on_a_busy_machine_is_taken_again_once_quiet(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return timings("bfloat16")
+    cores = os.cpu_count()
+    monkeypatch.setattr(machine, "load_now", lambda: 6.0 * cores)
+    dtype_choice.cached_probe(measure)
+    dtype_choice.cached_probe(measure)
+    assert calls == [1]  # busy then and now: reused
+    monkeypatch.setattr(machine, "load_now", lambda: 0.2)
+    _, cached = dtype_choice.cached_probe(measure)
+    assert calls == [1, 1] and not cached
+    dtype_choice.cached_probe(measure)
+    assert calls == [1, 1]  # the quiet one is kept
 
 
 def test_real_probe_measures_every_candidate():

@@ -60,3 +60,26 @@ def test_profile_of_another_machine_warns_in_one_line(tmp_path, capsys):
 def test_shipped_gpu_profiles_stay_for_planning_other_hardware():
     for name in ("t4_paper", "a100_80gb"):
         assert load_profile(name)["matmul_flops"]
+
+
+def test_stale_by_load_only_for_busy_measurements_on_a_now_quieter_machine():
+    assert machine.stale_by_load(9.0, now=1.0, cores=2)  # busy then, quiet now
+    assert not machine.stale_by_load(9.0, now=6.0, cores=2)  # still busy
+    assert not machine.stale_by_load(1.5, now=0.1, cores=2)  # it was not busy
+    assert not machine.stale_by_load(None, now=0.0, cores=2)  # older files carry no load
+
+
+def test_profile_measured_on_a_busy_machine_is_measured_again_once_quiet(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    calls = []
+    cores = os.cpu_count()
+    busy = {**load_profile("cpu_measured"), "fingerprint": machine.fingerprint("cpu"), "load_at_measure": 5.0 * cores}
+    machine.write_cached(profile_cache.profile_file("cpu"), busy)
+    monkeypatch.setattr(machine, "load_now", lambda: 4.0 * cores)  # still busy: the cached one is kept
+    kept = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
+    assert calls == [] and kept["load_at_measure"] == 5.0 * cores
+    monkeypatch.setattr(machine, "load_now", lambda: 0.1)
+    again = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
+    assert calls == [("float32",)] and again.get("load_at_measure") != 5.0 * cores
+    assert "measured at load" in capsys.readouterr().err
+    assert machine.read_cached(profile_cache.profile_file("cpu")).get("load_at_measure") != 5.0 * cores

@@ -12,7 +12,6 @@ NOTE_RATIO times the best one or slower gets a one-line note naming the faster c
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -42,14 +41,16 @@ class DtypeChoice:
     note: Optional[str] = None
 
 
-def _median_s(fn: Callable[[], object], repeat: int = 2) -> float:
+def _median_s(fn: Callable[[], object], repeat: int = 3) -> float:
+    """The fastest of `repeat` timed calls after a warm-up (the probe compares dtypes: another process's burst in one
+    candidate's timing must not decide the choice)."""
     fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return max(statistics.median(times), 1e-9)
+    return max(min(times), 1e-9)
 
 
 def probe_timings() -> dict:
@@ -74,14 +75,18 @@ def probe_timings() -> dict:
 
 
 def cached_probe(measure: Callable[[], dict] = probe_timings) -> tuple:
-    """(timings, was_cached): this machine's probe from the cache dir, measured and written there the first time."""
+    """(timings, was_cached): this machine's probe from the cache dir, measured and written there the first time
+    (and again when it was measured on a busy machine that is now much quieter: machine.stale_by_load)."""
     fp = machine.fingerprint("cpu")
     name = f"dtype_probe-{machine.fingerprint_key(fp)}.json"
     got = machine.read_cached(name)
-    if got and got.get("version") == PROBE_VERSION and isinstance(got.get("timings"), dict):
+    if (got and got.get("version") == PROBE_VERSION and isinstance(got.get("timings"), dict)
+            and not machine.stale_by_load(got.get("load_at_measure"))):
         return got["timings"], True
+    load = machine.load_now()
     timings = measure()
-    machine.write_cached(name, {"version": PROBE_VERSION, "fingerprint": fp, "timings": timings})
+    machine.write_cached(name, {"version": PROBE_VERSION, "fingerprint": fp, "timings": timings,
+                                "load_at_measure": load})
     return timings, False
 
 

@@ -2,7 +2,9 @@
 
 The fingerprint holds the CPU model name and the flags that decide low-precision speed (avx512f, avx512_bf16, amx,
 f16c), the core count, torch's version and intra-op threads, and the GPU's name and memory when CUDA is present.
-Measurements taken here (hardware profile, dtype probe) are cached under cache_dir(), keyed by the fingerprint.
+Measurements taken here (hardware profile, dtype probe) are cached under cache_dir(), keyed by the fingerprint,
+with the load average they were taken at: one taken on a busy machine (other processes on every core make every rate
+look slower, 5x was seen) is measured again once the machine is much quieter (stale_by_load).
 """
 from __future__ import annotations
 
@@ -65,6 +67,28 @@ def differences(theirs: Optional[dict], ours: dict) -> list:
     if not theirs:
         return ["fingerprint"]
     return [k for k in COMPARED if theirs.get(k) != ours.get(k)]
+
+
+BUSY_PER_CORE = 1.0  # a 1-minute load average above cores x this: the machine was busy
+QUIETER = 0.5  # a busy measurement is retaken when the load is now below this fraction of its load
+
+
+def load_now() -> float:
+    """The 1-minute load average (0.0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def stale_by_load(measured_at: Optional[float], now: Optional[float] = None, cores: Optional[int] = None) -> bool:
+    """Whether a measurement taken at load `measured_at` should be taken again now: it was taken on a busy machine
+    and the machine is now much quieter. Unknown loads (older files) never count as stale."""
+    if measured_at is None:
+        return False
+    now = load_now() if now is None else now
+    cores = cores or os.cpu_count() or 1
+    return measured_at > BUSY_PER_CORE * cores and now < QUIETER * measured_at
 
 
 def read_cached(name: str) -> Optional[dict]:

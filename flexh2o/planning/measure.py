@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 from flexh2o.dtypes import dtype_name, parse_dtype
 from flexh2o.planning.hardware import GRAIN
-from flexh2o.planning.machine import fingerprint
+from flexh2o.planning.machine import fingerprint, load_now
 
 
 def median_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median wall time of `repeat` calls of fn after one warm-up call."""
+    """The fastest of the lower half of `repeat` timed calls of fn after one warm-up call: a rate the machine
+    reaches, not one another process's burst imposed (the median of the best half; the median alone drifted 2-5x
+    with other processes on the cores)."""
     fn()
     sync()
     times = []
@@ -32,7 +34,8 @@ def median_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] 
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return max(statistics.median(times), 1e-9)
+    times.sort()
+    return max(statistics.median(times[:max(1, (len(times) + 1) // 2)]), 1e-9)
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -255,7 +258,8 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool,
     prof = {"name": f"{platform.node()}-{dev.type}", "device": dev.type, "threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "quick": quick,
-            "cpu_mem": psutil.virtual_memory().total, "fingerprint": fingerprint(device)}
+            "cpu_mem": psutil.virtual_memory().total, "fingerprint": fingerprint(device),
+            "load_at_measure": load_now()}
     if dev.type == "cuda":
         prof["gpu"] = torch.cuda.get_device_name(dev)
         prof["gpu_mem"] = torch.cuda.get_device_properties(dev).total_memory

@@ -37,11 +37,16 @@ def wanted_dtypes(device: str, compute: Optional[str] = None) -> list:
 
 def auto_profile(device: str, compute: Optional[str], offload_dir: Optional[str], may_measure: bool,
                  measure: Optional[Callable] = None) -> Optional[dict]:
-    """This machine's cached profile; else, if may_measure, a quick one measured now (wanted_dtypes) and cached;
+    """This machine's cached profile (measured again, when may_measure, if it was taken on a busy machine that is now
+    much quieter: machine.stale_by_load); else, if may_measure, a quick one measured now (wanted_dtypes) and cached;
     else None. A cached profile without the run's compute dtype is returned as it is (the prediction then warns
     and names the flexh2o-profile command that adds it)."""
     name = profile_file(device)
     prof = machine.read_cached(name)
+    if prof and may_measure and machine.stale_by_load(prof.get("load_at_measure")):
+        print(f"note: the cached profile of this machine was measured at load {prof['load_at_measure']:.1f} "
+              f"(now {machine.load_now():.1f}): measuring it again", file=sys.stderr)
+        prof = None
     if prof or not may_measure:
         return prof
     from flexh2o.planning import measure as profiler
