@@ -53,9 +53,11 @@ def main(argv=None) -> int:
                 with open(args.log_file, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 got[name].append(rec["total_throughput"])
-                why[name] = f"{rec['policy']['dtype']}/{rec['policy']['compute_dtype']}"
+                pol = rec["policy"]
+                dec = pol.get("decode_dtype", pol["compute_dtype"])
+                why[name] = f"{pol['dtype']}/{pol['compute_dtype']}" + (f"+{dec}" if dec != pol["compute_dtype"] else "")
     best = max(median(got[v]) for v in EXPLICIT)
-    print(f"{'variant':<20} {'ran':<18} {'median tok/s':>12} {'min-max':>12} {'vs fastest explicit':>20}")
+    print(f"{'variant':<20} {'ran (storage/compute[+decode])':<18} {'median tok/s':>12} {'min-max':>12} {'vs fastest explicit':>20}")
     for name, tps in got.items():
         print(f"{name:<20} {why[name]:<18} {median(tps):>12.1f} {f'{min(tps):.1f}-{max(tps):.1f}':>12} "
               f"{median(tps) / best:>19.2f}x")

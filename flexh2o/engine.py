@@ -102,13 +102,13 @@ class _Run:
         slots = rc.kv.slots(t, gen_len)
         cache = KVCache(eng.tiers, rc.placement.cache, rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim,
                         rc.dtype, rc.compress_cache)
-        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, rc.compute)
+        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device)
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, rc.kv.evicts(t, gen_len))
         self.times: list = []
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
     def load_weight(self, op: Op) -> None:
-        self.bufs.load_weights(op.layer)
+        self.bufs.load_weights(op.layer, self.rc.compute_at(op.step))
 
     def free_weight(self, op: Op) -> None:
         self.bufs.free_weights(op.layer)
@@ -151,7 +151,7 @@ class _Run:
         if op.layer == self.cfg.num_layers + 1:
             self.pipe.post(op, (b,), torch.long)
         else:
-            self.pipe.post(op, (b, self.seqs.t if op.step == 0 else 1, self.cfg.hidden), self.rc.compute)
+            self.pipe.post(op, (b, self.seqs.t if op.step == 0 else 1, self.cfg.hidden), self.rc.compute_at(op.step))
 
     def send(self, op: Op) -> None:
         head = op.layer == self.cfg.num_layers + 1

@@ -77,8 +77,10 @@ class RunReport:
                  f"moved per step (logical bytes loaded from each home tier)  {moved}",
                  f"({self.warmup}; excluded from timings)"]
         if self.dtype_reason:
-            lines.insert(2, f"dtypes  storage {self.policy['dtype']}  compute {self.policy['compute_dtype']}: "
-                         f"{self.dtype_reason}")
+            dec = self.policy.get("decode_dtype", self.policy["compute_dtype"])
+            phases = f"compute {self.policy['compute_dtype']}" + (
+                f" (prefill), {dec} (decode)" if dec != self.policy["compute_dtype"] else "")
+            lines.insert(2, f"dtypes  storage {self.policy['dtype']}  {phases}: {self.dtype_reason}")
         lines += [stage_line(s) for s in self.stages]
         if self.predicted:
             lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "

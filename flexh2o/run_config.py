@@ -27,6 +27,7 @@ class RunConfig:
     path: str = "_DUMMY_"
     dtype: torch.dtype = torch.float16  # storage of weights and cache
     compute_dtype: Optional[torch.dtype] = None  # None: dtype on CUDA; float32 on CPU when dtype is float16
+    decode_dtype: Optional[torch.dtype] = None  # decode steps' compute dtype; None: the compute dtype (prefill's)
     device: str = "cpu"
     overlap: bool = True
     cpu_cache_compute: bool = False
@@ -67,6 +68,15 @@ class RunConfig:
         if self.device == "cpu" and self.dtype == torch.float16:
             return torch.float32  # fp16 matmul is ~100x slower than fp32 on CPU
         return self.dtype
+
+    @property
+    def decode_compute(self) -> torch.dtype:
+        """The compute dtype of decode steps (a per-phase choice may compute them in the storage dtype)."""
+        return self.decode_dtype or self.compute
+
+    def compute_at(self, step: int) -> torch.dtype:
+        """The compute dtype of generation step `step` (0 = prefill)."""
+        return self.compute if step == 0 else self.decode_compute
 
     @cached_property
     def placement(self) -> Placement:

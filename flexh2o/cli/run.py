@@ -194,7 +194,8 @@ def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
     kept on args for the run's report and its note (_note, once every flag is validated)."""
     from flexh2o.planning.dtype_choice import choose_dtypes
     args.dtype_choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits)
-    return rc.with_(dtype=args.dtype_choice.dtype, compute_dtype=args.dtype_choice.compute)
+    return rc.with_(dtype=args.dtype_choice.dtype, compute_dtype=args.dtype_choice.compute,
+                    decode_dtype=args.dtype_choice.decode)
 
 
 def _note(args) -> None:

@@ -8,18 +8,18 @@ from flexh2o.kv.cache import KVBlock, KVCache
 
 
 class Buffers:
-    def __init__(self, weights, cache: KVCache, tiers: dict, act_homes: tuple, device: torch.device,
-                 compute_dtype: torch.dtype):
+    def __init__(self, weights, cache: KVCache, tiers: dict, act_homes: tuple, device: torch.device):
         self.weights, self.cache, self.tiers = weights, cache, tiers
-        self.act_homes, self.device, self.dtype = act_homes, device, compute_dtype
+        self.act_homes, self.device = act_homes, device
         self.w: dict = {}  # layer -> (name -> tensor, bytes copied)
         self.c: dict = {}  # (layer, batch) -> KVBlock on the compute side
         self.a: dict = {}  # batch -> hidden states on the compute side
         self.spilled: dict = {}  # batch -> handle of hidden states stored in a non-gpu tier
 
     # ---- weights --------------------------------------------------------------------------------------------
-    def load_weights(self, layer: int) -> None:
-        tensors, copied = self.weights.load_layer(layer, self.device, self.dtype)
+    def load_weights(self, layer: int, dtype: torch.dtype) -> None:
+        """A layer's weights on the compute side in `dtype` (the compute dtype of the step they serve)."""
+        tensors, copied = self.weights.load_layer(layer, self.device, dtype)
         self.tiers["gpu"].charge(copied)
         self.w[layer] = (tensors, copied)
 
@@ -49,7 +49,7 @@ class Buffers:
         h = self.spilled.pop(batch, None)
         if h is not None:
             tier = self.tiers[self.act_homes[batch]]
-            self.a[batch] = tier.load(h, self.device, self.dtype)
+            self.a[batch] = tier.load(h, self.device)  # in the dtype they were computed in
             tier.free(h)
 
     def store_act(self, batch: int) -> None:

@@ -303,17 +303,23 @@ def contended(disk: float, compute: float, disk_slowdown: float, compute_slowdow
 
 
 def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Prediction:
-    """Predicted prefill and decode time of `rc` on the hardware profile `hw` (a dict as flexh2o-profile writes)."""
+    """Predicted prefill and decode time of `rc` on the hardware profile `hw` (a dict as flexh2o-profile writes).
+    Decode steps computed in another dtype than prefill (rc.decode_dtype) take that dtype's rates."""
     plan = plan or plan_memory(rc)
-    return predict_with(rc, Rates.from_profile(hw, rc.compute), plan.bytes)
+    rates = Rates.from_profile(hw, rc.compute)
+    decode_rates = rates if rc.decode_compute == rc.compute else Rates.from_profile(hw, rc.decode_compute)
+    return predict_with(rc, rates, plan.bytes, decode_rates=decode_rates)
 
 
-def predict_with(rc: RunConfig, rates: Rates, tier_bytes: dict, memo: Optional[dict] = None) -> Prediction:
+def predict_with(rc: RunConfig, rates: Rates, tier_bytes: dict, memo: Optional[dict] = None,
+                 decode_rates: Optional[Rates] = None) -> Prediction:
     """predict() from parts a search computes once: the rates, the bytes per tier (memory plan), and a memo of
-    weight layouts."""
+    weight layouts. A decode phase in its own dtype is the same model with that compute dtype and its rates."""
     m = _Model(rc, rates, memo)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
-    per_token, dec_terms, dec_busy = m.phase(prefill=False)
+    md = m if rc.decode_compute == rc.compute else _Model(rc.with_(compute_dtype=rc.decode_compute),
+                                                          decode_rates or rates, memo)
+    per_token, dec_terms, dec_busy = md.phase(prefill=False)
     decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first
     total = prefill + decode
     n = rc.num_seqs

@@ -9,6 +9,13 @@ allowed pair wins. --dtype auto stores weights and cache at the compute dtype wh
 memory and the plan still fits (then a step converts nothing); with a disk share, or when the wider dtype would
 overflow a tier, it keeps 16 bits (half the bytes over the slow link). An explicit pair that the probe puts at
 NOTE_RATIO times the best one or slower gets a one-line note naming the faster choice.
+
+Per phase: a decode step multiplies a few rows by every weight, so it is bound by the bytes it reads, not by the
+multiply; with bfloat16 storage (fp32's exponent range, so no new overflow) decode steps may compute in bfloat16
+straight from the stored weights while prefill converts them once and computes in fp32 (measured here: decode of
+the README command 34.6 tok/s bf16/bf16 vs 18.2 bf16 converted to fp32 and 28.6 fp32/fp32; prefill 68 vs 370 vs
+306). The probe's decode weights are larger than the CPU's caches, as a model's are. An explicit --compute-dtype
+fixes both phases.
 """
 from __future__ import annotations
 
@@ -25,10 +32,11 @@ from flexh2o.planning import machine
 CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
 SIXTEEN = (torch.bfloat16, torch.float16)
 DECODE_ROWS, PREFILL_ROWS = 4, 64
-PROBE_SHAPE = (1024, 1024)  # (out, in) of each probe weight; PROBE_WEIGHTS of them (32 MiB in float32)
-PROBE_WEIGHTS = 8
+PROBE_SHAPE = (1024, 1024)  # (out, in) of each probe weight; PROBE_WEIGHTS of them (96 MiB in float32: past L3)
+PROBE_WEIGHTS = 24
 NOTE_RATIO = 2.0
-PROBE_VERSION = 1
+PROBE_VERSION = 2
+DECODE_DIRECT = (torch.bfloat16,)  # storage dtypes decode may compute in directly (per-phase choice)
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class DtypeChoice:
     compute: torch.dtype
     reason: str
     note: Optional[str] = None
+    decode: Optional[torch.dtype] = None  # decode steps' compute dtype when it differs from `compute`
 
 
 def _median_s(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -90,14 +99,32 @@ def cached_probe(measure: Callable[[], dict] = probe_timings) -> tuple:
     return timings, False
 
 
-def estimate(timings: dict, rc, storage: torch.dtype, compute: torch.dtype) -> float:
-    """Relative seconds of the run's linears in (storage, compute), from the probe (see the module docstring)."""
-    s, c = dtype_name(storage), dtype_name(compute)
-    convert = 0.0 if s == c else timings["convert"].get(f"{s}->{c}", float("inf"))
+def estimate(timings: dict, rc, storage: torch.dtype, compute: torch.dtype,
+             decode: Optional[torch.dtype] = None) -> float:
+    """Relative seconds of the run's linears with weights stored in `storage`, prefill computed in `compute` and
+    decode steps in `decode` (default: compute), from the probe (see the module docstring): a phase whose compute
+    dtype differs from the storage converts the weights once per step."""
+    s, c, d = dtype_name(storage), dtype_name(compute), dtype_name(decode or compute)
+
+    def convert(dst: str) -> float:
+        return 0.0 if s == dst else timings["convert"].get(f"{s}->{dst}", float("inf"))
     per_row = timings["prefill"][c] * PROBE_WEIGHTS / PREFILL_ROWS  # prefill seconds per row over all weights
-    decode = max(timings["decode"][c], per_row * rc.gpu_batch_size) * rc.num_gpu_batches
+    # a decode step: the weights' read at DECODE_ROWS rows, or more rows at the cheaper of the two per-row costs
+    # (fp32 gets cheaper per row with more rows; bf16 on a CPU without bf16 units does not)
+    dec = timings["decode"][d]
+    per_row_d = min(timings["prefill"][d] * PROBE_WEIGHTS / PREFILL_ROWS, dec / DECODE_ROWS)
+    step = max(dec, per_row_d * rc.gpu_batch_size) * rc.num_gpu_batches
     prefill = per_row * rc.num_seqs * rc.prompt_len
-    return (1 + rc.gen_len) * convert + prefill + (rc.gen_len - 1) * decode
+    return convert(c) + prefill + (rc.gen_len - 1) * (convert(d) + step)
+
+
+def decode_options(storage: torch.dtype, compute: torch.dtype, explicit_compute: bool) -> list:
+    """Decode compute dtypes open to a (storage, compute) pair: the compute dtype, and the storage dtype itself
+    when it is one of DECODE_DIRECT and --compute-dtype was not given."""
+    out = [compute]
+    if not explicit_compute and storage != compute and storage in DECODE_DIRECT:
+        out.append(storage)
+    return out
 
 
 def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
@@ -112,26 +139,40 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
         return _cuda_choice(rc, storage, compute)
     timings, cached = (probe or cached_probe)()
     fits = fits or (lambda r: _plan_fits(r))
-    ranked = sorted(allowed_pairs(rc, storage, compute), key=lambda p: estimate(timings, rc, *p))
-    s, c = next((p for p in ranked if fits(rc.with_(dtype=p[0], compute_dtype=p[1]))), ranked[0])
-    mine = estimate(timings, rc, s, c)
+    triples = [(s, c, d) for s, c in allowed_pairs(rc, storage, compute)
+               for d in decode_options(s, c, compute is not None)]
+    ranked = sorted(triples, key=lambda t: estimate(timings, rc, *t))
+    s, c, d = next((t for t in ranked if fits(rc.with_(dtype=t[0], compute_dtype=t[1]))), ranked[0])
+    mine = estimate(timings, rc, s, c, d)
     others = {}
     for s2, c2 in allowed_pairs(rc, storage, None):
-        others[dtype_name(c2)] = min(others.get(dtype_name(c2), float("inf")), estimate(timings, rc, s2, c2))
+        for d2 in decode_options(s2, c2, False):
+            others[dtype_name(c2)] = min(others.get(dtype_name(c2), float("inf")), estimate(timings, rc, s2, c2, d2))
     reason = (f"compute {dtype_name(c)} ({'explicit' if compute else 'auto'}; probe{' (cached)' if cached else ''} "
               "of this CPU, relative linear time " + ", ".join(f"{k} {v / mine:.2f}" for k, v in others.items())
               + f"), storage {dtype_name(s)} ({'explicit' if storage else _storage_why(rc, s, c)})")
-    if (s, c) != ranked[0]:
+    if d != c:
+        reason += (f", decode steps in {dtype_name(d)} straight from the stored weights (probe: a decode step "
+                   f"{estimate_step(timings, s, c) / estimate_step(timings, s, d):.2f}x faster than converting "
+                   f"to {dtype_name(c)})")
+    if (s, c, d) != ranked[0]:
         reason += f"; {dtype_name(ranked[0][0])}/{dtype_name(ranked[0][1])} would not fit"
     note = None
     if storage is not None or compute is not None:
-        best = min(allowed_pairs(rc, None, None), key=lambda p: estimate(timings, rc, *p))
+        best = min(((s2, c2, d2) for s2, c2 in allowed_pairs(rc, None, None) for d2 in decode_options(s2, c2, False)),
+                   key=lambda t: estimate(timings, rc, *t))
         ratio = mine / estimate(timings, rc, *best)
         if ratio >= NOTE_RATIO:
             note = (f"note: --dtype {dtype_name(s)} --compute-dtype {dtype_name(c)} is about {ratio:.1f}x slower "
                     f"on this CPU than --dtype {dtype_name(best[0])} --compute-dtype {dtype_name(best[1])} (dtype "
                     "probe); leave both at auto to get the faster one")
-    return DtypeChoice(s, c, reason, note)
+    return DtypeChoice(s, c, reason, note, d if d != c else None)
+
+
+def estimate_step(timings: dict, storage: torch.dtype, dtype: torch.dtype) -> float:
+    """Probe seconds of one decode step's linears computing in `dtype` from weights stored in `storage`."""
+    s, d = dtype_name(storage), dtype_name(dtype)
+    return (0.0 if s == d else timings["convert"].get(f"{s}->{d}", float("inf"))) + timings["decode"][d]
 
 
 def fastest_uniform(batch: int, prompt_len: int, gen_len: int, probe: Optional[Callable[[], tuple]] = None) -> str:
