@@ -79,7 +79,8 @@ def policy_flags(rc: RunConfig) -> dict:
             "overlap": rc.overlap, "cpu_cache_compute": rc.cpu_cache_compute, "kv_policy": rc.kv.policy,
             "heavy": b.heavy if b else None, "recent": b.recent if b else None, "num_sinks": rc.kv.num_sinks,
             "dtype": str(rc.dtype).replace("torch.", ""), "compute_dtype": str(rc.compute).replace("torch.", ""),
-            "decode_dtype": str(rc.decode_compute).replace("torch.", ""), "device": rc.device, "path": rc.path, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
+            "decode_dtype": str(rc.decode_compute).replace("torch.", ""),
+            "device": rc.device, "path": rc.path, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
             "disk_mem": rc.disk_mem, "compress_weight": _spec(rc.compress_weight),
             "compress_cache": _spec(rc.compress_cache)}
 
