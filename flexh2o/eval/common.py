@@ -144,7 +144,8 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
                    num_gpu_batches=num_batches, prompt_len=prompt_len, gen_len=steps, path=model.path,
                    dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
                    max_positions=max(model.cfg.max_positions, prompt_len + steps), prefill_batch=prefill_batch,
-                   compress_weight=model.compress_weight, compress_cache=model.compress_cache)
+                   compress_weight=model.compress_weight, compress_cache=model.compress_cache,
+                   overlap=False)  # everything lives in one tier: no I/O to overlap, no thread hand-offs
     scorer = TeacherForcer(targets)
     with Engine(rc) as eng:
         eng.generate(prompts, steps, sampler=scorer, on_step=on_step)

@@ -69,23 +69,59 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
 
 
+MAX_SEGMENTS = 8  # row segments of one decode attention; beyond that, one segment over the block's used slots
+
+
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
-    runs there; scores are updated and at most one token per row is evicted (its slot is free for the next step).
+    runs there, each segment of rows over the slots its rows use (`used_segments`: empty slots past the last used
+    one are skipped, not just masked); scores are updated and at most one token per row is evicted (its slot is
+    free for the next step).
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = q.to(dev), k.to(dev), v.to(dev), cur_pos.to(dev)
     b, n, _, d = q.shape
-    kv = blk.pos.shape[1]
+    kv, slots = blk.pos.shape[1:]
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
     qg = q.view(b, kv, n // kv, d)
-    att = torch.einsum("bhgd,bhsd->bhgs", qg, expand(blk.k, q.dtype)).float() * d ** -0.5  # (b, kv, g, s)
-    att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)
-    out = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), expand(blk.v, q.dtype)).reshape(b, n, 1, d)
+    keys, values = expand(blk.k, q.dtype), expand(blk.v, q.dtype)
+    segments = used_segments(blk.pos)
+    whole = len(segments) == 1 and segments[0][2] == slots
+    out = torch.empty(b, kv, n // kv, d, dtype=q.dtype, device=dev)
+    att_sum = None if whole or not policy.needs_scores else torch.zeros(b, kv, slots, device=dev)
+    for r0, r1, used in segments:
+        att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float() * d ** -0.5
+        att = att.masked_fill((blk.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)  # (r, kv, g, s)
+        out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), values[r0:r1, :, :used])
+        if att_sum is not None:
+            att_sum[r0:r1, :, :used] = att.sum(2)
+        elif policy.needs_scores:
+            att_sum = att.sum(2)
     if policy.needs_scores:
-        policy.accumulate(blk.score, att.sum(2))
+        policy.accumulate(blk.score, att_sum)  # (b, kv, slots): 0 on every slot past a segment's used ones
     values = expand(blk.v, torch.float32) if policy.needs_values else None  # what the cache holds
     blk.evict(policy.decode_evict(blk.pos, blk.score, layer, cur_pos, values))
-    return out.to(home)
+    return out.reshape(b, n, 1, d).to(home)
+
+
+def used_segments(pos: torch.Tensor) -> list:
+    """pos (b, kv, slots) -> [(first row, end row, slots used)]: runs of consecutive rows whose last used slot (over
+    their KV heads) is the same, so attention reads no slot past it. More than MAX_SEGMENTS runs: one run over
+    every row, up to the last slot any row uses. Off the CPU: one run over the whole block (reading the extents
+    would make the host wait for the device)."""
+    b, slots = pos.shape[0], pos.shape[-1]
+    if pos.device.type != "cpu":
+        return [(0, b, slots)]
+    idx = torch.arange(1, slots + 1, device=pos.device)
+    used = torch.where(pos >= 0, idx, 0).amax(-1).amax(-1).tolist()  # (b,) slots in use up to the last used one
+    runs = []
+    for row, u in enumerate(used):
+        if runs and runs[-1][2] == u:
+            runs[-1][1] = row + 1
+        else:
+            runs.append([row, row + 1, u])
+    if len(runs) > MAX_SEGMENTS:
+        return [(0, b, max(used))]
+    return [tuple(r) for r in runs]

@@ -6,7 +6,8 @@ Tensors a policy sees, per cache block (one layer, one GPU batch), all shaped (b
   v      the cached values (b, kv_heads, slots, head_dim), for policies that weigh tokens by them
 cur_pos (b,) int64 is the position of the newest token of each sequence.
 
-A policy is a `priority` (higher = keep) plus a `protected` set (never evicted). Eviction removes the
+A policy is a `priority` (higher = keep) plus a `protected` set (never evicted): the `budget.recent` newest
+positions when it is `windowed`, the first `num_sinks` positions when it `uses_sinks`. Eviction removes the
 lowest-priority unprotected token, ties going to the older position; prefill keeps the protected tokens and
 then the highest priorities, ties going to the newer position.
 
@@ -40,7 +41,7 @@ class Budget:
 
 
 class KVPolicy:
-    """Base class: subclasses set `name` and implement `priority` (and `protected` when they protect tokens)."""
+    """Base class: subclasses set `name` and the flags below and implement `priority`."""
 
     name = "base"
     needs_scores = False
@@ -63,7 +64,9 @@ class KVPolicy:
         raise NotImplementedError
 
     def protected(self, pos: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(pos, dtype=torch.bool)
+        """Bool (b, h, s): the recent window (when windowed) and the sinks (when the policy uses them)."""
+        return protected_rows(pos, cur_pos, self.budget.recent if self.windowed else 0,
+                              self.num_sinks if self.uses_sinks else 0)
 
     def query_weights(self, qpos: torch.Tensor) -> torch.Tensor:
         """qpos (b, t) prompt positions (-1 = padding) -> fp32 (b, t) weight of each query's probabilities in the
@@ -102,14 +105,20 @@ class KVPolicy:
         """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None."""
         if self.budget is None:
             return None
-        valid = pos >= 0
-        over = valid.sum(-1, keepdim=True) > self.budget.total  # (b, h, 1)
-        cand = valid & ~self.protected(pos, cur_pos) & over
         prio = self.priority(pos, score, layer, cur_pos, v).float()
-        low = torch.where(cand, prio, torch.inf).amin(-1, keepdim=True)
-        tie = cand & (prio == low)
-        oldest = torch.where(tie, pos, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
-        return tie & (pos == oldest)
+        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.budget.total)
+
+
+def lowest_unprotected(pos: torch.Tensor, prio: torch.Tensor, prot: torch.Tensor, total) -> torch.Tensor:
+    """Bool (b, h, s): per row holding more than `total` tokens (an int, or a (b, 1, 1) tensor of per-row totals),
+    its lowest-priority unprotected token, ties going to the older position; rows within budget mark none."""
+    valid = pos >= 0
+    over = valid.sum(-1, keepdim=True) > total  # (b, h, 1)
+    cand = valid & ~prot & over
+    low = torch.where(cand, prio, torch.inf).amin(-1, keepdim=True)
+    tie = cand & (prio == low)
+    oldest = torch.where(tie, pos, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
+    return tie & (pos == oldest)
 
 
 def cache_slots(budget: Optional[Budget], prompt_len: int, gen_len: int) -> int:
@@ -118,6 +127,12 @@ def cache_slots(budget: Optional[Budget], prompt_len: int, gen_len: int) -> int:
     if budget is None or budget.total >= total:
         return total
     return budget.total + 1
+
+
+def protected_rows(pos: torch.Tensor, cur_pos: torch.Tensor, recent, num_sinks) -> torch.Tensor:
+    """Bool (b, h, s): the `recent` newest positions and the first `num_sinks` positions of each row (ints, or
+    (b, 1, 1) tensors of per-row counts; 0 protects none of them)."""
+    return recent_window(pos, cur_pos, recent) | sinks(pos, num_sinks)
 
 
 def recent_window(pos: torch.Tensor, cur_pos: torch.Tensor, recent: int) -> torch.Tensor:

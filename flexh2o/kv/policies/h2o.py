@@ -3,7 +3,7 @@
 Scores: for each cached token, the sum over every query that attended to it (prefill and decode, the query's own
 step included) of its softmax probability, summed over the query heads sharing the KV head, in fp32.
 """
-from flexh2o.kv.policies.base import KVPolicy, recent_window
+from flexh2o.kv.policies.base import KVPolicy
 
 
 class H2OPolicy(KVPolicy):
@@ -13,6 +13,3 @@ class H2OPolicy(KVPolicy):
 
     def priority(self, pos, score, layer, cur_pos, v):
         return score
-
-    def protected(self, pos, cur_pos):
-        return recent_window(pos, cur_pos, self.budget.recent)

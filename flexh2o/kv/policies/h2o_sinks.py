@@ -5,13 +5,9 @@ positions and the first `num_sinks` positions (--num-sinks; they count against `
 Priority of the other tokens: H2O's score, the plain sum of the attention probability every query gave the token
 (summed over the query heads sharing the KV head, fp32). Lowest priority is evicted, ties evict the older position.
 """
-from flexh2o.kv.policies.base import sinks
 from flexh2o.kv.policies.h2o import H2OPolicy
 
 
 class H2OSinksPolicy(H2OPolicy):
     name = "h2o_sinks"
     uses_sinks = True
-
-    def protected(self, pos, cur_pos):
-        return super().protected(pos, cur_pos) | sinks(pos, self.num_sinks)

@@ -1,15 +1,56 @@
 """`LanePolicy`: several (policy, budget) lanes side by side in one batch, each lane owning a contiguous range of rows.
 
-Every call is answered by handing each lane its own rows, so a row behaves exactly as in a run of its lane's policy
-alone: the same kept tokens, in the same slots (the block has the largest lane's slot count; the extra slots stay
-empty and attention masks them). Used by `flexh2o-eval ppl` so that many lanes share each weight read. It needs to
-see the whole batch at once: one GPU batch, prefilled in one piece (RunConfig.prefill_batch = rows).
+A row behaves exactly as in a run of its lane's policy alone: the same kept tokens, in the same slots (the block has
+the largest lane's slot count; the extra slots stay empty and attention masks them). Used by `flexh2o-eval ppl` so
+that many lanes share each weight read. It needs to see the whole batch at once: one GPU batch, prefilled in one
+piece (RunConfig.prefill_batch = rows).
+
+Decode work is batched over the lanes, whatever their number: the score update, the protection (each row's own
+recent window and sinks as (rows, 1, 1) tensors) and the eviction choice run once over the whole batch; the priority
+runs once per policy class (and parameters) over that class's rows. Prefill (once per layer) asks each lane.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
 import torch
 
-from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.kv.policies.base import KVPolicy, lowest_unprotected, protected_rows
+
+UNBOUNDED = torch.iinfo(torch.int64).max  # the total of a lane without a budget: it never evicts
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """Budget.heavy / .recent per row, as (rows, 1, 1) int64 tensors (what a policy's rules read from a Budget)."""
+
+    heavy: torch.Tensor
+    recent: torch.Tensor
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.heavy + self.recent
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Every lane of one policy class and parameters: their rows (index (rows,)) and that policy over those rows,
+    each with its own budget (a RowBudget)."""
+
+    index: torch.Tensor
+    policy: KVPolicy
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Per-row facts of the lanes on one device: total budget, recent window and sinks protected, decay (None when
+    every row has decay 1), and the groups."""
+
+    total: torch.Tensor
+    recent: torch.Tensor
+    sinks: torch.Tensor
+    decay: Optional[torch.Tensor]
+    groups: list
 
 
 class LanePolicy(KVPolicy):
@@ -25,33 +66,95 @@ class LanePolicy(KVPolicy):
         self.rows = start
         self.needs_scores = any(p.needs_scores for p in self.lanes)
         self.needs_values = any(p.needs_values for p in self.lanes)
+        self._device_state = {}  # device name -> _Rows, built on first use
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return max(p.slots(prompt_len, gen_len) for p in self.lanes)
 
     def _parts(self, x: torch.Tensor) -> list:
+        self._check(x)
+        return [x[sl] for sl in self.slices]
+
+    def _check(self, x: torch.Tensor) -> None:
         if x.shape[0] != self.rows:
             raise ValueError(f"the lanes cover {self.rows} rows but a block of {x.shape[0]} came: run them as one "
                              "GPU batch prefilled in one piece")
-        return [x[sl] for sl in self.slices]
 
     def query_weights(self, qpos):
         return torch.cat([p.query_weights(q) for p, q in zip(self.lanes, self._parts(qpos))])
-
-    def accumulate(self, score, att) -> None:
-        for p, s, a in zip(self.lanes, self._parts(score), self._parts(att)):
-            p.accumulate(s, a)  # in place on a view of the lane's rows
 
     def prefill_keep(self, pos, score, layer, cur_pos, v=None):
         vs = self._parts(v) if v is not None else [None] * len(self.lanes)
         parts = zip(self.lanes, self._parts(pos), self._parts(score), self._parts(cur_pos), vs)
         return torch.cat([p.prefill_keep(ps, s, layer, c, vv) for p, ps, s, c, vv in parts])
 
+    def accumulate(self, score, att) -> None:
+        """score <- decay * score + att, each row with its lane's decay (rows of decay 1 are multiplied by 1)."""
+        self._check(score)
+        decay = self._state(score.device).decay
+        if decay is not None:
+            score.mul_(decay)
+        score.add_(att)
+
+    def protected(self, pos, cur_pos):
+        rows = self._state(pos.device)
+        prot = protected_rows(pos, cur_pos, rows.recent, rows.sinks)  # every class of the generic rule
+        for g in rows.groups:
+            if type(g.policy).protected is not KVPolicy.protected:
+                i = g.index
+                prot.index_copy_(0, i, g.policy.protected(pos.index_select(0, i), cur_pos.index_select(0, i)))
+        return prot
+
+    def priority(self, pos, score, layer, cur_pos, v):
+        """Each row's lane's priority (rows of lanes without a budget get their score: they never evict)."""
+        prio = score
+        for g in self._state(pos.device).groups:
+            i = g.index
+            sc = score.index_select(0, i)
+            vi = v.index_select(0, i) if g.policy.needs_values and v is not None else None
+            own = g.policy.priority(pos.index_select(0, i), sc, layer, cur_pos.index_select(0, i), vi).float()
+            if own is sc:  # a class whose priority is the score itself: its rows stay as they are
+                continue
+            prio = prio.clone() if prio is score else prio  # never write into the scores
+            prio.index_copy_(0, i, own)
+        return prio
+
     def decode_evict(self, pos, score, layer, cur_pos, v=None):
-        vs = self._parts(v) if v is not None else [None] * len(self.lanes)
-        parts = list(zip(self.lanes, self._parts(pos), self._parts(score), self._parts(cur_pos), vs))
-        out = [p.decode_evict(ps, s, layer, c, vv) for p, ps, s, c, vv in parts]
-        if all(e is None for e in out):
+        self._check(pos)
+        rows = self._state(pos.device)
+        if not rows.groups:
             return None
-        return torch.cat([torch.zeros_like(ps, dtype=torch.bool) if e is None else e
-                          for e, (_, ps, *_) in zip(out, parts)])
+        prio = self.priority(pos, score, layer, cur_pos, v).float()
+        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), rows.total)
+
+    def _state(self, device) -> _Rows:
+        key = str(device)
+        if key not in self._device_state:
+            self._device_state[key] = self._build(torch.device(device))
+        return self._device_state[key]
+
+    def _build(self, device) -> _Rows:
+        cols = {k: [] for k in ("total", "recent", "sinks", "heavy", "decay")}
+        by_key = {}
+        for p, sl in zip(self.lanes, self.slices):
+            b = p.budget
+            row = {"total": UNBOUNDED if b is None else b.total, "heavy": 0 if b is None else b.heavy,
+                   "recent": b.recent if b is not None and p.windowed else 0,
+                   "sinks": p.num_sinks if p.uses_sinks else 0, "decay": float(p.decay)}
+            for k, x in row.items():
+                cols[k] += [x] * (sl.stop - sl.start)
+            if b is not None:
+                by_key.setdefault((type(p), p.num_sinks, p.seed, p.hh_decay, p.decay), []).append(sl)
+        t = {k: torch.tensor(x, dtype=torch.float32 if k == "decay" else torch.int64, device=device).view(-1, 1, 1)
+             for k, x in cols.items()}
+        budget = RowBudget(t["heavy"], t["total"] - t["heavy"])
+        groups = [self._group(key, slices, budget, device) for key, slices in by_key.items()]
+        decay = None if all(d == 1.0 for d in cols["decay"]) else t["decay"]
+        return _Rows(t["total"], t["recent"], t["sinks"], decay, groups)
+
+    def _group(self, key, slices: list, budget: RowBudget, device) -> _Group:
+        cls, num_sinks, seed, hh_decay, _ = key
+        index = torch.tensor([r for sl in slices for r in range(sl.start, sl.stop)], dtype=torch.int64,
+                             device=device)
+        own = RowBudget(budget.heavy.index_select(0, index), budget.recent.index_select(0, index))
+        return _Group(index, cls(own, num_sinks, seed, hh_decay))

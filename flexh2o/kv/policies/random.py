@@ -4,7 +4,7 @@ The random key of a token is a hash of (seed, layer, KV head, position), so the 
 """
 import torch
 
-from flexh2o.kv.policies.base import KVPolicy, recent_window
+from flexh2o.kv.policies.base import KVPolicy
 
 
 def random_key(seed: int, layer: int, pos: torch.Tensor) -> torch.Tensor:
@@ -22,6 +22,3 @@ class RandomPolicy(KVPolicy):
 
     def priority(self, pos, score, layer, cur_pos, v):
         return random_key(self.seed, layer, pos)
-
-    def protected(self, pos, cur_pos):
-        return recent_window(pos, cur_pos, self.budget.recent)

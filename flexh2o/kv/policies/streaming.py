@@ -1,5 +1,5 @@
 """`streaming` (StreamingLLM): the first `num_sinks` tokens (attention sinks) plus the most recent ones."""
-from flexh2o.kv.policies.base import KVPolicy, sinks
+from flexh2o.kv.policies.base import KVPolicy
 
 
 class StreamingPolicy(KVPolicy):
@@ -8,6 +8,3 @@ class StreamingPolicy(KVPolicy):
 
     def priority(self, pos, score, layer, cur_pos, v):
         return pos
-
-    def protected(self, pos, cur_pos):
-        return sinks(pos, self.num_sinks)

@@ -6,7 +6,6 @@ Budget: `heavy` + `recent` tokens. Protected: the `recent` newest positions and 
 attention probability every query gave the token (summed over the query heads sharing the KV head), v the token's
 cached value vector for that KV head, both in fp32. Lowest priority is evicted, ties evict the older position.
 """
-from flexh2o.kv.policies.base import sinks
 from flexh2o.kv.policies.h2o import H2OPolicy
 
 
@@ -24,6 +23,3 @@ class VATPPolicy(H2OPolicy):
         if v is None:
             raise ValueError("the vatp policy needs the cached values")
         return score * value_norm(v)
-
-    def protected(self, pos, cur_pos):
-        return super().protected(pos, cur_pos) | sinks(pos, self.num_sinks)
