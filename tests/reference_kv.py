@@ -39,8 +39,9 @@ class History:
         self.probs.setdefault(token, []).append((query, p))
 
 
-WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks")  # heavy tokens + a protected recent window
-SINKS = ("streaming", "vatp", "h2o_sinks")  # the first num_sinks positions are protected
+# heavy tokens + a protected recent window
+WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm")
+SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm")  # the first num_sinks positions are protected
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class RefPolicy:
             return total / len(seen)
         if self.name == "vatp":
             return total * hist.vnorm[t]
+        if self.name == "mean_vnorm":
+            return total / len(seen) * hist.vnorm[t]
         return total  # h2o, h2o_sinks
 
 

@@ -18,7 +18,8 @@ CFG = ModelConfig("tiny-llama", "llama", hidden=64, num_layers=2, num_heads=4, n
 LENS = [5, 9, 3]
 STEPS = 30
 LANES = [("h2o", 8), ("tova", 8), ("a2sf", 10), ("mean_attn", 6), ("vatp", 12), ("h2o_sinks", 10),
-         ("streaming", 7), ("local", 6), ("random", 8), ("h2o", 5), ("vatp", 7), ("random", 11), ("full", None)]
+         ("streaming", 7), ("local", 6), ("random", 8), ("h2o", 5), ("vatp", 7), ("random", 11),
+         ("mean_vnorm", 9), ("full", None)]
 # the same policy at several budgets, in rows apart: the lanes batch one policy's rows with per-row budgets
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -33,7 +33,8 @@ MODELS = {
 }
 BUDGETS = {"full": None, "h2o": Budget(5, 3), "random": Budget(5, 3), "local": Budget(0, 8),
            "streaming": Budget(0, 8), "tova": Budget(0, 8), "a2sf": Budget(5, 3), "mean_attn": Budget(5, 3),
-           "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3)}  # heavy != recent, so a swapped split shows
+           "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3), "mean_vnorm": Budget(5, 3)}  # heavy != recent, so a
+# swapped split shows
 POLICIES = sorted(BUDGETS)
 SINKS, SEED = 4, 0
 DECAY = 0.7  # a2sf's forgetting factor here (not the default, so a lost --hh-decay shows)
@@ -50,7 +51,7 @@ COMBOS = [
     ("disk-overlap", [0, 0, 0, 0], True, False, (2, 3), 4),
     ("mixed-serial", [30, 30, 30, 30, 30, 30], False, True, (2, 3), 5),
 ]
-BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks")
+BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm")
 H2O_EXTRA = [  # these policies (on OPT) also get every placement with the other overlap setting
     ("gpu-serial", [100, 0, 100, 0], False, False, (3, 2), 3),
     ("cpu-overlap", [0, 100, 0, 100], True, True, (2, 3), 256),

@@ -14,7 +14,7 @@ KV = 2  # KV heads per block in these tests
 SINKS = 2
 BUDGETS = {"full": None, "h2o": Budget(3, 2), "random": Budget(3, 2), "local": Budget(0, 5),
            "streaming": Budget(0, 5), "tova": Budget(0, 5), "a2sf": Budget(3, 2), "mean_attn": Budget(3, 2),
-           "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2)}
+           "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2), "mean_vnorm": Budget(3, 2)}
 NAMES = sorted(BUDGETS)
 LENS = [9, 4, 1, 7, 5]  # unequal prompts, left-padded to 9: shorter, equal and longer than the budget of 5
 GEN = 14

@@ -18,7 +18,7 @@ def add_kv_flags(p: argparse.ArgumentParser, budgets: bool = True) -> None:
         a("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)")
         a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
     a("--num-sinks", type=int, default=4, help="attention sinks kept by the policies that protect them "
-      "(streaming, vatp, h2o_sinks; default 4)")
+      "(streaming, vatp, h2o_sinks, mean_vnorm; default 4)")
     a("--hh-decay", type=float, default=DEFAULT_DECAY, help="forgetting factor of the a2sf policy's scores, in "
       f"(0, 1]; 1 = h2o (default {DEFAULT_DECAY})")
 
