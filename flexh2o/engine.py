@@ -13,6 +13,8 @@ from typing import Callable, Optional
 import torch
 
 from flexh2o import models
+from flexh2o.compress.choice import PHASES, kernel_phases
+from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
 from flexh2o.generation.sequences import Sequences
@@ -39,6 +41,7 @@ class Generation:
     step_logits: Optional[list] = None  # per step, (num_seqs, vocab), when asked for
     kept: dict = field(default_factory=dict)  # cache layer -> max tokens kept per row after the last step (if asked)
     busy_s: dict = field(default_factory=dict)  # op kind -> seconds in its handlers ('stall': waiting for loads)
+    decode_busy_s: dict = field(default_factory=dict)  # the same, decode steps only
 
 
 class Engine:
@@ -52,9 +55,15 @@ class Engine:
         self.device = torch.device(rc.device)
         self.policy = rc.kv.make()  # the run's one policy object
         self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
-        self.weights = None
+        self.weights, self.kernel = None, dict.fromkeys(PHASES, False)
         try:
-            self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight)
+            cw = rc.compress_weight  # grouped along the input dimension: kept in the int4 kernel's order
+            kernel_order = cw is not None and cw.group_dim == 1 and kernel_available(rc.device)
+            if rc.weight_kernel == "int4" and not kernel_order:
+                raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
+                                 "(use --weight-kernel auto)")
+            self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight, kernel_order)
+            self.kernel = self._kernel_phases()
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:
@@ -63,6 +72,19 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _kernel_phases(self) -> dict:
+        """phase -> True where the decoder blocks' matmuls run the int4 kernel (compress/choice.py)."""
+        rc, names = self.rc, self.weights.kernel_order
+        if not names:
+            return dict.fromkeys(PHASES, False)
+        layers = rc.placement.weights.layer_specs
+        shapes = [s.shape for layer in layers[1:-1] for s in layer if s.name in names]  # the blocks' matmuls
+        shape = max(shapes or [s.shape for layer in layers for s in layer if s.name in names],
+                    key=lambda sh: sh[0] * sh[1])
+        rows = {"prefill": rc.prefill_rows() * rc.prompt_len, "decode": rc.gpu_batch_size}
+        dtypes = {"prefill": rc.compute_at(0), "decode": rc.compute_at(1)}
+        return kernel_phases(rc.weight_kernel, shape, rows, rc.compress_weight, dtypes)
 
     def close(self) -> None:
         if self.weights is not None:
@@ -102,13 +124,13 @@ class _Run:
         slots = rc.kv.slots(t, gen_len)
         cache = KVCache(eng.tiers, rc.placement.cache, rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim,
                         rc.dtype, rc.compress_cache)
-        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device)
+        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, rc.kv.evicts(t, gen_len))
         self.times: list = []
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
     def load_weight(self, op: Op) -> None:
-        self.bufs.load_weights(op.layer, self.rc.compute_at(op.step))
+        self.bufs.load_weights(op.layer, op.step, self.rc.compute_at(op.step))
 
     def free_weight(self, op: Op) -> None:
         self.bufs.free_weights(op.layer)
@@ -201,7 +223,8 @@ class _Run:
             self.bufs.close()
         s, times = self.seqs, self.times or [time.perf_counter()]  # a stage without the head emits no steps
         return Generation(s.flat(s.tokens), s.flat(s.last_logits), times[0] - start, times[-1] - times[0],
-                          [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept, ex.busy_s)
+                          [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept, ex.busy_s,
+                          ex.decode_busy_s)
 
     def _kept(self) -> dict:
         """Cache layer -> the most tokens any row keeps (reads every block back: for tests and reports only)."""

@@ -43,6 +43,7 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
         if job.warmup:
             eng.generate(fill_batch([p[:8] for p in job.prompts[:rc.num_seqs]], rc.num_seqs), 2)
         moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
+        weights0 = _weight_seconds(eng)  # after the warm-up
         steps = job.measured_steps or rc.gen_len
         bar = tqdm(total=steps * len(rounds), desc="generate", unit="tok", disable=not job.progress,
                    file=sys.stderr)
@@ -56,6 +57,8 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
             bar.close()
         moved = {t: (tier.bytes_loaded - moved0[t]) // (steps * len(rounds)) for t, tier in eng.tiers.items()}
         peaks = peak_bytes(eng, rss)
+        weight_s = {p: {k: v - weights0.get(p, {}).get(k, 0.0) for k, v in got.items()}
+                    for p, got in _weight_seconds(eng).items()}
     measured = sum(g.decode_s for g in gens)
     decode_s = measured if steps == rc.gen_len else measured / (steps - 1) * (rc.gen_len - 1)
     report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs * len(rounds), rc.prompt_len, rc.gen_len,
@@ -63,6 +66,9 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
                        threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
                        measured_steps=steps, measured_decode_s=measured)
     report.policy["rounds"] = len(rounds)
+    report.busy_s, report.decode_busy_s = _summed(g.busy_s for g in gens), _summed(g.decode_busy_s for g in gens)
+    report.weight_seconds = weight_s
+    report.weight_kernel = dict(eng.kernel)
     if not job.warmup:
         report.warmup = "no warm-up (--no-warmup)"
     if job.output_file:  # `steps` tokens per prompt, every prompt of every round
@@ -71,6 +77,18 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
     if job.log_file:
         append_json_line(job.log_file, report.record())
     return report
+
+
+def _weight_seconds(eng) -> dict:
+    return {p: dict(v) for p, v in eng.weights.seconds.items()}
+
+
+def _summed(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def policy_flags(rc: RunConfig) -> dict:
@@ -86,7 +104,7 @@ def policy_flags(rc: RunConfig) -> dict:
 
 
 def _spec(spec) -> Optional[str]:
-    return f"{spec.bits}-bit, groups of {spec.group_size}" if spec else None
+    return f"{spec.bits}-bit, groups of {spec.group_size} along dim {spec.group_dim}" if spec else None
 
 
 def write_outputs(path: str, tokens: list, tokenizer=None) -> None:

@@ -30,6 +30,10 @@ class RunReport:
     measured_steps: int = 0  # generation steps run; fewer than gen_len (--cut-gen-len): decode is projected
     measured_decode_s: float = 0.0  # decode seconds of the steps run
     stages: list = field(default_factory=list)  # pipeline stages: per stage compute, I/O, waiting, bytes sent
+    busy_s: dict = field(default_factory=dict)  # op kind -> seconds in its handlers, whole run ('stall': waits)
+    decode_busy_s: dict = field(default_factory=dict)  # the same, decode steps only
+    weight_seconds: dict = field(default_factory=dict)  # phase -> seconds reading / expanding weights (I/O threads)
+    weight_kernel: dict = field(default_factory=dict)  # phase -> True where block matmuls ran the int4 kernel
 
     @property
     def prefill_throughput(self) -> float:
@@ -81,11 +85,24 @@ class RunReport:
             phases = f"compute {self.policy['compute_dtype']}" + (
                 f" (prefill), {dec} (decode)" if dec != self.policy["compute_dtype"] else "")
             lines.insert(2, f"dtypes  storage {self.policy['dtype']}  {phases}: {self.dtype_reason}")
+        if self.weight_kernel and any(self.weight_kernel.values()) or self.decode_busy_s:
+            lines.append(self._decode_split())
         lines += [stage_line(s) for s in self.stages]
         if self.predicted:
             lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "
                          f"{self.predicted.get('decode_throughput', 0):.1f} tok/s")
         return "\n".join(lines)
+
+    def _decode_split(self) -> str:
+        """Per decode step: seconds in compute, in loading weights (read vs expand), computes waiting for loads."""
+        steps = max(self.measured_steps - 1, 1)
+        w = self.weight_seconds.get("decode", {})
+        kernel = ", ".join(f"{p} {'int4' if on else 'generic'}" for p, on in self.weight_kernel.items())
+        busy = self.decode_busy_s
+        line = (f"per decode step (busy, summed over threads)  compute {busy.get('compute', 0) / steps:.3f} s  "
+                f"weights read {w.get('read', 0) / steps:.3f} s  expand {w.get('expand', 0) / steps:.3f} s  "
+                f"stall {busy.get('stall', 0) / steps:.3f} s")
+        return line + (f"  weight matmuls: {kernel}" if kernel else "")
 
     def _projected(self) -> str:
         if not self.projected:

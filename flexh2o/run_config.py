@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from flexh2o.compress import CompressionSpec
+from flexh2o.compress.kernels import KERNEL_GROUPS
 from flexh2o.config import ModelConfig
 from flexh2o.kv.spec import KVSpec
 from flexh2o.models import layer_specs
@@ -41,14 +42,22 @@ class RunConfig:
     io_threads: int = 2
     max_positions: Optional[int] = None  # allow going past the model's table (Llama only)
     prefill_batch: Optional[int] = None  # sequences per prefill sub-batch; None: bounded by PREFILL_BYTES
-    compress_weight: Optional[CompressionSpec] = None  # weights of 2+ dimensions, grouped along dimension 0
+    compress_weight: Optional[CompressionSpec] = None  # weights of 2+ dimensions, grouped along its group_dim
     compress_cache: Optional[CompressionSpec] = None  # K and V, grouped along head_dim
+    weight_kernel: str = "auto"  # weights grouped along dim 1: the int4 kernel per phase by a probe, always, or never
     pin_weight: bool = True  # pin the cpu tier's memory when compute is on CUDA (FlexGen's --pin-weight)
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if self.weight_kernel not in ("auto", "int4", "generic"):
+            raise ValueError(f"--weight-kernel {self.weight_kernel}: choose auto, int4 or off")
+        cw = self.compress_weight
+        if self.weight_kernel == "int4" and not (cw and cw.group_dim == 1 and cw.bits == 4
+                                                 and cw.group_size in KERNEL_GROUPS):
+            raise ValueError("--weight-kernel int4 needs --compress-weight with 4 bits grouped along the input "
+                             "dimension (groups of 32/64/128/256)")
         limit = self.max_positions or self.model.max_positions
         if self.prompt_len + self.gen_len > limit:
             raise ValueError(f"prompt {self.prompt_len} + gen {self.gen_len} tokens exceed the model's {limit} "

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from flexh2o.compress import CompressionSpec, dequantize, quantize
-from flexh2o.compress.kernels import int4_linear, int4pack_from
+from flexh2o.compress.choice import PHASES, kernel_phases, probe
+from flexh2o.compress.codec import dequantize_into
+from flexh2o.compress.kernels import (PackedWeight, codec_levels, expand_kernel_order, from_kernel_order, int4_linear,
+                                      int4pack_from, kernel_available, to_kernel_order)
+from flexh2o.models.common import linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,3 +35,61 @@ def test_kernel_refuses_flexgen_dim0_groups():
     ct = quantize(torch.randn(64, 128), CompressionSpec(4, 64, 0))
     with pytest.raises(ValueError, match="input dimension"):
         int4pack_from(ct)
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (96, 256), (64, 128)])
+def test_kernel_order_is_torchs_packing_and_inverts(shape):
+    """to_kernel_order writes exactly what torch's converter writes (the same bytes, permuted); from_kernel_order
+    gives the codec's data back; the kernel-order expansion equals dequantize bit for bit."""
+    g = torch.Generator().manual_seed(shape[0])
+    ct = quantize(torch.randn(shape, generator=g), CompressionSpec(4, 64 if shape[1] % 64 == 0 else 32, 1))
+    ko = to_kernel_order(ct)
+    levels = codec_levels(ct).reshape(shape).to(torch.int32)
+    assert torch.equal(ko.data, torch._convert_weight_to_int4pack_for_cpu(levels, 1))
+    assert ko.data.numel() == ct.data.numel()
+    assert torch.equal(from_kernel_order(ko).data, ct.data)
+    assert torch.equal(expand_kernel_order(ko, torch.empty(shape)), dequantize(ct, torch.float32))
+    assert kernel_available("cpu")
+
+
+@pytest.mark.parametrize("spec,shape", [(CompressionSpec(4, 64, 0), (130, 64)), (CompressionSpec(4, 64, 1), (8, 128)),
+                                        (CompressionSpec(8, 32, -1), (3, 2, 5, 64)),
+                                        (CompressionSpec(4, 16, 1), (4, 40))])
+def test_dequantize_into_a_reused_buffer_equals_dequantize(spec, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    ct = quantize(torch.randn(shape, generator=g).bfloat16(), spec)
+    out = torch.full(shape, float("nan"))
+    assert dequantize_into(ct, out) is out
+    assert torch.equal(out, dequantize(ct, torch.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_packed_weight_linear_equals_the_generic_path(rows):
+    """PackedWeight.linear (what the model calls) with a bias, fp32 in and out, equals expand + F.linear within the
+    kernel's bf16 rounding (activations, scales, zeros and output)."""
+    g = torch.Generator().manual_seed(rows)
+    ct = to_kernel_order(quantize(torch.randn(64, 192, generator=g) * 0.05, CompressionSpec(4, 64, 1)))
+    x, bias = torch.randn(2, rows, 192, generator=g), torch.randn(64, generator=g)
+    got = linear(x, PackedWeight.from_stored(ct), bias)
+    want = linear(x, expand_kernel_order(ct, torch.empty(64, 192)), bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=float(want.abs().max()) * 2 ** -6, rtol=2 ** -6)
+    assert (got - want).abs().max() > 0  # really the kernel (bf16), not the dense path
+
+
+def test_probe_times_both_paths_per_phase():
+    f32 = dict.fromkeys(PHASES, torch.float32)
+    times = probe((64, 128), {"prefill": 64, "decode": 2}, CompressionSpec(4, 64, 1), f32)
+    assert set(times) == set(PHASES) and all(t[p] > 0 for t in times.values() for p in ("int4", "generic"))
+    assert kernel_phases("int4", (64, 128), {}, CompressionSpec(4, 64, 1), f32) == dict.fromkeys(PHASES, 1)
+    with pytest.raises(ValueError, match="--weight-kernel"):
+        kernel_phases("fast", (64, 128), {}, CompressionSpec(4, 64, 1), f32)
+
+
+def test_packed_weight_rows_equal_the_expanded_table():
+    """Embedding lookups from a PackedWeight expand only the row blocks they need, exactly as the generic path."""
+    g = torch.Generator().manual_seed(5)
+    ct = to_kernel_order(quantize(torch.randn(128, 64, generator=g), CompressionSpec(4, 64, 1)))
+    ids = torch.tensor([[3, 100, 3], [127, 0, 64]])
+    table = expand_kernel_order(ct, torch.empty(128, 64))
+    assert torch.equal(PackedWeight.from_stored(ct).rows(ids), torch.nn.functional.embedding(ids, table))

@@ -94,10 +94,26 @@ def test_attn_sparsity_below_one_refused(capsys):
 
 
 def test_compress_weight_and_cache_are_flexgen_4_bit_groups_of_64():
-    rc, _ = _rc(["--compress-weight", "--compress-cache"])
+    """FlexGen's groups (4 bits, 64 values, weights along dimension 0) with --weight-kernel off; on the CPU by
+    default the weights are grouped along the input dimension for the int4 kernel, chosen per phase."""
+    rc, _ = _rc(["--compress-weight", "--compress-cache", "--weight-kernel", "off"])
     assert (rc.compress_weight.bits, rc.compress_weight.group_size, rc.compress_weight.group_dim) == (4, 64, 0)
     assert (rc.compress_cache.bits, rc.compress_cache.group_size, rc.compress_cache.group_dim) == (4, 64, -1)
+    assert rc.weight_kernel == "generic"
+    rc, _ = _rc(["--compress-weight", "--compress-cache"])
+    assert (rc.compress_weight.group_dim, rc.weight_kernel) == (1, "auto")
     assert _rc([])[0].compress_weight is None and _rc([])[0].compress_cache is None
+
+
+def test_weight_kernel_flags():
+    assert _rc(["--compress-weight", "--weight-kernel", "int4"])[0].weight_kernel == "int4"
+    rc, _ = _rc(["--compress-weight", "--compress-bits", "8"])  # no 8-bit kernel layout: FlexGen's grouping
+    assert (rc.compress_weight.group_dim, rc.compress_weight.bits) == (0, 8)
+
+
+@pytest.mark.parametrize("argv", [["--compress-bits", "8"], ["--compress-group-size", "16"]])
+def test_weight_kernel_int4_outside_its_layouts_refused(capsys, argv):
+    _refused(capsys, ["--compress-weight", "--weight-kernel", "int4"] + argv, "--weight-kernel int4")
 
 
 def test_compress_bits_and_group_size():

@@ -19,7 +19,7 @@ from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
-from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
+from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.dist.group import launched_by_torchrun
 from flexh2o.dist.split import parse_stage_layers, split_stages
@@ -172,12 +172,13 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     if not auto and not given.isdigit():
         raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {given})")
     gbs = 1 if auto else int(given)
-    packed = compression_specs(args)
+    packed = compression_specs(args, device)
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
                    gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, offload_dir=args.offload_dir,
-                   compress_weight=packed[0], compress_cache=packed[1], pin_weight=args.pin_weight)
+                   compress_weight=packed[0], compress_cache=packed[1], pin_weight=args.pin_weight,
+                   weight_kernel=weight_kernel_mode(args))
     if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
         rc = _choose_dtypes(args, rc)
     if auto:

@@ -71,9 +71,10 @@ def stored_bytes(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpe
 
 
 def weight_spec(shape: tuple, spec: Optional[CompressionSpec]) -> Optional[CompressionSpec]:
-    """How a weight of `shape` is stored under --compress-weight: 2+ dimensions grouped along dimension 0 (FlexGen's
-    group_dim 0); 1-D weights (biases, norms) stay plain, as in FlexGen."""
-    return spec.along(0) if spec is not None and len(shape) > 1 else None
+    """How a weight of `shape` is stored under --compress-weight's `spec`: 2+ dimensions grouped along the spec's
+    dimension (0: FlexGen's group_dim 0; 1: the input dimension, the int4 kernel's); 1-D weights (biases, norms) stay
+    plain, as in FlexGen."""
+    return spec if spec is not None and len(shape) > 1 else None
 
 
 def _numel(shape: tuple) -> int:
@@ -147,6 +148,26 @@ def dequantize(ct: CompressedTensor, dtype: Optional[torch.dtype] = None) -> tor
     if groups * spec.group_size != ct.length:
         x = x.narrow(d, 0, ct.length).contiguous()
     return x.to(dtype or ct.dtype)
+
+
+def dequantize_into(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
+    """dequantize(ct, out.dtype) written into `out` (ct.shape), reusing its memory: levels copied straight into
+    it, then scaled and shifted in place (fp32 arithmetic when out is fp32, as dequantize)."""
+    spec, data = ct.spec, ct.data
+    d = spec.dim(data.dim() - 1)
+    groups = data.shape[d]
+    if out.dtype != torch.float32 or groups * spec.group_size != ct.length or not out.is_contiguous():
+        return out.copy_(dequantize(ct, out.dtype))
+    g = out.view(data.shape[:d] + (groups, spec.group_size) + data.shape[d + 2:])  # (..., groups, size, ...)
+    if spec.bits == 4:
+        pairs = g.view(data.shape[:d + 1] + (spec.group_size // 2, 2) + data.shape[d + 2:])
+        pairs.select(d + 2, 0).copy_(data & 0xF)
+        pairs.select(d + 2, 1).copy_(data >> 4)
+    else:
+        g.copy_(data)
+    scale, lo = (ct.meta[..., i].unsqueeze(d + 1) for i in (0, 1))
+    g.mul_(scale).add_(lo)
+    return out
 
 
 def _round_down(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,36 +1,149 @@
 """torch's weight-only int4 kernel for CPU (aten._weight_int4pack_mm_for_cpu) fed from the codec's layout.
 
 The kernel's groups run along the input dimension (K) of a (N, K) weight and its dequantization is
-(q - 8) * scale + zero, so a CompressedTensor grouped along dimension 1 (4 bits, groups of 32/64/128/256) converts
-exactly: zero = minimum + 8 * scale. FlexGen's weights are grouped along dimension 0, which the kernel cannot
-express; the engine keeps the generic path (expand, then a dense matmul) as the reference, and this conversion is
-what a kernel path needs (benchmarks/quant_kernels.py measures both).
+(q - 8) * scale + zero, so a 4-bit CompressedTensor grouped along dimension 1 converts exactly:
+zero = minimum + 8 * scale. Its packed weight is the same N * K / 2 bytes as the codec's data in another order
+(blocks of 32 output rows, two rows 16 apart a byte, four inputs in a row): `to_kernel_order` / `from_kernel_order`
+convert by permutation alone, so a weight is stored in the kernel's order at load time (the same bytes in its tier)
+and either fed to the kernel or expanded back for the generic path. `kernel_available` checks the order against
+torch's own converter before the kernel is used.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from flexh2o.compress.codec import CompressedTensor
+from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize
 
 KERNEL_GROUPS = (32, 64, 128, 256)
+ROW_BLOCK = 32  # output rows per block of the kernel's packed order
+
+
+def kernel_shape_ok(shape: tuple, spec: Optional[CompressionSpec]) -> bool:
+    """Whether a weight of `shape` stored under `spec` can be held in the int4 kernel's order."""
+    return (spec is not None and spec.bits == 4 and len(shape) == 2 and spec.dim(2) == 1
+            and spec.group_size in KERNEL_GROUPS and shape[0] % ROW_BLOCK == 0 and shape[1] % spec.group_size == 0)
+
+
+def kernel_available(device) -> bool:
+    """The CPU int4 kernel exists in this torch and its packed order is the one `to_kernel_order` writes."""
+    if torch.device(device).type != "cpu" or not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        return False
+    q = (torch.arange(64 * 128, dtype=torch.int32) * 7 % 16).view(64, 128)
+    try:
+        torch_order = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    except RuntimeError:
+        return False
+    return torch.equal(torch_order, _pack_levels(q.to(torch.uint8)))
+
+
+def _pack_levels(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) levels 0..15 uint8 -> (N, K / 2) bytes in the kernel's order."""
+    n, k = q.shape
+    x = q.view(n // ROW_BLOCK, 2, 16, k // 4, 4).permute(0, 3, 4, 2, 1)  # (row block, k / 4, 4, 16, 2)
+    return (x[..., 0] | (x[..., 1] << 4)).reshape(n, k // 2)
+
+
+def _unpack_levels(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K / 2) bytes in the kernel's order -> (N, K) levels 0..15 uint8."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    x = packed.view(n // ROW_BLOCK, k // 4, 4, 16)
+    both = torch.stack([x & 0xF, x >> 4], -1)  # (row block, k / 4, 4, 16, 2)
+    return both.permute(0, 4, 3, 1, 2).reshape(n, k)
+
+
+def codec_levels(ct: CompressedTensor) -> torch.Tensor:
+    """A 4-bit CompressedTensor's levels 0..15 (..., groups * group_size) along its grouped (last packed) axis."""
+    return torch.stack([ct.data & 0xF, ct.data >> 4], -1).flatten(-3)
+
+
+def to_kernel_order(ct: CompressedTensor) -> CompressedTensor:
+    """A (N, K) weight grouped along K (codec order) -> the same tensor with `data` in the kernel's order (N, K/2)."""
+    n, k = ct.shape
+    if not kernel_shape_ok((n, k), ct.spec):
+        raise ValueError(f"the int4 kernel needs 4 bits grouped along the input dimension in groups of "
+                         f"{'/'.join(map(str, KERNEL_GROUPS))} dividing it and {ROW_BLOCK} | rows "
+                         f"(got {ct.spec}, shape {ct.shape})")
+    return CompressedTensor(_pack_levels(codec_levels(ct)), ct.meta, k, ct.spec)
+
+
+def from_kernel_order(ct: CompressedTensor) -> CompressedTensor:
+    """Inverse of to_kernel_order: `data` back in the codec's order (N, groups, group_size / 2)."""
+    n, k = ct.data.shape[0], ct.data.shape[1] * 2
+    q = _unpack_levels(ct.data).view(n, k // ct.spec.group_size, ct.spec.group_size // 2, 2)
+    return CompressedTensor(q[..., 0] | (q[..., 1] << 4), ct.meta, k, ct.spec)
+
+
+@dataclass
+class PackedWeight:
+    """A (N, K) weight on the compute side in the kernel's form: packed bytes (N, K / 2), its scales and zeros
+    (K / group, N, 2) bf16, and the stored meta (N, groups, 2) (exact rows for embedding lookups). `linear` and
+    `rows` are the operations the models use on it; results come in `dtype` (the compute dtype)."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    meta: torch.Tensor
+    spec: CompressionSpec
+    dtype: torch.dtype = torch.float32
+
+    @staticmethod
+    def from_stored(ct: CompressedTensor, dtype: torch.dtype = torch.float32) -> "PackedWeight":
+        """From a kernel-order CompressedTensor (meta (N, groups, 2): scale, minimum)."""
+        scale, lo = ct.meta[..., 0].float(), ct.meta[..., 1].float()  # (N, groups)
+        sz = torch.stack([scale, lo + 8 * scale], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
+        return PackedWeight(ct.data, sz, ct.meta, ct.spec, dtype)
+
+    @property
+    def group_size(self) -> int:
+        return self.spec.group_size
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta))
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations)."""
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
+        y = y.view(*x.shape[:-1], -1).to(x.dtype)
+        return y if bias is None else y.add_(bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of the expanded weight, (*ids.shape, K) in `dtype`, exactly as the generic path
+        expands them: only the blocks of 32 rows holding them are expanded."""
+        n, k = self.meta.shape[0], self.packed.shape[1] * 2
+        flat = ids.reshape(-1)
+        blocks, inverse = torch.unique(flat // ROW_BLOCK, return_inverse=True)
+        sub = CompressedTensor(self.packed.view(n // ROW_BLOCK, -1)[blocks].view(-1, k // 2),
+                               self.meta.view(n // ROW_BLOCK, -1)[blocks].view(-1, *self.meta.shape[1:]), k,
+                               self.spec)  # (blocks * 32, K / 2)
+        out = expand_kernel_order(sub, torch.empty(len(blocks) * ROW_BLOCK, k, device=ids.device))
+        return out[inverse * ROW_BLOCK + flat % ROW_BLOCK].view(*ids.shape, k).to(self.dtype)
 
 
 def int4pack_from(ct: CompressedTensor) -> tuple:
-    """(packed weight, scales and zeros (K / group, N, 2) bf16) for aten._weight_int4pack_mm_for_cpu, from a 4-bit
-    CompressedTensor of a (N, K) weight grouped along dimension 1 with K a multiple of the group."""
-    n, k = ct.shape
-    spec = ct.spec
-    if spec.bits != 4 or spec.dim(2) != 1 or spec.group_size not in KERNEL_GROUPS or k % spec.group_size:
-        raise ValueError(f"the int4 kernel needs 4 bits grouped along the input dimension in groups of "
-                         f"{'/'.join(map(str, KERNEL_GROUPS))} dividing it (got {spec}, shape {ct.shape})")
-    q = torch.stack([ct.data & 0xF, ct.data >> 4], -1).reshape(n, k).to(torch.int32)  # (N, K) levels 0..15
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    scale, lo = ct.meta[..., 0].float(), ct.meta[..., 1].float()  # (N, groups)
-    sz = torch.stack([scale, lo + 8 * scale], -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # (groups, N, 2)
-    return packed, sz
+    """(packed weight, scales and zeros) for the kernel from a codec-order CompressedTensor grouped along K."""
+    pw = PackedWeight.from_stored(to_kernel_order(ct))
+    return pw.packed, pw.scales_zeros
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
-    """x (..., K) -> x @ W.T (..., N) through the int4 kernel (bf16 activations)."""
+    """x (..., K) -> x @ W.T (..., N) through the int4 kernel (bf16 activations, bf16 result)."""
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     return torch._weight_int4pack_mm_for_cpu(flat, packed, group_size, sz).view(*x.shape[:-1], -1)
+
+
+def expand_kernel_order(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
+    """A kernel-order weight expanded into `out` (N, K) fp32 (the generic path, with a reused buffer): the levels
+    are written through a permuted view of `out`, then scaled and shifted in place (as dequantize, fp32)."""
+    n, k = ct.data.shape[0], ct.data.shape[1] * 2
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        return out.copy_(dequantize(from_kernel_order(ct), out.dtype))
+    x = ct.data.view(n // ROW_BLOCK, k // 4, 4, 16)  # (row block, k / 4, 4, 16) bytes
+    dst = out.view(n // ROW_BLOCK, 2, 16, k // 4, 4).permute(0, 3, 4, 2, 1)  # (row block, k / 4, 4, 16, 2)
+    dst.select(4, 0).copy_(x & 0xF)
+    dst.select(4, 1).copy_(x >> 4)
+    g = out.view(n, k // ct.spec.group_size, ct.spec.group_size)  # (N, groups, size)
+    g.mul_(ct.meta[..., 0].unsqueeze(-1)).add_(ct.meta[..., 1].unsqueeze(-1))
+    return out

@@ -7,7 +7,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, quantize
+from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, dequantize_into, quantize
+from flexh2o.compress.kernels import PackedWeight, expand_kernel_order, from_kernel_order, to_kernel_order
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,15 @@ class CompressedTier:
 
     def load(self, handle: CompressedHandle, device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Moved compressed to `device`, then expanded there into `dtype` (default the storage dtype)."""
-        return dequantize(self.load_compressed(handle, device), dtype or handle.dtype)
+        return self.expand(self.load_compressed(handle, device), dtype or handle.dtype)
+
+    def expand(self, ct: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor loaded by load_compressed, expanded into `dtype`."""
+        return dequantize(ct, dtype)
+
+    def expand_into(self, ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
+        """A tensor loaded by load_compressed, expanded into `out` (a reused buffer of its shape)."""
+        return dequantize_into(ct, out)
 
     def store(self, handle: CompressedHandle, tensor, slots: Optional[torch.Tensor] = None) -> None:
         """Write a tensor (quantized here) or a CompressedTensor; `slots` as the inner tier's (dimension 2)."""
@@ -63,3 +72,31 @@ class CompressedTier:
     def free(self, handle: CompressedHandle) -> None:
         self.inner.free(handle.data)
         self.inner.free(handle.meta)
+
+
+class KernelOrderTier(CompressedTier):
+    """A CompressedTier for (N, K) weights grouped along K whose data is kept in the int4 kernel's order (the same
+    bytes, permuted at store time: compress/kernels.py). Loads hand the compute side either the kernel's form
+    (`pack`) or the expanded weight (`expand_into` a reused buffer, or `expand`)."""
+
+    def store(self, handle: CompressedHandle, tensor, slots: Optional[torch.Tensor] = None) -> None:
+        ct = tensor if isinstance(tensor, CompressedTensor) else quantize(tensor, self.spec, handle.dtype)
+        data = to_kernel_order(ct).data.view(ct.data.shape)  # kernel order in the codec's data shape
+        self.inner.store(handle.data, data, slots)
+        self.inner.store(handle.meta, ct.meta, slots)
+
+    def load_compressed(self, handle: CompressedHandle, device) -> CompressedTensor:
+        """The kernel-order tensor on `device`: data (N, K / 2), meta (N, groups, 2)."""
+        ct = super().load_compressed(handle, device)
+        return CompressedTensor(ct.data.view(handle.shape[0], -1), ct.meta, ct.length, ct.spec)
+
+    def pack(self, ct: CompressedTensor, dtype: torch.dtype) -> PackedWeight:
+        """A tensor loaded by load_compressed in the kernel's form (scales and zeros derived from scale, minimum),
+        its results in `dtype`."""
+        return PackedWeight.from_stored(ct, dtype)
+
+    def expand(self, ct: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(from_kernel_order(ct), dtype)
+
+    def expand_into(self, ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
+        return expand_kernel_order(ct, out)

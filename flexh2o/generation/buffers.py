@@ -8,8 +8,10 @@ from flexh2o.kv.cache import KVBlock, KVCache
 
 
 class Buffers:
-    def __init__(self, weights, cache: KVCache, tiers: dict, act_homes: tuple, device: torch.device):
+    def __init__(self, weights, cache: KVCache, tiers: dict, act_homes: tuple, device: torch.device,
+                 kernel: dict = None):
         self.weights, self.cache, self.tiers = weights, cache, tiers
+        self.kernel = kernel or {}  # phase ("prefill", "decode") -> True where weights go to the int4 kernel
         self.act_homes, self.device = act_homes, device
         self.w: dict = {}  # layer -> (name -> tensor, bytes copied)
         self.c: dict = {}  # (layer, batch) -> KVBlock on the compute side
@@ -17,9 +19,11 @@ class Buffers:
         self.spilled: dict = {}  # batch -> handle of hidden states stored in a non-gpu tier
 
     # ---- weights --------------------------------------------------------------------------------------------
-    def load_weights(self, layer: int, dtype: torch.dtype) -> None:
-        """A layer's weights on the compute side in `dtype` (the compute dtype of the step they serve)."""
-        tensors, copied = self.weights.load_layer(layer, self.device, dtype)
+    def load_weights(self, layer: int, step: int, dtype: torch.dtype) -> None:
+        """A layer's weights on the compute side in `dtype` (the compute dtype of the step they serve), in the int4
+        kernel's form where that step's phase runs it."""
+        phase = "prefill" if step == 0 else "decode"
+        tensors, copied = self.weights.load_layer(layer, self.device, dtype, self.kernel.get(phase, False), phase)
         self.tiers["gpu"].charge(copied)
         self.w[layer] = (tensors, copied)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from flexh2o.compress.kernels import PackedWeight
 
 
 @dataclass(frozen=True)
@@ -45,3 +48,13 @@ def rowwise(fn, x: torch.Tensor, width: int) -> torch.Tensor:
         return fn(x)
     flat = x.reshape(b * t, h)
     return torch.cat([fn(part) for part in flat.split(rows)]).view(b, t, -1)
+
+
+def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    """F.linear for a weight that is a plain tensor, or a PackedWeight run by the int4 kernel."""
+    return w.linear(x, bias) if isinstance(w, PackedWeight) else F.linear(x, w, bias)
+
+
+def embedding(ids: torch.Tensor, w) -> torch.Tensor:
+    """F.embedding for a plain table, or a PackedWeight (only the rows looked up are expanded)."""
+    return w.rows(ids) if isinstance(w, PackedWeight) else F.embedding(ids, w)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, merge_heads, rowwise, split_heads
+from flexh2o.models.common import WeightSpec, embedding, linear, merge_heads, rowwise, split_heads
 
 P = "model."
 
@@ -33,7 +33,7 @@ def _block_specs(cfg: ModelConfig, i: int) -> list:
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, w[P + "embed_tokens.weight"])  # (b, t, h)
+    return embedding(ids, w[P + "embed_tokens.weight"])  # (b, t, h)
 
 
 def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
@@ -41,21 +41,21 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     p = f"{P}layers.{i}."
     a = p + "self_attn."
     y = _rms(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
-    q = split_heads(F.linear(y, w[a + "q_proj.weight"]), cfg.num_heads)  # (b, n, t, d)
-    k = split_heads(F.linear(y, w[a + "k_proj.weight"]), cfg.kv_heads)  # (b, kv, t, d)
-    v = split_heads(F.linear(y, w[a + "v_proj.weight"]), cfg.kv_heads)
+    q = split_heads(linear(y, w[a + "q_proj.weight"]), cfg.num_heads)  # (b, n, t, d)
+    k = split_heads(linear(y, w[a + "k_proj.weight"]), cfg.kv_heads)  # (b, kv, t, d)
+    v = split_heads(linear(y, w[a + "v_proj.weight"]), cfg.kv_heads)
     cos, sin = _rope(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # (b, 1, t, d)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    x = x + F.linear(merge_heads(attend(q, k, v)), w[a + "o_proj.weight"])
+    x = x + linear(merge_heads(attend(q, k, v)), w[a + "o_proj.weight"])
     y = _rms(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
     gate, up, down = (w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
-    return x + rowwise(lambda r: F.linear(F.silu(F.linear(r, gate)) * F.linear(r, up), down), y, cfg.ffn)
+    return x + rowwise(lambda r: linear(F.silu(linear(r, gate)) * linear(r, up), down), y, cfg.ffn)
 
 
 def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     x = _rms(x, w[P + "norm.weight"], cfg.norm_eps)
     out = w[P + "embed_tokens.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
-    return F.linear(x, out).float()  # (b, t, vocab)
+    return linear(x, out).float()  # (b, t, vocab)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, merge_heads, rowwise, split_heads
+from flexh2o.models.common import WeightSpec, embedding, linear, merge_heads, rowwise, split_heads
 
 POS_OFFSET = 2  # OPT's learned position table starts at index 2
 P = "model.decoder."
@@ -41,10 +41,10 @@ def _block_specs(cfg: ModelConfig, i: int) -> list:
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """ids, positions (b, t) -> hidden (b, t, h). Pad positions may be anything >= 0."""
-    x = F.embedding(ids, w[P + "embed_tokens.weight"])  # (b, t, e)
+    x = embedding(ids, w[P + "embed_tokens.weight"])  # (b, t, e)
     if cfg.embed_dim != cfg.hidden:
-        x = F.linear(x, w[P + "project_in.weight"])  # (b, t, h)
-    return x + F.embedding(positions + POS_OFFSET, w[P + "embed_positions.weight"])
+        x = linear(x, w[P + "project_in.weight"])  # (b, t, h)
+    return x + embedding(positions + POS_OFFSET, w[P + "embed_positions.weight"])
 
 
 def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
@@ -54,16 +54,16 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     ln1 = (w[p + "self_attn_layer_norm.weight"], w[p + "self_attn_layer_norm.bias"])
     ln2 = (w[p + "final_layer_norm.weight"], w[p + "final_layer_norm.bias"])
     y = _ln(x, ln1) if cfg.norm_before else x
-    q = split_heads(F.linear(y, w[a + "q_proj.weight"], w[a + "q_proj.bias"]), cfg.num_heads)  # (b, n, t, d)
-    k = split_heads(F.linear(y, w[a + "k_proj.weight"], w[a + "k_proj.bias"]), cfg.num_heads)
-    v = split_heads(F.linear(y, w[a + "v_proj.weight"], w[a + "v_proj.bias"]), cfg.num_heads)
+    q = split_heads(linear(y, w[a + "q_proj.weight"], w[a + "q_proj.bias"]), cfg.num_heads)  # (b, n, t, d)
+    k = split_heads(linear(y, w[a + "k_proj.weight"], w[a + "k_proj.bias"]), cfg.num_heads)
+    v = split_heads(linear(y, w[a + "v_proj.weight"], w[a + "v_proj.bias"]), cfg.num_heads)
     o = merge_heads(attend(q, k, v))  # (b, t, h)
-    x = x + F.linear(o, w[a + "out_proj.weight"], w[a + "out_proj.bias"])
+    x = x + linear(o, w[a + "out_proj.weight"], w[a + "out_proj.bias"])
     if not cfg.norm_before:
         x = _ln(x, ln1)
     y = _ln(x, ln2) if cfg.norm_before else x
     fc1, fc2 = (w[p + "fc1.weight"], w[p + "fc1.bias"]), (w[p + "fc2.weight"], w[p + "fc2.bias"])
-    x = x + rowwise(lambda r: F.linear(F.relu(F.linear(r, *fc1)), *fc2), y, cfg.ffn)
+    x = x + rowwise(lambda r: linear(F.relu(linear(r, *fc1)), *fc2), y, cfg.ffn)
     return x if cfg.norm_before else _ln(x, ln2)
 
 
@@ -72,8 +72,8 @@ def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     if cfg.norm_before:
         x = _ln(x, (w[P + "final_layer_norm.weight"], w[P + "final_layer_norm.bias"]))
     if cfg.embed_dim != cfg.hidden:
-        x = F.linear(x, w[P + "project_out.weight"])
-    return F.linear(x, w[P + "embed_tokens.weight"]).float()
+        x = linear(x, w[P + "project_out.weight"])
+    return linear(x, w[P + "embed_tokens.weight"]).float()
 
 
 def _ln(x: torch.Tensor, wb) -> torch.Tensor:

@@ -22,12 +22,14 @@ class Executor:
                  inputs: Optional[Callable] = None, inline: tuple = ()):
         """handlers: op kind -> callable(op). inputs(op) -> the buffers a compute op reads. inline: kinds run on
         the caller's thread in plan order (the non-blocking posts of a pipeline stage's messages).
-        busy_s: seconds spent in each kind's handler ('stall': computes waiting for their loads)."""
+        busy_s: seconds spent in each kind's handler ('stall': computes waiting for their loads); decode_busy_s:
+        the same for the decode steps' ops only (step > 0)."""
         self.handlers, self.overlap, self.io_threads = handlers, overlap, io_threads
         self.cuda = torch.device(device).type == "cuda"
         self.inputs = inputs or (lambda op: [])
         self.inline = set(inline) | {COMPUTE}
         self.busy_s: dict = {}
+        self.decode_busy_s: dict = {}
         self._lock = threading.Lock()
 
     def run(self, ops: Iterable[Op]) -> None:
@@ -46,7 +48,7 @@ class Executor:
                     start = time.perf_counter()
                     for buf in self.inputs(op) if op.kind == COMPUTE else ():
                         _wait(pending.get(buf), self.cuda)
-                    self._count("stall", start)
+                    self._count("stall", start, op.step)
                     self._handle(op)
                     continue
                 after = pending.get(op.buffer)
@@ -62,12 +64,14 @@ class Executor:
     def _handle(self, op: Op) -> None:
         start = time.perf_counter()
         self.handlers[op.kind](op)
-        self._count(op.kind, start)
+        self._count(op.kind, start, op.step)
 
-    def _count(self, kind: str, start: float) -> None:
+    def _count(self, kind: str, start: float, step: int) -> None:
         took = time.perf_counter() - start
         with self._lock:  # I/O threads add too
             self.busy_s[kind] = self.busy_s.get(kind, 0.0) + took
+            if step > 0:
+                self.decode_busy_s[kind] = self.decode_busy_s.get(kind, 0.0) + took
 
     def _io(self, op: Op, after: Optional[Future], ready):
         if after is not None:

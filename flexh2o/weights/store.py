@@ -1,16 +1,19 @@
 """Every weight tensor in its home tier: filled with seeded dummy values or from a converted checkpoint.
 With compression, every weight of two or more dimensions is kept compressed (grouped along dimension 0, as
-FlexGen does) and expanded on the compute side; 1-D weights (biases, norms) stay as they are (FlexGen's rule)."""
+FlexGen does, or along the input dimension for the int4 kernel) and expanded on the compute side, or handed to the
+kernel as it is stored; 1-D weights (biases, norms) stay as they are (FlexGen's rule)."""
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from typing import Optional
 
 import torch
 
 from flexh2o.compress import CompressionSpec, weight_spec
-from flexh2o.compress.tier import CompressedTier
+from flexh2o.compress.kernels import PackedWeight, kernel_shape_ok
+from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
 from flexh2o.placement import WeightHomes
 
@@ -33,13 +36,26 @@ class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
     def __init__(self, homes: WeightHomes, tiers: dict, dtype: torch.dtype,
-                 compress: Optional[CompressionSpec] = None):
+                 compress: Optional[CompressionSpec] = None, kernel_order: bool = False):
         self.specs, self.homes = homes.layer_specs, homes
         self.dtype = dtype
         self.buffers = ConvertBuffers()
-        packed = {n: CompressedTier(t, compress.along(0)) for n, t in tiers.items()} if compress else tiers
-        self.tiers = {s.name: (packed if weight_spec(s.shape, compress) else tiers)[self.homes[s.name]]
-                      for layer in self.specs for s in layer}  # name -> the tier object that holds it
+        self.tiers = {}  # name -> the tier object that holds it
+        self.seconds: dict = {}  # phase -> {"read": s, "expand": s} spent in load_layer (summed over I/O threads)
+        self.kernel_order: set = set()  # names stored in the int4 kernel's order (compress/kernels.py)
+        wrapped: dict = {}
+        for specs in self.specs:
+            for s in specs:
+                spec, home = weight_spec(s.shape, compress), self.homes[s.name]
+                if spec is None:
+                    self.tiers[s.name] = tiers[home]
+                    continue
+                kind = KernelOrderTier if kernel_order and kernel_shape_ok(s.shape, spec) else CompressedTier
+                if kind is KernelOrderTier:
+                    self.kernel_order.add(s.name)
+                if (kind, home) not in wrapped:
+                    wrapped[kind, home] = kind(tiers[home], spec)
+                self.tiers[s.name] = wrapped[kind, home]
         self.handles = {}
         for layer in self.specs:
             for s in layer:
@@ -70,24 +86,44 @@ class WeightStore:
                     seen.add(s.name)
                     yield s.name, s
 
-    def load_layer(self, layer: int, device, dtype: torch.dtype) -> tuple:
-        """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are."""
+    def load_layer(self, layer: int, device, dtype: torch.dtype, packed: bool = False, phase: str = "") -> tuple:
+        """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are; compressed ones
+        are expanded (into reused buffers on the CPU), or, with `packed`, those in the kernel's order come as
+        PackedWeights for the int4 kernel. Seconds spent reading and expanding add up in seconds[phase]."""
         out, copied = {}, 0
+        on_cpu = torch.device(device).type == "cpu"
+        read_s = expand_s = 0.0
         for s in self.specs[layer]:
             tier, h = self.tiers[s.name], self.handles[s.name]
-            if torch.device(device).type == "cpu" and dtype != self.dtype and not isinstance(tier, CompressedTier):
-                t = self.buffers.convert(tier.load(h, device), dtype)
+            start = time.perf_counter()
+            if not isinstance(tier, CompressedTier):
+                t = tier.load(h, device)
+                mid = time.perf_counter()
+                if t.dtype != dtype:
+                    t = self.buffers.convert(t, dtype) if on_cpu else t.to(dtype)
             else:
-                t = tier.load(h, device, dtype)  # a compressed tensor is expanded straight into `dtype`
-            if not _same_storage(t, h):
-                copied += t.numel() * t.element_size()
+                ct = tier.load_compressed(h, device)
+                mid = time.perf_counter()
+                if packed and s.name in self.kernel_order:
+                    t = tier.pack(ct, dtype)
+                elif on_cpu:
+                    t = tier.expand_into(ct, self.buffers.take(s.shape, dtype))
+                else:
+                    t = tier.expand(ct, dtype)
+            read_s, expand_s = read_s + mid - start, expand_s + time.perf_counter() - mid
+            copied += _copied_bytes(t, h)
             out[s.name] = t
+        with self.buffers.lock:
+            got = self.seconds.setdefault(phase, {"read": 0.0, "expand": 0.0})
+            got["read"] += read_s
+            got["expand"] += expand_s
         return out, copied
 
     def release(self, tensors: dict) -> None:
         """Hand a layer's tensors from load_layer back once its compute is done (converted buffers are reused)."""
         for t in tensors.values():
-            self.buffers.give(t)
+            if isinstance(t, torch.Tensor):
+                self.buffers.give(t)
 
     def tensor(self, name: str, device="cpu", dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """One weight as the compute side sees it (expanded when compressed), e.g. to build a reference model."""
@@ -99,8 +135,13 @@ class WeightStore:
         self.handles = {}
 
 
-def _same_storage(t, h) -> bool:
-    return isinstance(h, torch.Tensor) and t.data_ptr() == h.data_ptr()
+def _copied_bytes(t, h) -> int:
+    """Bytes a loaded weight takes on the compute side apart from its home (0 when it is the home tensor)."""
+    if isinstance(t, PackedWeight):
+        return t.nbytes()
+    if isinstance(h, torch.Tensor) and t.data_ptr() == h.data_ptr():
+        return 0
+    return t.numel() * t.element_size()
 
 
 class ConvertBuffers:
@@ -114,12 +155,15 @@ class ConvertBuffers:
         self.lock = threading.Lock()
 
     def convert(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.take(tuple(src.shape), dtype).copy_(src)
+
+    def take(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `shape` and `dtype` (reused when one came back), lent until give()."""
         with self.lock:
-            stack = self.free.get((tuple(src.shape), dtype))
+            stack = self.free.get((tuple(shape), dtype))
             buf = stack.pop() if stack else None
         if buf is None:
-            buf = torch.empty(src.shape, dtype=dtype)
-        buf.copy_(src)
+            buf = torch.empty(shape, dtype=dtype)
         with self.lock:
             self.lent.add(buf.data_ptr())
         return buf

@@ -1,0 +1,55 @@
+"""Which phases run the int4 kernel: by the run's --weight-kernel, and under "auto" by a measurement on this machine.
+
+The probe times both paths of one (N, K) weight the way a phase multiplies it (decode: a GPU batch's rows; prefill:
+a prefill sub-batch's tokens), alternated over a few rounds, medians compared: the generic path (the weight expanded
+from the kernel's order into a reused fp32 buffer, then a dense matmul in the compute dtype) against the kernel
+(bf16 activations). Nothing is assumed about the machine: a CPU without bf16 instructions runs the kernel's bf16
+arithmetic in software and the probe sees it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flexh2o.compress.codec import CompressionSpec, quantize
+from flexh2o.compress.kernels import PackedWeight, expand_kernel_order, to_kernel_order
+
+MODES = ("auto", "int4", "generic")
+PHASES = ("prefill", "decode")
+PROBE_ROWS = 2048  # output rows of the probe weight (a slice of the real shape keeps the probe to well under a second)
+ROUNDS = 3
+
+
+def kernel_phases(mode: str, shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict) -> dict:
+    """phase -> True where that phase's block matmuls run the kernel. rows: phase -> rows multiplied at once;
+    shape: the largest weight stored in the kernel's order; dtypes: phase -> its compute dtype."""
+    if mode not in MODES:
+        raise ValueError(f"--weight-kernel {mode}: choose one of {', '.join(MODES)}")
+    if mode != "auto":
+        return {p: mode == "int4" for p in PHASES}
+    times = probe((min(shape[0], PROBE_ROWS), shape[1]), rows, spec, dtypes)
+    return {p: times[p]["int4"] < times[p]["generic"] for p in PHASES}
+
+
+def probe(shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict) -> dict:
+    """phase -> {"int4": seconds, "generic": seconds} for one matmul of a random (N, K) weight, medians."""
+    g = torch.Generator().manual_seed(0)
+    ct = to_kernel_order(quantize(torch.randn(shape, generator=g) * 0.02, spec, torch.bfloat16))
+    packed, buf = PackedWeight.from_stored(ct), torch.empty(shape)
+    paths = {"int4": lambda x: packed.linear(x),
+             "generic": lambda x: F.linear(x, expand_kernel_order(ct, buf).to(x.dtype))}
+    out = {}
+    with torch.inference_mode():
+        for phase in PHASES:
+            x = torch.randn(rows[phase], shape[1], generator=g).to(dtypes[phase])
+            times = {name: [] for name in paths}
+            for _ in range(ROUNDS + 1):  # alternated; the first round warms up
+                for name, fn in paths.items():
+                    start = time.perf_counter()
+                    fn(x)
+                    times[name].append(time.perf_counter() - start)
+            out[phase] = {name: statistics.median(ts[1:]) for name, ts in times.items()}
+    return out
