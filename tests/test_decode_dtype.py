@@ -67,8 +67,8 @@ def test_engine_loads_prefill_weights_in_fp32_and_decode_weights_as_stored(offlo
     seen = []
     real = WeightStore.load_layer
 
-    def spy(self, layer, device, dtype):
-        tensors, copied = real(self, layer, device, dtype)
+    def spy(self, layer, device, dtype, *args, **kw):
+        tensors, copied = real(self, layer, device, dtype, *args, **kw)
         seen.append((dtype, copied, {t.dtype for t in tensors.values()}))
         return tensors, copied
     monkeypatch.setattr(WeightStore, "load_layer", spy)
