@@ -87,7 +87,7 @@ def cached_probe(measure: Callable[[], dict] = probe_timings) -> tuple:
     """(timings, was_cached): this machine's probe from the cache dir, measured and written there the first time
     (and again when it was measured on a busy machine that is now much quieter: machine.stale_by_load)."""
     fp = machine.fingerprint("cpu")
-    name = f"dtype_probe-{machine.fingerprint_key(fp)}.json"
+    name = f"dtype_probe-v{PROBE_VERSION}-{machine.fingerprint_key(fp)}.json"  # versions never overwrite each other
     got = machine.read_cached(name)
     if (got and got.get("version") == PROBE_VERSION and isinstance(got.get("timings"), dict)
             and not machine.stale_by_load(got.get("load_at_measure"))):
