@@ -73,7 +73,7 @@ def test_engine_loads_prefill_weights_in_fp32_and_decode_weights_as_stored(offlo
         return tensors, copied
     monkeypatch.setattr(WeightStore, "load_layer", spy)
     prompts = ragged_prompts(3, 10, TINY.vocab, seed=2)
-    with Engine(_rc(offload_dir, decode_dtype=BF16)) as eng:
+    with Engine(_rc(offload_dir, decode_dtype=BF16, overlap=False)) as eng:  # loads in plan order
         eng.generate(prompts, 5)
     layers = TINY.num_layers + 2
     prefill, decode = seen[:layers], seen[layers:]

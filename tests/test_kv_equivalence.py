@@ -220,9 +220,15 @@ def test_budget_covering_the_sequence_equals_full_exactly(model, data, offload_d
             runs[policy] = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True,
                                         kept_stats=True)
     full = runs["full"]
+    scored = next(p for p in POLICIES if ENGINE_POLICIES[p].needs_scores)  # same kernel as every scoring policy
     for policy, gen in runs.items():
         assert gen.kept == full.kept, policy
-        assert all(torch.equal(a, b) for a, b in zip(gen.step_logits, full.step_logits)), policy
+        # decode attention without scores is one fused kernel (as full's); with scores it is einsum + softmax:
+        # bitwise equal within each kind, and the two kinds within float rounding of each other
+        same = runs[scored] if ENGINE_POLICIES[policy].needs_scores else full
+        assert all(torch.equal(a, b) for a, b in zip(gen.step_logits, same.step_logits)), policy
+        for a, b in zip(gen.step_logits, full.step_logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # ---- memory: the plan and the tiers shrink with the budget --------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
+from flexh2o.tensors import moved
+
 BITS = (4, 8)
 
 
@@ -184,7 +186,7 @@ def _round_up(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def expand(x, dtype: torch.dtype) -> torch.Tensor:
     """A plain tensor or a CompressedTensor as a plain tensor in `dtype` (for the compute side)."""
-    return dequantize(x, dtype) if isinstance(x, CompressedTensor) else x.to(dtype)
+    return dequantize(x, dtype) if isinstance(x, CompressedTensor) else moved(x, dtype=dtype)
 
 
 def assign(dst, index, values: torch.Tensor) -> None:

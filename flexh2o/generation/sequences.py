@@ -30,17 +30,26 @@ class Sequences:
         self.last_logits = torch.zeros(nb, b, vocab)
         self.step_logits: Optional[list] = ([torch.zeros(nb, b, vocab) for _ in range(gen_len)] if record_logits
                                             else None)
+        self._inputs: dict = {}  # (step, batch, device) -> (ids, pos) of the current step
 
     @property
     def num_batches(self) -> int:
         return self.tokens.shape[0]
 
     def inputs(self, step: int, batch: int, device) -> tuple:
-        """(ids, pos) of one GPU batch for a step: the prompts at step 0, then the previous step's token."""
-        if step == 0:
-            return self.ids[batch].to(device), self.pos[batch].to(device)
-        prev = self.tokens[batch, :, step - 1:step]
-        return prev.to(device), (self.lens[batch] + step - 1).view(-1, 1).to(device)
+        """(ids, pos) of one GPU batch for a step: the prompts at step 0, then the previous step's token. Built
+        once per (step, batch) and handed to every layer (the previous step's token is final by then)."""
+        key = (step, batch, str(device))
+        if key not in self._inputs:
+            if self._inputs and next(iter(self._inputs))[0] != step:
+                self._inputs.clear()  # only the current step's are kept
+            if step == 0:
+                got = self.ids[batch].to(device), self.pos[batch].to(device)
+            else:
+                prev = self.tokens[batch, :, step - 1:step]
+                got = prev.to(device), (self.lens[batch] + step - 1).view(-1, 1).to(device)
+            self._inputs[key] = got
+        return self._inputs[key]
 
     def emit(self, step: int, batch: int, logits: torch.Tensor, sampler) -> None:
         """Record a batch's logits (b, vocab) of `step` and the token the sampler picks from them."""

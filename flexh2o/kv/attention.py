@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from flexh2o.compress.codec import assign, expand
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.tensors import moved
 
 
 WORKSPACE = 16 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
@@ -81,7 +82,7 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     free for the next step).
     """
     dev, home = blk.pos.device, q.device
-    q, k, v, cur_pos = q.to(dev), k.to(dev), v.to(dev), cur_pos.to(dev)
+    q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv, slots = blk.pos.shape[1:]
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
@@ -92,6 +93,11 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     out = torch.empty(b, kv, n // kv, d, dtype=q.dtype, device=dev)
     att_sum = None if whole or not policy.needs_scores else torch.zeros(b, kv, slots, device=dev)
     for r0, r1, used in segments:
+        if not policy.needs_scores:  # no scores wanted: one fused kernel, the query heads of a KV head as rows
+            keep = (blk.pos[r0:r1, :, :used] >= 0)[:, :, None]  # every row holds at least the token just appended
+            out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
+                                                        attn_mask=keep)
+            continue
         att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float() * d ** -0.5
         att = att.masked_fill((blk.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)  # (r, kv, g, s)
         out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), values[r0:r1, :, :used])
@@ -103,7 +109,7 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
         policy.accumulate(blk.score, att_sum)  # (b, kv, slots): 0 on every slot past a segment's used ones
     values = expand(blk.v, torch.float32) if policy.needs_values else None  # what the cache holds
     blk.evict(policy.decode_evict(blk.pos, blk.score, layer, cur_pos, values))
-    return out.reshape(b, n, 1, d).to(home)
+    return moved(out.reshape(b, n, 1, d), home)
 
 
 def used_segments(pos: torch.Tensor) -> list:

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from flexh2o.storage.base import Tier, nbytes_of, scatter_slots
+from flexh2o.tensors import moved
 
 
 class MemoryTier(Tier):
@@ -24,7 +25,7 @@ class MemoryTier(Tier):
 
     def load(self, handle: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         self.bytes_loaded += handle.numel() * handle.element_size()
-        return handle.to(device=device, dtype=dtype or handle.dtype, non_blocking=True)
+        return moved(handle, torch.device(device), dtype, non_blocking=True)
 
     def store(self, handle: torch.Tensor, tensor: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
         if tensor.data_ptr() == handle.data_ptr() and tensor.dtype == handle.dtype:
