@@ -48,17 +48,29 @@ def ragged_prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list:
 
 def _fixture_profiles(cache: str) -> None:
     """`--hardware auto` finds a profile of this machine without measuring one (a minute) in CI: the shipped CPU
-    profile's figures under this machine's fingerprint, for the thread counts tests run with."""
+    profile's figures under this machine's fingerprint, for the thread counts tests run with; and a fixed dtype
+    probe under the same fingerprints (tests that test the probe itself monkeypatch it or use their own dir)."""
     import json
     from flexh2o.planning import machine, profile_cache
     from flexh2o.planning.hardware import load_profile
     prof = load_profile("cpu_measured")
     fp = machine.fingerprint("cpu")
+    from flexh2o.planning import dtype_choice
     for threads in {1, os.cpu_count(), torch.get_num_threads()}:
         here = {**fp, "threads": threads}
         path = os.path.join(cache, profile_cache.profile_file("cpu", here))
         with open(path, "w") as f:
             json.dump({**prof, "name": "test-fixture", "fingerprint": here}, f)
+        probe = os.path.join(cache, f"dtype_probe-v{dtype_choice.PROBE_VERSION}-{machine.fingerprint_key(here)}.json")
+        with open(probe, "w") as f:  # fixed timings: dtype choices (and their notes) must not follow the load
+            json.dump({"version": dtype_choice.PROBE_VERSION, "fingerprint": here, "timings": FIXTURE_PROBE}, f)
+
+
+# a dtype probe where fp32 is fastest and no pair is 2x slower (so no "note:" line), bf16 decode not worth it
+FIXTURE_PROBE = {"decode": {"float32": 0.010, "bfloat16": 0.0125, "float16": 0.015},
+                 "prefill": {"float32": 0.002, "bfloat16": 0.0035, "float16": 0.0038},
+                 "convert": {f"{a}->{b}": 0.002 for a in ("float32", "bfloat16", "float16")
+                             for b in ("float32", "bfloat16", "float16") if a != b and "float32" in (a, b)}}
 
 
 @pytest.fixture(scope="session", autouse=True)
