@@ -150,3 +150,41 @@ def test_stage_layers_without_torchrun_is_refused(tiny, capsys):
     assert cli.main(["--path", str(d / "conv"), "--stage-layers", "2,2", "--gen-len", "2", "--prompt-len", "4",
                      "--no-warmup"]) == 2
     assert "names 2 stages but 1 ranks run" in capsys.readouterr().err
+
+
+def _stage_weight_bytes(d, counts: list) -> list:
+    """fp32 weight bytes of each stage, summed from the model's per-layer tensor list (not from a plan)."""
+    from flexh2o import config
+    from flexh2o.models import layer_specs
+    specs = layer_specs(config.load_converted_config(str(d / "conv")))
+    cuts = [0, 1 + counts[0], len(specs)]  # stage 0: embedding + its decoder layers; stage 1: the rest + head
+    return [4 * sum(s.numel for layer in specs[cuts[i]:cuts[i + 1]] for s in layer) for i in range(2)]
+
+
+def test_a_dry_run_under_torchrun_prints_each_ranks_own_stage_plan(tiny, offload_dir):
+    from flexh2o.units import fmt_bytes
+    d, _, _ = tiny
+    rc, stdout, stderr = _finish(_torchrun(["--path", str(d / "conv"), "--dry-run", "--stage-layers", "1,3",
+                                            "--percent", "0", "100", "100", "0", "--prompt-len", "7", "--gen-len",
+                                            "4", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--gpu-mem",
+                                            "1GB", "--cpu-mem", "1GB"], offload_dir))
+    assert rc == 0, stderr
+    blocks = {b.split(",")[0]: b for b in ("\n" + stdout).split("\nrank ")[1:]}
+    assert sorted(blocks) == ["0 of 2", "1 of 2"], stdout
+    assert "stage 0: embedding, decoder layers 0..0 " in blocks["0 of 2"]
+    assert "stage 1: decoder layers 1..3, head " in blocks["1 of 2"]
+    for (name, block), weights in zip(sorted(blocks.items()), _stage_weight_bytes(d, [1, 3])):
+        cpu = [line.split() for line in block.splitlines() if line.startswith("cpu ")][0]
+        assert " ".join(cpu[1:3]) == fmt_bytes(weights), (name, block)  # this stage's weights, all on the cpu tier
+        assert "\nfits\nlargest --gpu-batch-size that fits: full " in block, block
+    assert not _run_dirs(offload_dir)  # a dry run allocates nothing
+
+
+def test_a_bad_split_in_a_dry_run_under_torchrun_is_one_line_and_exit_2(tiny, capsys, monkeypatch):
+    d, _, _ = tiny
+    for rank in ("0", "1"):  # no process group is joined: every rank refuses the split alike
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert cli.main(["--path", str(d / "conv"), "--stage-layers", "2,3", "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--stage-layers 2,3" in err[0] and "sum to the 4 decoder layers" in err[0], err

@@ -12,8 +12,8 @@ import torch
 
 from flexh2o import config as model_configs
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
+from flexh2o.cli.plan_text import describe_plan, describe_stage_plan
 from flexh2o.units import parse_bytes
-from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
@@ -98,6 +98,10 @@ def _run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     prompts = load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None
     rc = build_run_config(args, cfg, prompts)
+    if args.dry_run and launched_by_torchrun():  # each rank: its own stage's plan (no cost-model prediction)
+        _note(args)
+        print(describe_stage_plan(rc, args.stage_layers), flush=True)
+        return 0
     hw, hw_label = _hardware(args, rc)
     if args.policy == "auto":
         rc = _auto_policy(args, rc, hw)
@@ -276,25 +280,6 @@ def _capacities(args, device: str) -> tuple:
     if not getattr(args, "dry_run", False):  # a dry run may plan for a larger machine (e.g. the paper's 208 GB)
         check_host_capacity(device, caps[0], caps[1])
     return caps
-
-
-def describe_plan(rc: RunConfig) -> str:
-    plan = plan_memory(rc)
-    lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
-             f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv.describe()}"
-             f"  cache slots {rc.cache_slots()}" + _compression_note(rc), plan.describe()]
-    over = plan.overflow()
-    lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
-    lines.append(f"largest --gpu-batch-size that fits: {rc.kv.policy} {largest_batch(rc)}")
-    if rc.kv.policy != "full":
-        lines[-1] += f", full {largest_batch(rc.with_(kv=KVSpec()))}"
-    return "\n".join(lines)
-
-
-def _compression_note(rc: RunConfig) -> str:
-    parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
-             (("weights", rc.compress_weight), ("cache", rc.compress_cache)) if spec]
-    return f"  compressed {', '.join(parts)}" if parts else ""
 
 
 if __name__ == "__main__":

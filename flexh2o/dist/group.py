@@ -21,6 +21,19 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
 
 
+def env_rank() -> tuple:
+    """(rank, world size) from torchrun's environment, before (or without) joining the process group."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def rank_device(device: str) -> torch.device:
+    """This rank's compute device: on CUDA one device per local rank, else the device named."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return dev
+
+
 @dataclass
 class StageGroup:
     """This rank in the job: `control` is a gloo group for small objects whatever the data backend."""
@@ -35,9 +48,8 @@ class StageGroup:
     def start(device: str, timeout_s: float) -> "StageGroup":
         """Join the job torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): NCCL when compute is on
         CUDA (one device per local rank), else gloo."""
-        dev = torch.device(device)
+        dev = rank_device(device)
         if dev.type == "cuda":
-            dev = torch.device("cuda", local_rank() % torch.cuda.device_count())
             torch.cuda.set_device(dev)
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

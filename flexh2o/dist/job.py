@@ -7,7 +7,7 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.console import one_line
-from flexh2o.dist.group import StageGroup, local_rank, terminate_as_interrupt
+from flexh2o.dist.group import StageGroup, env_rank, local_rank, rank_device, terminate_as_interrupt
 from flexh2o.dist.pipe import StagePipe, stage_config
 from flexh2o.dist.split import Stage, parse_stage_layers, split_stages
 from flexh2o.dist.transport import Ring
@@ -60,6 +60,15 @@ def preflight(group: StageGroup, rc: RunConfig, stage_layers: Optional[str]) -> 
     except ValueError as e:
         raise Refusal(str(e)) from None
     return stage, src
+
+
+def dry_run_stage(rc: RunConfig, stage_layers: Optional[str]) -> tuple:
+    """--dry-run under torchrun: (this rank's Stage, its RunConfig, its plan function rc -> MemoryPlan). No process
+    group is joined: the split is the same on every rank, so a bad split is refused on each one alike."""
+    rank, world = env_rank()
+    counts = parse_stage_layers(stage_layers) if stage_layers else None
+    stage = split_stages(rc.model, world, counts)[rank]
+    return stage, stage_config(rc, stage, rank_device(rc.device)), lambda r: stage_memory_plan(r, stage)
 
 
 def stage_generate(eng: Engine, group: StageGroup, stage: Stage, prompts: list, gen_len: int, timeout_s: float,

@@ -115,10 +115,11 @@ def working_bytes(rc: RunConfig, where: Placement) -> int:
     return weights + cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
 
 
-def largest_batch(rc: RunConfig, limit: int = 1 << 20) -> int:
+def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> int:
     """Largest --gpu-batch-size up to `limit` that fits every tier (0 when even 1 does not). The one batch search:
-    --gpu-batch-size auto, --dry-run and the policy search use it."""
-    return largest_passing(lambda b: plan_memory(rc.with_(gpu_batch_size=b)).overflow() is None, limit)
+    --gpu-batch-size auto, --dry-run and the policy search use it; `plan_of` (rc -> MemoryPlan) is a pipeline
+    stage's plan under torchrun."""
+    return largest_passing(lambda b: plan_of(rc.with_(gpu_batch_size=b)).overflow() is None, limit)
 
 
 def largest_passing(ok, limit: int) -> int:
