@@ -188,3 +188,22 @@ def test_a_bad_split_in_a_dry_run_under_torchrun_is_one_line_and_exit_2(tiny, ca
         assert cli.main(["--path", str(d / "conv"), "--stage-layers", "2,3", "--dry-run"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--stage-layers 2,3" in err[0] and "sum to the 4 decoder layers" in err[0], err
+
+
+def test_a_run_dir_being_born_is_never_taken_for_a_killed_runs(tmp_path, monkeypatch):
+    """Two ranks on one machine start at once with one --offload-dir: when the owner takes its lock, a sweeper
+    looking at that moment must not see a free lock file (it would remove the directory being born)."""
+    from flexh2o.storage import dirlock, offload_dir
+    real_flock, seen = dirlock.fcntl.flock, []
+
+    def flock(fd, op):
+        if not seen:  # the owner's own lock: what would a sweeper see right now?
+            seen.append([n for n in os.listdir(tmp_path)])
+            seen.append(offload_dir.remove_stale_run_dirs(str(tmp_path)))
+        return real_flock(fd, op)
+    monkeypatch.setattr(dirlock.fcntl, "flock", flock)
+    run = offload_dir.make_run_dir(str(tmp_path))
+    monkeypatch.undo()
+    assert seen[1] == [] and os.path.isdir(run.path), seen
+    assert offload_dir.lock_state(run.path) is True
+    run.remove()

@@ -44,7 +44,10 @@ def make_locked_dir(parent: str, staging_prefix: str, final_name=None) -> Locked
     """mkdtemp(prefix=staging_prefix) in parent, lock it, and rename it to final_name(staging basename) if given."""
     path = tempfile.mkdtemp(prefix=staging_prefix, dir=parent)
     try:
-        fd = _lock(os.path.join(path, LOCK_FILE))
+        fd = _lock(os.path.join(path, LOCK_FILE + ".new"))
+        # the lock file gets its name only once locked: a sweeper (another rank starting at the same moment) never
+        # sees a free lock in a directory being born (it would take it for a killed owner's and remove it)
+        os.rename(os.path.join(path, LOCK_FILE + ".new"), os.path.join(path, LOCK_FILE))
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise
