@@ -50,7 +50,7 @@ class DtypeChoice:
     decode: Optional[torch.dtype] = None  # decode steps' compute dtype when it differs from `compute`
 
 
-def _median_s(fn: Callable[[], object], repeat: int = 3) -> float:
+def _fastest_s(fn: Callable[[], object], repeat: int = 3) -> float:
     """The fastest of `repeat` timed calls after a warm-up (the probe compares dtypes: another process's burst in one
     candidate's timing must not decide the choice)."""
     fn()
@@ -72,13 +72,13 @@ def probe_timings() -> dict:
     for d in CANDIDATES:
         x1 = torch.randn(DECODE_ROWS, PROBE_SHAPE[1]).to(d)
         xp = torch.randn(PREFILL_ROWS, PROBE_SHAPE[1]).to(d)
-        out["decode"][dtype_name(d)] = _median_s(lambda: [F.linear(x1, w) for w in ws[d]])
-        out["prefill"][dtype_name(d)] = _median_s(lambda: F.linear(xp, ws[d][0]))
+        out["decode"][dtype_name(d)] = _fastest_s(lambda: [F.linear(x1, w) for w in ws[d]])
+        out["prefill"][dtype_name(d)] = _fastest_s(lambda: F.linear(xp, ws[d][0]))
     for src in CANDIDATES:
         for dst in CANDIDATES:
             if src != dst and torch.float32 in (src, dst):  # never between two 16-bit dtypes
                 buf = torch.empty(PROBE_SHAPE, dtype=dst)
-                out["convert"][f"{dtype_name(src)}->{dtype_name(dst)}"] = _median_s(
+                out["convert"][f"{dtype_name(src)}->{dtype_name(dst)}"] = _fastest_s(
                     lambda: [buf.copy_(w) for w in ws[src]])
     return out
 
@@ -105,9 +105,6 @@ def estimate(timings: dict, rc, storage: torch.dtype, compute: torch.dtype,
     decode steps in `decode` (default: compute), from the probe (see the module docstring): a phase whose compute
     dtype differs from the storage converts the weights once per step."""
     s, c, d = dtype_name(storage), dtype_name(compute), dtype_name(decode or compute)
-
-    def convert(dst: str) -> float:
-        return 0.0 if s == dst else timings["convert"].get(f"{s}->{dst}", float("inf"))
     per_row = timings["prefill"][c] * PROBE_WEIGHTS / PREFILL_ROWS  # prefill seconds per row over all weights
     # a decode step: the weights' read at DECODE_ROWS rows, or more rows at the cheaper of the two per-row costs
     # (fp32 gets cheaper per row with more rows; bf16 on a CPU without bf16 units does not)
@@ -115,7 +112,18 @@ def estimate(timings: dict, rc, storage: torch.dtype, compute: torch.dtype,
     per_row_d = min(timings["prefill"][d] * PROBE_WEIGHTS / PREFILL_ROWS, dec / DECODE_ROWS)
     step = max(dec, per_row_d * rc.gpu_batch_size) * rc.num_gpu_batches
     prefill = per_row * rc.num_seqs * rc.prompt_len
-    return convert(c) + prefill + (rc.gen_len - 1) * (convert(d) + step)
+    return _convert_s(timings, s, c) + prefill + (rc.gen_len - 1) * (_convert_s(timings, s, d) + step)
+
+
+def _convert_s(timings: dict, src: str, dst: str) -> float:
+    """Probe seconds of converting the weights from dtype name `src` to `dst` (0 when they are the same)."""
+    return 0.0 if src == dst else timings["convert"].get(f"{src}->{dst}", float("inf"))
+
+
+def options(rc, storage: Optional[torch.dtype], compute: Optional[torch.dtype]) -> list:
+    """(storage, compute, decode) triples open to the choice: allowed_pairs with each pair's decode_options."""
+    return [(s, c, d) for s, c in allowed_pairs(rc, storage, compute)
+            for d in decode_options(s, c, compute is not None)]
 
 
 def decode_options(storage: torch.dtype, compute: torch.dtype, explicit_compute: bool) -> list:
@@ -139,15 +147,12 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
         return _cuda_choice(rc, storage, compute)
     timings, cached = (probe or cached_probe)()
     fits = fits or (lambda r: _plan_fits(r))
-    triples = [(s, c, d) for s, c in allowed_pairs(rc, storage, compute)
-               for d in decode_options(s, c, compute is not None)]
-    ranked = sorted(triples, key=lambda t: estimate(timings, rc, *t))
+    ranked = sorted(options(rc, storage, compute), key=lambda t: estimate(timings, rc, *t))
     s, c, d = next((t for t in ranked if fits(rc.with_(dtype=t[0], compute_dtype=t[1]))), ranked[0])
     mine = estimate(timings, rc, s, c, d)
     others = {}
-    for s2, c2 in allowed_pairs(rc, storage, None):
-        for d2 in decode_options(s2, c2, False):
-            others[dtype_name(c2)] = min(others.get(dtype_name(c2), float("inf")), estimate(timings, rc, s2, c2, d2))
+    for s2, c2, d2 in options(rc, storage, None):
+        others[dtype_name(c2)] = min(others.get(dtype_name(c2), float("inf")), estimate(timings, rc, s2, c2, d2))
     reason = (f"compute {dtype_name(c)} ({'explicit' if compute else 'auto'}; probe{' (cached)' if cached else ''} "
               "of this CPU, relative linear time " + ", ".join(f"{k} {v / mine:.2f}" for k, v in others.items())
               + f"), storage {dtype_name(s)} ({'explicit' if storage else _storage_why(rc, s, c)})")
@@ -159,8 +164,7 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
         reason += f"; {dtype_name(ranked[0][0])}/{dtype_name(ranked[0][1])} would not fit"
     note = None
     if storage is not None or compute is not None:
-        best = min(((s2, c2, d2) for s2, c2 in allowed_pairs(rc, None, None) for d2 in decode_options(s2, c2, False)),
-                   key=lambda t: estimate(timings, rc, *t))
+        best = min(options(rc, None, None), key=lambda t: estimate(timings, rc, *t))
         ratio = mine / estimate(timings, rc, *best)
         if ratio >= NOTE_RATIO:
             note = (f"note: --dtype {dtype_name(s)} --compute-dtype {dtype_name(c)} is about {ratio:.1f}x slower "
@@ -171,8 +175,7 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
 
 def estimate_step(timings: dict, storage: torch.dtype, dtype: torch.dtype) -> float:
     """Probe seconds of one decode step's linears computing in `dtype` from weights stored in `storage`."""
-    s, d = dtype_name(storage), dtype_name(dtype)
-    return (0.0 if s == d else timings["convert"].get(f"{s}->{d}", float("inf"))) + timings["decode"][d]
+    return _convert_s(timings, dtype_name(storage), dtype_name(dtype)) + timings["decode"][dtype_name(dtype)]
 
 
 def fastest_uniform(batch: int, prompt_len: int, gen_len: int, probe: Optional[Callable[[], tuple]] = None) -> str:

@@ -23,9 +23,9 @@ from flexh2o.planning.machine import fingerprint, load_now
 
 
 def median_time(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
-    """The fastest of the lower half of `repeat` timed calls of fn after one warm-up call: a rate the machine
-    reaches, not one another process's burst imposed (the median of the best half; the median alone drifted 2-5x
-    with other processes on the cores)."""
+    """The median of the faster half of `repeat` timed calls of fn after one warm-up call: a rate the machine
+    reaches, not one another process's burst imposed (the plain median drifted 2-5x with other processes on the
+    cores)."""
     fn()
     sync()
     times = []
