@@ -113,3 +113,24 @@ def test_phases_choose_their_path(opt_model, offload_dir):
     torch.testing.assert_close(got[:, 0], want[:, 0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[:, 1:], want[:, 1:], atol=float(want.abs().max()) * 2 ** -6, rtol=2 ** -6)
     assert (got[:, 1:] - want[:, 1:]).abs().max() > 1e-5
+
+
+def test_eval_passes_weight_kernel():
+    """flexh2o-eval reads --weight-kernel as flexh2o-run does and its engine runs follow it: int4 runs the kernel
+    (within its rounding of the generic path on the same stored weights), off groups along dimension 0."""
+    from dataclasses import replace
+
+    from flexh2o.cli import eval as eval_cli
+    from flexh2o.eval.common import EvalModel, forced_run
+    prompts = ragged_prompts(2, 12, TINY.vocab, seed=4)
+    targets = torch.randint(3, TINY.vocab, (2, GEN), generator=torch.Generator().manual_seed(5))
+    models = {}
+    for flag in ("int4", "off"):
+        models[flag] = EvalModel("_DUMMY_", TINY, None, torch.float32)
+        eval_cli.set_run_options(models[flag], eval_cli.build_parser().parse_args(
+            ["ppl", "--compress-weight", "--weight-kernel", flag]))
+    assert (models["int4"].weight_kernel, models["int4"].compress_weight.group_dim) == ("int4", 1)
+    assert (models["off"].weight_kernel, models["off"].compress_weight.group_dim) == ("generic", 0)
+    kernel = forced_run(models["int4"], "h2o", 6, prompts, targets).logprob
+    generic = forced_run(replace(models["int4"], weight_kernel="generic"), "h2o", 6, prompts, targets).logprob
+    assert 1e-6 < (kernel - generic).abs().max() < 0.05

@@ -10,7 +10,7 @@ import time
 from typing import Optional
 
 from flexh2o.cli.console import Parser, run_main
-from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
+from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags
 from flexh2o.eval.common import EVICTING, TEXTS
 
@@ -78,8 +78,7 @@ def _run(args, argv: list) -> int:
         from flexh2o.planning.dtype_choice import fastest_uniform
         args.dtype = fastest_uniform(1, 512, 1)  # teacher-forced scoring: prefill-shaped
     model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed)
-    model.num_sinks, model.hh_decay = args.num_sinks, args.hh_decay
-    model.compress_weight, model.compress_cache = compression_specs(args)
+    set_run_options(model, args)
     start = time.perf_counter()
     if args.task == "ppl":
         from flexh2o.eval.ppl import format_ppl, plot_ppl, run_ppl
@@ -93,7 +92,8 @@ def _run(args, argv: list) -> int:
     out = result.to_dict()
     out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
                compress_cache=args.compress_cache, compress_bits=args.compress_bits,
-               compress_group_size=args.compress_group_size, seconds=round(seconds, 1), argv=argv)
+               compress_group_size=args.compress_group_size, weight_kernel=args.weight_kernel,
+               seconds=round(seconds, 1), argv=argv)
     path = args.out or f"eval-{args.task}.json"
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
@@ -103,6 +103,13 @@ def _run(args, argv: list) -> int:
         done = plot_ppl(result, args.plot)
         print(f"plot: {done}" if done else "plot skipped: matplotlib is not installed")
     return 0
+
+
+def set_run_options(model, args) -> None:
+    """The engine options of an EvalModel from the flags shared with flexh2o-run (cli/compress_flags.py)."""
+    model.num_sinks, model.hh_decay = args.num_sinks, args.hh_decay
+    model.compress_weight, model.compress_cache = compression_specs(args)
+    model.weight_kernel = weight_kernel_mode(args)
 
 
 def _settings(args):

@@ -40,8 +40,9 @@ class EvalModel:
     dtype: torch.dtype = torch.bfloat16
     num_sinks: int = 4
     seed: int = 0
-    compress_weight: Optional[CompressionSpec] = None  # --compress-weight (grouped along dimension 0)
+    compress_weight: Optional[CompressionSpec] = None  # --compress-weight (grouping as compression_specs says)
     compress_cache: Optional[CompressionSpec] = None  # --compress-cache (grouped along head_dim)
+    weight_kernel: str = "auto"  # RunConfig.weight_kernel, from --weight-kernel as flexh2o-run reads it
     hh_decay: float = DEFAULT_DECAY
 
 
@@ -145,6 +146,7 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
                    dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
                    max_positions=max(model.cfg.max_positions, prompt_len + steps), prefill_batch=prefill_batch,
                    compress_weight=model.compress_weight, compress_cache=model.compress_cache,
+                   weight_kernel=model.weight_kernel,
                    overlap=False)  # everything lives in one tier: no I/O to overlap, no thread hand-offs
     scorer = TeacherForcer(targets)
     with Engine(rc) as eng:
