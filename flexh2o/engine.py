@@ -27,6 +27,7 @@ from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, L
 from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
 from flexh2o.storage.factory import make_tiers
+from flexh2o.weights.forms import in_kernel_order, kernel_layout
 from flexh2o.weights.store import WeightStore
 
 
@@ -48,22 +49,24 @@ class Engine:
     """Holds the weights in their tiers for the engine's lifetime; use as a context manager (cleans up files)."""
 
     def __init__(self, rc: RunConfig, on_progress: Optional[Callable] = None):
-        plan = plan_memory(rc)
+        plan = plan_memory(rc)  # the least memory the weights can take (weights/forms.py: planned_kernel)
         plan.check()
-        self.rc, self.cfg, self.plan = rc, rc.model, plan
+        self.rc, self.cfg = rc, rc.model
         self.family = models.family(rc.model)
         self.device = torch.device(rc.device)
         self.policy = rc.kv.make()  # the run's one policy object
+        usable = kernel_layout(rc) and kernel_available(rc.device)
+        if rc.weight_kernel == "int4" and not usable:
+            raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
+                             "(use --weight-kernel auto)")
+        self.kernel = self._kernel_phases(usable)
+        self.plan = plan_memory(rc, kernel=self.kernel)  # as the phases take the weights
+        self.plan.check()
         self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
-        self.weights, self.kernel = None, dict.fromkeys(PHASES, False)
-        try:
-            cw = rc.compress_weight  # grouped along the input dimension: kept in the int4 kernel's order
-            kernel_order = cw is not None and cw.group_dim == 1 and kernel_available(rc.device)
-            if rc.weight_kernel == "int4" and not kernel_order:
-                raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
-                                 "(use --weight-kernel auto)")
-            self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight, kernel_order)
-            self.kernel = self._kernel_phases()
+        self.weights = None
+        try:  # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
+            self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight,
+                                       kernel_layout(rc))
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:
@@ -73,18 +76,20 @@ class Engine:
             self.close()
             raise
 
-    def _kernel_phases(self) -> dict:
-        """phase -> True where the decoder blocks' matmuls run the int4 kernel (compress/choice.py)."""
-        rc, names = self.rc, self.weights.kernel_order
+    def _kernel_phases(self, usable: bool) -> dict:
+        """phase -> True where the decoder blocks' matmuls run the int4 kernel (compress/choice.py); a phase is
+        expanded only where the memory plan fits it."""
+        rc = self.rc
+        layers = rc.placement.weights.layer_specs
+        names = [s for layer in layers for s in layer if in_kernel_order(s, rc.compress_weight, usable)]
         if not names:
             return dict.fromkeys(PHASES, False)
-        layers = rc.placement.weights.layer_specs
-        shapes = [s.shape for layer in layers[1:-1] for s in layer if s.name in names]  # the blocks' matmuls
-        shape = max(shapes or [s.shape for layer in layers for s in layer if s.name in names],
-                    key=lambda sh: sh[0] * sh[1])
+        blocks = [s for layer in layers[1:-1] for s in layer if s in names]  # the blocks' matmuls
+        shape = max((s.shape for s in blocks or names), key=lambda sh: sh[0] * sh[1])
         rows = {"prefill": rc.prefill_rows() * rc.prompt_len, "decode": rc.gpu_batch_size}
         dtypes = {"prefill": rc.compute_at(0), "decode": rc.compute_at(1)}
-        return kernel_phases(rc.weight_kernel, shape, rows, rc.compress_weight, dtypes)
+        return kernel_phases(rc.weight_kernel, shape, rows, rc.compress_weight, dtypes,
+                             lambda kernel: plan_memory(rc, kernel=kernel).overflow() is None)
 
     def close(self) -> None:
         if self.weights is not None:

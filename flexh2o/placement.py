@@ -146,20 +146,18 @@ class WeightHomes:
             self._memo[key] = out
         return dict(self._memo[key])
 
+    def derived(self, key, compute):
+        """A value derived from these homes, computed by compute(self) on first use and kept under `key`."""
+        if key not in self._memo:
+            self._memo[key] = compute(self)
+        return self._memo[key]
+
     def unique_specs(self) -> list:
         seen: dict = {}
         for layer in self.layer_specs:
             for s in layer:
                 seen.setdefault(s.name, s)
         return list(seen.values())
-
-    def layer_numel(self, off_tier: str = "") -> list:
-        """Per layer index, elements of its weights (only those not homed on `off_tier`, when given)."""
-        key = ("layer", off_tier)
-        if key not in self._memo:
-            self._memo[key] = [sum(s.numel for s in layer if self.homes[s.name] != off_tier)
-                               for layer in self.layer_specs]
-        return list(self._memo[key])
 
 
 @dataclass(frozen=True)

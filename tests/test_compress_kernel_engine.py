@@ -93,7 +93,7 @@ def test_kernel_order_keeps_the_bytes_and_the_kernel_gets_packed_weights(offload
     with Engine(_rc(TINY, [0, 0, 100, 0], offload_dir, "int4")) as eng:
         assert eng.tiers["disk"].used == sum(stored_bytes(s.shape, torch.float32, weight_spec(s.shape, SPEC))
                                              for s in unique)
-        tensors, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, packed=True)
+        tensors, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, {"decode": True}, "decode")
         assert isinstance(tensors["model.decoder.layers.0.fc1.weight"], PackedWeight)
         assert isinstance(tensors["model.decoder.layers.0.fc1.bias"], torch.Tensor)
         eng.weights.release(tensors)

@@ -86,10 +86,15 @@ def test_probe_times_both_paths_per_phase():
         kernel_phases("fast", (64, 128), {}, CompressionSpec(4, 64, 1), f32)
 
 
-def test_packed_weight_rows_equal_the_expanded_table():
-    """Embedding lookups from a PackedWeight expand only the row blocks they need, exactly as the generic path."""
+@pytest.mark.parametrize("blocks_at_once", [1, 2, 8])
+def test_packed_weight_rows_equal_the_expanded_table(monkeypatch, blocks_at_once):
+    """Embedding lookups from a PackedWeight expand only the row blocks they need, a few blocks at a time (the
+    buffer the memory plan reserves), exactly as the generic path."""
+    from flexh2o.compress import kernels
+    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", blocks_at_once * kernels.ROW_BLOCK * 64)
     g = torch.Generator().manual_seed(5)
     ct = to_kernel_order(quantize(torch.randn(128, 64, generator=g), CompressionSpec(4, 64, 1)))
     ids = torch.tensor([[3, 100, 3], [127, 0, 64]])
     table = expand_kernel_order(ct, torch.empty(128, 64))
     assert torch.equal(PackedWeight.from_stored(ct).rows(ids), torch.nn.functional.embedding(ids, table))
+    assert kernels.rows_buffer_bytes((128, 64)) == min(4, blocks_at_once) * kernels.ROW_BLOCK * 64 * 4

@@ -72,7 +72,8 @@ def test_mission_dry_run_reports_the_larger_batch(capsys):
     _, plain = batches([])
     out, packed = batches(["--compress-weight", "--compress-cache"])
     assert "compressed weights 4-bit/64, cache 4-bit/64" in out
-    assert packed["h2o"] > 2 * plain["h2o"] and packed["full"] > 2 * plain["full"], (plain, packed)
+    # the int4 kernel's decode keeps no expanded copy of a layer (weights/forms.py): 35 -> 125, 14 -> 55
+    assert packed["h2o"] > 3 * plain["h2o"] and packed["full"] > 3 * plain["full"], (plain, packed)
 
 
 def test_cost_model_reads_compressed_weights_from_disk():

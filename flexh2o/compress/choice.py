@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +24,27 @@ PROBE_ROWS = 2048  # output rows of the probe weight (a slice of the real shape 
 ROUNDS = 3
 
 
-def kernel_phases(mode: str, shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict) -> dict:
+def kernel_phases(mode: str, shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict,
+                  fits: Callable[[dict], bool] = lambda kernel: True) -> dict:
     """phase -> True where that phase's block matmuls run the kernel. rows: phase -> rows multiplied at once;
-    shape: the largest weight stored in the kernel's order; dtypes: phase -> its compute dtype."""
+    shape: the largest weight stored in the kernel's order; dtypes: phase -> its compute dtype. Under auto, the
+    probe's faster path, by `forced_by_memory`."""
     if mode not in MODES:
         raise ValueError(f"--weight-kernel {mode}: choose one of {', '.join(MODES)}")
     if mode != "auto":
         return {p: mode == "int4" for p in PHASES}
     times = probe((min(shape[0], PROBE_ROWS), shape[1]), rows, spec, dtypes)
-    return {p: times[p]["int4"] < times[p]["generic"] for p in PHASES}
+    return forced_by_memory({p: times[p]["int4"] < times[p]["generic"] for p in PHASES}, fits)
+
+
+def forced_by_memory(faster: dict, fits: Callable[[dict], bool]) -> dict:
+    """`faster` (phase -> True where the kernel is faster), with the kernel also at the phases (prefill first)
+    whose expanded weights would not fit: fits(kernel) says whether the memory plan fits that choice."""
+    kernel = dict(faster)
+    for phase in PHASES:
+        if not kernel[phase] and not fits(kernel):
+            kernel[phase] = True
+    return kernel
 
 
 def probe(shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict) -> dict:

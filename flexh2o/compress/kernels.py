@@ -15,16 +15,35 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize
+from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, stored_bytes
 
 KERNEL_GROUPS = (32, 64, 128, 256)
 ROW_BLOCK = 32  # output rows per block of the kernel's packed order
+ROWS_ELEMENTS = 1 << 20  # a lookup expands its row blocks this many fp32 elements at a time (4 MiB)
 
 
 def kernel_shape_ok(shape: tuple, spec: Optional[CompressionSpec]) -> bool:
     """Whether a weight of `shape` stored under `spec` can be held in the int4 kernel's order."""
     return (spec is not None and spec.bits == 4 and len(shape) == 2 and spec.dim(2) == 1
             and spec.group_size in KERNEL_GROUPS and shape[0] % ROW_BLOCK == 0 and shape[1] % spec.group_size == 0)
+
+
+def packed_bytes(shape: tuple, dtype: torch.dtype, spec: CompressionSpec) -> int:
+    """Bytes of the PackedWeight of a (N, K) weight stored as `dtype` under `spec`: its stored data and meta, and
+    the kernel's bf16 scales and zeros (K / group, N, 2)."""
+    n, k = shape
+    return stored_bytes(tuple(shape), dtype, spec) + n * (k // spec.group_size) * 2 * 2
+
+
+def rows_buffer_bytes(shape: tuple) -> int:
+    """Bytes of the fp32 buffer a lookup in a (N, K) PackedWeight expands its row blocks into (PackedWeight.rows)."""
+    n, k = shape
+    return min(n, _rows_chunk(k) * ROW_BLOCK) * k * 4
+
+
+def _rows_chunk(k: int) -> int:
+    """Row blocks of a K-wide table expanded at once by a lookup."""
+    return max(1, ROWS_ELEMENTS // (ROW_BLOCK * k))
 
 
 def kernel_available(device) -> bool:
@@ -111,15 +130,23 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) of the expanded weight, (*ids.shape, K) in `dtype`, exactly as the generic path
-        expands them: only the blocks of 32 rows holding them are expanded."""
+        expands them: only the blocks of 32 rows holding them are expanded, a few at a time (rows_buffer_bytes)."""
         n, k = self.meta.shape[0], self.packed.shape[1] * 2
         flat = ids.reshape(-1)
         blocks, inverse = torch.unique(flat // ROW_BLOCK, return_inverse=True)
-        sub = CompressedTensor(self.packed.view(n // ROW_BLOCK, -1)[blocks].view(-1, k // 2),
-                               self.meta.view(n // ROW_BLOCK, -1)[blocks].view(-1, *self.meta.shape[1:]), k,
-                               self.spec)  # (blocks * 32, K / 2)
-        out = expand_kernel_order(sub, torch.empty(len(blocks) * ROW_BLOCK, k, device=ids.device))
-        return out[inverse * ROW_BLOCK + flat % ROW_BLOCK].view(*ids.shape, k).to(self.dtype)
+        data, meta = self.packed.view(n // ROW_BLOCK, -1), self.meta.view(n // ROW_BLOCK, -1)
+        out = torch.empty(flat.numel(), k, dtype=self.dtype, device=ids.device)  # (ids, K)
+        step = _rows_chunk(k)
+        buf = torch.empty(min(len(blocks), step) * ROW_BLOCK, k, device=ids.device)  # (rows of the chunk, K) fp32
+        for start in range(0, len(blocks), step):
+            part = blocks[start:start + step]
+            sub = CompressedTensor(data[part].view(-1, k // 2), meta[part].view(-1, *self.meta.shape[1:]), k,
+                                   self.spec)  # (len(part) * 32, K / 2)
+            table = expand_kernel_order(sub, buf[:len(part) * ROW_BLOCK])
+            pick = ((inverse >= start) & (inverse < start + len(part))).nonzero().squeeze(1)
+            local = (inverse[pick] - start) * ROW_BLOCK + flat[pick] % ROW_BLOCK
+            out[pick] = table[local].to(self.dtype)
+        return out.view(*ids.shape, k)
 
 
 def int4pack_from(ct: CompressedTensor) -> tuple:

@@ -23,7 +23,7 @@ class Buffers:
         """A layer's weights on the compute side in `dtype` (the compute dtype of the step they serve), in the int4
         kernel's form where that step's phase runs it."""
         phase = "prefill" if step == 0 else "decode"
-        tensors, copied = self.weights.load_layer(layer, self.device, dtype, self.kernel.get(phase, False), phase)
+        tensors, copied = self.weights.load_layer(layer, self.device, dtype, self.kernel, phase)
         self.tiers["gpu"].charge(copied)
         self.w[layer] = (tensors, copied)
 

@@ -11,6 +11,7 @@ from flexh2o.models.common import MLP_ELEMENTS
 from flexh2o.placement import TIERS, Placement, tensor_bytes
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
+from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
 
 KINDS = ("weights", "cache", "activations", "buffers")
 PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte int object
@@ -66,8 +67,10 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
-def plan_memory(rc: RunConfig, placement: Optional[Placement] = None) -> MemoryPlan:
-    """Bytes per tier of `rc` (homes from `placement`, by default rc.placement)."""
+def plan_memory(rc: RunConfig, placement: Optional[Placement] = None, kernel: Optional[dict] = None) -> MemoryPlan:
+    """Bytes per tier of `rc` (homes from `placement`, by default rc.placement). kernel: phase -> True where the
+    decoder blocks' matmuls run the int4 kernel (weights/forms.py); by default what the plan assumes before the
+    engine's probe (forms.planned_kernel)."""
     where, plan = placement or rc.placement, MemoryPlan(rc)
     for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
         plan.bytes[tier]["weights"] += nbytes
@@ -76,7 +79,7 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None) -> MemoryP
         plan.bytes[tier]["cache"] = where.blocks_on(tier) * block
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
-    plan.bytes["gpu"]["buffers"] = working_bytes(rc, where)
+    plan.bytes["gpu"]["buffers"] = working_bytes(rc, where, planned_kernel(rc) if kernel is None else kernel)
     plan.bytes["cpu"]["buffers"] = host_bytes(rc)
     return plan
 
@@ -89,13 +92,12 @@ def host_bytes(rc: RunConfig) -> int:
     return rc.num_seqs * per_seq
 
 
-def working_bytes(rc: RunConfig, where: Placement) -> int:
-    """Compute-side buffers: two layers of weights in flight (the one computing and the prefetched one), the cache
-    blocks being built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
+def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
+    """Compute-side buffers: two layers of weights in flight (the one computing and the prefetched one) as each
+    phase takes them (weights/forms.py: copied, expanded or in the int4 kernel's form), the cache blocks being
+    built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
     cfg, c = rc.model, rc.compute.itemsize
-    expanded = rc.dtype != rc.compute or rc.compress_weight  # every weight is copied on the compute side
-    copied = where.weights.layer_numel("" if expanded else "gpu")
-    weights = 2 * max(copied) * c
+    weights = max(2 * max(compute_side_bytes(rc, where.weights, kernel, p)) for p in PHASES)
     g, cpu, _ = rc.percent.shares("cache")
     block = cache_block_bytes(rc)
     attend_on_cpu = rc.cpu_cache_compute and cpu == 100

@@ -12,10 +12,11 @@ from typing import Optional
 import torch
 
 from flexh2o.compress import CompressionSpec, weight_spec
-from flexh2o.compress.kernels import PackedWeight, kernel_shape_ok
+from flexh2o.compress.kernels import PackedWeight
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
 from flexh2o.placement import WeightHomes
+from flexh2o.weights.forms import as_kernel, in_kernel_order
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 
@@ -50,7 +51,7 @@ class WeightStore:
                 if spec is None:
                     self.tiers[s.name] = tiers[home]
                     continue
-                kind = KernelOrderTier if kernel_order and kernel_shape_ok(s.shape, spec) else CompressedTier
+                kind = KernelOrderTier if in_kernel_order(s, compress, kernel_order) else CompressedTier
                 if kind is KernelOrderTier:
                     self.kernel_order.add(s.name)
                 if (kind, home) not in wrapped:
@@ -86,11 +87,13 @@ class WeightStore:
                     seen.add(s.name)
                     yield s.name, s
 
-    def load_layer(self, layer: int, device, dtype: torch.dtype, packed: bool = False, phase: str = "") -> tuple:
+    def load_layer(self, layer: int, device, dtype: torch.dtype, kernel: Optional[dict] = None,
+                   phase: str = "") -> tuple:
         """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are; compressed ones
-        are expanded (into reused buffers on the CPU), or, with `packed`, those in the kernel's order come as
-        PackedWeights for the int4 kernel. Seconds spent reading and expanding add up in seconds[phase]."""
-        out, copied = {}, 0
+        are expanded (into reused buffers on the CPU), or, those in the kernel's order, come as PackedWeights where
+        weights/forms.py says so for `kernel` (phase -> the blocks' matmuls run the int4 kernel) at `phase`.
+        Seconds spent reading and expanding add up in seconds[phase]."""
+        out, copied, last = {}, 0, len(self.specs) - 2
         on_cpu = torch.device(device).type == "cpu"
         read_s = expand_s = 0.0
         for s in self.specs[layer]:
@@ -104,7 +107,7 @@ class WeightStore:
             else:
                 ct = tier.load_compressed(h, device)
                 mid = time.perf_counter()
-                if packed and s.name in self.kernel_order:
+                if s.name in self.kernel_order and as_kernel(layer, last, s, kernel or {}, phase):
                     t = tier.pack(ct, dtype)
                 elif on_cpu:
                     t = tier.expand_into(ct, self.buffers.take(s.shape, dtype))

@@ -1,0 +1,107 @@
+"""Where the int4 kernel runs, the memory plan reserves only what each phase really expands (weights/forms.py):
+the bytes the engine's weight loads copy equal the plan's per-layer figures, the largest batch follows, and under
+--weight-kernel auto a phase is expanded only where the plan still fits it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexh2o.compress import CompressionSpec
+from flexh2o.compress.choice import PHASES, forced_by_memory
+from flexh2o.compress.kernels import PackedWeight, rows_buffer_bytes
+from flexh2o.config import ModelConfig, from_name
+from flexh2o.engine import Engine
+from flexh2o.placement import Percent
+from flexh2o.planning.memory_plan import largest_batch, plan_memory
+from flexh2o.run_config import RunConfig
+from flexh2o.weights.forms import compute_side_bytes, is_lookup
+
+# vocab a multiple of 32: the token table is kept in the kernel's order, 130 positions are not (codec order); a
+# wide MLP makes an expanded block the largest layer
+TINY = ModelConfig("tiny32", "opt", hidden=64, num_layers=2, num_heads=4, ffn=1024, vocab=1024, max_positions=128)
+W1, C4 = CompressionSpec(4, 64, 1), CompressionSpec(4, 64, -1)
+KERNELS = {"both": {"prefill": True, "decode": True}, "decode": {"prefill": False, "decode": True},
+           "none": {"prefill": False, "decode": False}}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rc(offload_dir, **kw) -> RunConfig:
+    base = dict(model=TINY, percent=Percent.parse([0, 100, 100, 0]), gpu_batch_size=3, prompt_len=10, gen_len=4,
+                dtype=torch.float16, offload_dir=offload_dir, compress_weight=W1, weight_kernel="int4")
+    return RunConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_plan_counts_what_the_weight_loads_copy(offload_dir, kernel):
+    """Per layer and phase, the bytes load_layer charges to the compute side are the plan's figure (a lookup's
+    row buffer is reserved on top: it is transient, not charged); the head follows decode, lookups stay packed."""
+    rc = _rc(offload_dir)
+    with Engine(rc) as eng:
+        for phase, step in (("prefill", 0), ("decode", 1)):
+            want = compute_side_bytes(rc, rc.placement.weights, KERNELS[kernel], phase)
+            for layer, specs in enumerate(rc.placement.weights.layer_specs):
+                tensors, copied = eng.weights.load_layer(layer, torch.device("cpu"), rc.compute_at(step),
+                                                         KERNELS[kernel], phase)
+                rows = sum(rows_buffer_bytes(s.shape) for s in specs if is_lookup(layer, s)
+                           and isinstance(tensors[s.name], PackedWeight))
+                assert copied + rows == want[layer], (phase, layer)
+                assert _packed(tensors) == _want_packed(layer, KERNELS[kernel], phase), (phase, layer)
+                eng.weights.release(tensors)
+
+
+def _packed(tensors: dict) -> set:
+    return {name.split(".")[-2] for name, t in tensors.items() if isinstance(t, PackedWeight)}
+
+
+def _want_packed(layer: int, kernel: dict, phase: str) -> set:
+    """Lookups always, the head's table as decode, the blocks' matmuls as their phase (positions: codec order)."""
+    if layer == 0:
+        return {"embed_tokens"}
+    if layer > TINY.num_layers:
+        return {"embed_tokens"} if kernel["decode"] else set()
+    return {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"} if kernel[phase] else set()
+
+
+def _big(weight_kernel="auto", spec=W1, **kw) -> RunConfig:
+    """opt-350m streamed from disk under a small --gpu-mem (its tied vocab table dominates an expanded layer)."""
+    return RunConfig(model=from_name("opt-350m"), percent=Percent.parse([0, 0, 100, 0]), prompt_len=32, gen_len=16,
+                     dtype=torch.float16, gpu_mem=400 << 20, cpu_mem=8 << 30, compress_weight=spec,
+                     compress_cache=C4, weight_kernel=weight_kernel, **kw)
+
+
+def test_buffers_shrink_where_the_kernel_runs_and_the_largest_batch_follows():
+    rc = _big()
+    buffers = {k: plan_memory(rc, kernel=v).bytes["gpu"]["buffers"] for k, v in KERNELS.items()}
+    assert buffers["both"] < buffers["decode"] <= buffers["none"]
+    assert plan_memory(rc).bytes == plan_memory(rc, kernel=KERNELS["both"]).bytes  # what the plan assumes
+    assert plan_memory(_big("generic")).bytes == plan_memory(rc, kernel=KERNELS["none"]).bytes
+    expanded = 2 * 50272 * 512 * 4  # two fp32 copies of the tied vocab table, the largest expanded layer
+    assert buffers["none"] - buffers["both"] > 0.7 * expanded
+    batches = {name: largest_batch(r) for name, r in (("auto", rc), ("generic", _big("generic")),
+                                                      ("off", _big("generic", CompressionSpec(4, 64, 0))))}
+    assert 0 < batches["off"] <= batches["generic"]  # dim-1 layout: lookups expand only the rows they read
+    assert batches["auto"] > 1.8 * batches["generic"], batches  # here 114 vs 57 (51 off; 26 uncompressed)
+
+
+def test_forced_by_memory_puts_the_kernel_where_expanding_does_not_fit():
+    faster = {"prefill": False, "decode": False}
+    assert forced_by_memory(faster, lambda k: True) == faster
+    assert forced_by_memory(faster, lambda k: k["prefill"]) == {"prefill": True, "decode": False}
+    assert forced_by_memory(faster, lambda k: all(k.values())) == {"prefill": True, "decode": True}
+    assert forced_by_memory({"prefill": False, "decode": True}, lambda k: k["prefill"]) == KERNELS["both"]
+
+
+def test_auto_expands_a_phase_only_where_the_plan_fits(offload_dir, monkeypatch):
+    """The probe finds expanding faster at both phases; the engine expands where the plan fits, else runs the
+    kernel, and its plan is the one of the phases it runs."""
+    from flexh2o.compress import choice
+    monkeypatch.setattr(choice, "probe", lambda *a: {p: {"int4": 2.0, "generic": 1.0} for p in PHASES})
+    rc = _rc(offload_dir, weight_kernel="auto")
+    tight = plan_memory(rc, kernel=KERNELS["both"]).total("gpu")
+    assert plan_memory(rc.with_(gpu_mem=tight), kernel=KERNELS["decode"]).overflow()  # expanding would not fit
+    for gpu_mem, want in ((tight, KERNELS["both"]), (64 << 20, KERNELS["none"])):
+        with Engine(rc.with_(gpu_mem=gpu_mem)) as eng:
+            assert eng.kernel == want
+            assert eng.plan.bytes == plan_memory(rc.with_(gpu_mem=gpu_mem), kernel=want).bytes
+            eng.generate([[5, 6, 7], [8, 9], [10]], 3)  # runs within the plan of its phases
