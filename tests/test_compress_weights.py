@@ -89,6 +89,31 @@ def test_tiers_hold_and_move_compressed_bytes(offload_dir, bits):
     assert ratio < (0.18 if bits == 4 else 0.30)  # fp32 storage: 4 (8) bits + two fp32 per 64 values; 1-D plain
 
 
+@pytest.mark.parametrize("spec", [SPEC, CompressionSpec(4, 64, 1)], ids=["codec-order", "kernel-order"])
+def test_disk_files_written_by_a_run_read_back_identically(offload_dir, spec):
+    """The compressed files one run writes to its disk tier (data and meta of every weight, a cache block's K)
+    read back byte for byte: the same tensors as the same run homed in memory holds."""
+    from flexh2o.compress import quantize
+    from flexh2o.compress.tier import CompressedTier
+    stored = {}
+    for where, percent in (("disk", [0, 0, 0, 0]), ("gpu", [100, 0, 100, 0])):
+        with Engine(_rc(TINY, percent, offload_dir, spec=spec)) as eng:
+            w = eng.weights
+            stored[where] = {n: w.tiers[n].load_compressed(h, torch.device("cpu")) for n, h in w.handles.items()
+                             if isinstance(w.tiers[n], CompressedTier)}
+            if where == "disk":
+                k = torch.randn(2, 4, 9, 16, generator=torch.Generator().manual_seed(3))
+                tier = CompressedTier(eng.tiers["disk"], CompressionSpec(4, 16, -1))
+                h = tier.alloc(tuple(k.shape), torch.float32)
+                tier.store(h, k)
+                back, want = tier.load_compressed(h, torch.device("cpu")), quantize(k, tier.spec, torch.float32)
+                assert torch.equal(back.data, want.data) and torch.equal(back.meta, want.meta)
+                tier.free(h)
+    assert stored["disk"].keys() == stored["gpu"].keys() and len(stored["disk"]) > 0
+    for n, ct in stored["disk"].items():
+        assert torch.equal(ct.data, stored["gpu"][n].data) and torch.equal(ct.meta, stored["gpu"][n].meta), n
+
+
 # ---- Llama ------------------------------------------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
 LLAMA_PLACEMENTS = dict(PLACEMENTS, **{"w-disk-c-gpu": [0, 0, 100, 0, 100, 0], "w-gpu-c-disk": [100, 0, 0, 0, 100, 0]})
