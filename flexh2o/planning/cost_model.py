@@ -23,16 +23,18 @@ from typing import Optional
 import torch
 
 from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
-from flexh2o.compress import CompressionSpec, stored_bytes, stored_parts, weight_spec
-from flexh2o.placement import WeightHomes
+from flexh2o.compress import stored_bytes, stored_parts
+from flexh2o.compress.kernels import ROW_BLOCK
 from flexh2o.planning.hardware import GRAIN, Rates
 from flexh2o.run_config import RunConfig
+from flexh2o.planning.kernel_cost import EXPAND_PASSES, kernel_choice
+from flexh2o.planning.weight_layout import layout_of
 from flexh2o.units import padded
+from flexh2o.weights.forms import PHASES
 
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
 ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
 SCORE_PASSES = 2  # more of them when the policy accumulates attention scores (H2O)
-EXPAND_PASSES = 1.8  # expanding a compressed tensor costs this many dtype conversions of it (measured: see RESULTS)
 POLICY_BYTES = {False: 24, True: 64}  # bytes touched per cached slot by slot/mask bookkeeping (evicting or not)
 
 
@@ -77,41 +79,15 @@ def _div(nbytes: float, rate: Optional[float], what: str) -> float:
     return nbytes / rate
 
 
-def weight_layout(homes: WeightHomes, dtype: torch.dtype, compress: Optional[CompressionSpec] = None) -> tuple:
-    """Per layer: ((tier, bytes, bytes padded for disk files, number of files) per home tier, elements of the
-    matrices used in matmuls, elements stored compressed). Depends only on the weights' homes, the storage dtype and
-    --compress-weight (compressed tensors are two files, data and meta, of their compressed bytes)."""
-    weights, params2d, packed = [], [], []
-    for i, layer in enumerate(homes.layer_specs):
-        per_tier: dict = {}
-        for s in layer:
-            parts = stored_parts(s.shape, dtype, weight_spec(s.shape, compress))
-            got = per_tier.get(homes[s.name], (0, 0, 0))
-            per_tier[homes[s.name]] = (got[0] + sum(parts), got[1] + sum(map(padded, parts)), got[2] + len(parts))
-        weights.append(tuple(sorted((t, *v) for t, v in per_tier.items())))
-        params2d.append(sum(s.numel for s in layer if len(s.shape) == 2 and not (i == 0 and "embed" in s.name)))
-        packed.append(sum(s.numel for s in layer if weight_spec(s.shape, compress)))
-    return tuple(weights), tuple(params2d), tuple(packed)
-
-
-def _layout(rc: RunConfig, memo: Optional[dict]) -> tuple:
-    key = ("layout", rc.percent.shares("weights"), rc.dtype, rc.compress_weight)
-    if memo is None or key not in memo:
-        got = weight_layout(rc.placement.weights, rc.dtype, rc.compress_weight)
-        if memo is None:
-            return got
-        memo[key] = got
-    return memo[key]
-
-
 class _Model:
     """Everything predict() needs about one RunConfig, computed once."""
 
-    def __init__(self, rc: RunConfig, r: Rates, memo: Optional[dict] = None):
+    def __init__(self, rc: RunConfig, r: Rates, memo: Optional[dict] = None, kernel: Optional[dict] = None):
         self.rc, self.r, self.cfg = rc, r, rc.model
         self.cuda = torch.device(rc.device).type == "cuda"
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
-        self.weights, self.params2d, self.packed = _layout(rc, memo)
+        self.weights, self.params2d, self.packed, self.kernel_parts = layout_of(rc, memo)
+        self.kernel = kernel or dict.fromkeys(PHASES, False)  # phase -> the blocks' matmuls run the int4 kernel
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
         self.slots = rc.cache_slots()
@@ -129,14 +105,14 @@ class _Model:
     # ---- per layer ---------------------------------------------------------------------------------------------
     def layer(self, layer: int, prefill: bool) -> _Terms:
         st = _Terms()
-        self.weight_io(st, layer)
         nb = self.rc.num_gpu_batches
         t = self.rc.prompt_len if prefill else 1
+        self.weight_io(st, layer, prefill, t)
         if layer == 0:
-            self.matmul(st, self.params2d[0], t, prefill, nb)
+            self.matmul(st, layer, t, prefill, nb)
             self.overhead(st, OPS["embed"] * nb, t)
         elif layer <= self.cfg.num_layers:
-            self.matmul(st, self.params2d[layer], t, prefill, nb)
+            self.matmul(st, layer, t, prefill, nb)
             self.elementwise(st, t, nb)
             for tier, n in self.cache_counts[layer - 1]:
                 self.cache(st, tier, n, prefill)
@@ -145,7 +121,7 @@ class _Model:
                 ops += OPS["chunk"] * (-(-t // self.rc.attn_chunk) - 1)
             self.overhead(st, ops * nb, t)
         else:
-            self.matmul(st, self.params2d[layer], 1, False, nb)  # the head sees the last token only
+            self.matmul(st, layer, 1, False, nb)  # the head sees the last token only
             st.add("compute.sample", nb * _div(4 * self.rc.gpu_batch_size * self.cfg.vocab * 4, self.mem(), "mem"))
             self.overhead(st, OPS["head"] * nb)
         if layer >= 1:
@@ -172,8 +148,14 @@ class _Model:
     def mem(self) -> float:
         return self.r.gpu_mem if self.cuda else self.r.cpu_mem
 
-    def weight_io(self, st: _Terms, layer: int) -> None:
-        """Weights of one layer, loaded once for all GPU batches, converted to the compute dtype."""
+    def kernel_on(self, layer: int, prefill: bool) -> bool:
+        """Whether the layer's matmul weights in the kernel's order run the kernel (the head's follow decode)."""
+        return self.kernel["decode" if layer > self.cfg.num_layers or not prefill else "prefill"]
+
+    def weight_io(self, st: _Terms, layer: int, prefill: bool, t: int) -> None:
+        """Weights of one layer, loaded once for all GPU batches, converted or expanded to the compute dtype where
+        they do not reach the compute side in the int4 kernel's form (weights/forms.py): lookups expand the row
+        blocks they read, per GPU batch."""
         r = self.r
         for tier, nbytes, on_disk, files in self.weights[layer]:
             if tier == "disk":
@@ -184,21 +166,30 @@ class _Model:
                 rate = r.gpu_mem if self.cuda else r.convert
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
         if self.packed[layer]:  # compressed weights are expanded into the compute dtype where they are used
+            kern, lookups = self.kernel_parts[layer]
+            rows = self.rc.gpu_batch_size * t * ROW_BLOCK  # at most a row block a token looked up
+            n = self.packed[layer] - (kern if self.kernel_on(layer, prefill) else 0) - sum(e for e, _ in lookups)
+            n += self.rc.num_gpu_batches * sum(min(e, rows * k) for e, k in lookups)
             rate = r.gpu_mem if self.cuda else r.convert
-            st.add("compute.expand_weights", _div(self.packed[layer] * self.w * EXPAND_PASSES, rate, "convert_bw"))
+            st.add("compute.expand_weights", _div(n * self.w * EXPAND_PASSES, rate, "convert_bw"))
 
-    def matmul(self, st: _Terms, params: int, t: int, prefill: bool, nb: int) -> None:
+    def matmul(self, st: _Terms, layer: int, t: int, prefill: bool, nb: int) -> None:
         """Dense layers: 2 FLOPs per parameter per token, at the rate of the rows multiplied at once (a GPU batch's
         tokens; prefill runs sub-batches of rc.prefill_rows() sequences); decode-shaped ones also read the weights
-        once per batch."""
+        once per batch. Weights run by the int4 kernel go at its rate (the dense one if the profile has none)."""
         b, r = self.rc.gpu_batch_size, self.r
-        flops = 2 * b * t * params
+        kern = self.kernel_parts[layer][0] if self.kernel_on(layer, prefill) else 0
+        params = self.params2d[layer] - kern
         if prefill and t > 1:
             rows = min(b, self.rc.prefill_rows()) * t
-            sec = flops / r.matmul_rate(rows, prefill=True)
+            sec = 2 * b * t * params / r.matmul_rate(rows, prefill=True)
         else:
-            sec = max(flops / r.matmul_rate(b * t, prefill=False), _div(params * self.c, self.mem(), "mem"))
+            rows = b * t
+            sec = max(2 * rows * params / r.matmul_rate(rows, prefill=False), _div(params * self.c, self.mem(), "mem"))
         st.add("compute.matmul", nb * sec)
+        if kern:
+            rate = r.int4_rate(rows) or r.matmul_rate(rows, prefill and t > 1)
+            st.add("compute.int4_matmul", nb * 2 * b * t * kern / rate)
 
     def elementwise(self, st: _Terms, t: int, nb: int) -> None:
         """Layer norms, residual adds, head merge, activation: ~5 passes over hidden and one over ffn."""
@@ -305,20 +296,24 @@ def contended(disk: float, compute: float, disk_slowdown: float, compute_slowdow
 def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Prediction:
     """Predicted prefill and decode time of `rc` on the hardware profile `hw` (a dict as flexh2o-profile writes).
     Decode steps computed in another dtype than prefill (rc.decode_dtype) take that dtype's rates."""
-    plan = plan or plan_memory(rc)
     rates = Rates.from_profile(hw, rc.compute)
     decode_rates = rates if rc.decode_compute == rc.compute else Rates.from_profile(hw, rc.decode_compute)
-    return predict_with(rc, rates, plan.bytes, decode_rates=decode_rates)
+    kernel = kernel_choice(rc, {"prefill": rates, "decode": decode_rates})
+    plan = plan or plan_memory(rc, kernel=kernel)
+    return predict_with(rc, rates, plan.bytes, decode_rates=decode_rates, kernel=kernel)
 
 
 def predict_with(rc: RunConfig, rates: Rates, tier_bytes: dict, memo: Optional[dict] = None,
-                 decode_rates: Optional[Rates] = None) -> Prediction:
+                 decode_rates: Optional[Rates] = None, kernel: Optional[dict] = None) -> Prediction:
     """predict() from parts a search computes once: the rates, the bytes per tier (memory plan), and a memo of
-    weight layouts. A decode phase in its own dtype is the same model with that compute dtype and its rates."""
-    m = _Model(rc, rates, memo)
+    weight layouts. A decode phase in its own dtype is the same model with that compute dtype and its rates.
+    kernel: phase -> the int4 kernel runs (kernel_choice; by default chosen here)."""
+    if kernel is None:
+        kernel = kernel_choice(rc, {"prefill": rates, "decode": decode_rates or rates})
+    m = _Model(rc, rates, memo, kernel)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
     md = m if rc.decode_compute == rc.compute else _Model(rc.with_(compute_dtype=rc.decode_compute),
-                                                          decode_rates or rates, memo)
+                                                          decode_rates or rates, memo, kernel)
     per_token, dec_terms, dec_busy = md.phase(prefill=False)
     decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first
     total = prefill + decode

@@ -6,6 +6,9 @@ measured at (load_at_measure). Keys (all per second, bytes or FLOPs):
   matmul_flops / decode_matmul_flops / attention_flops / decode_attention_flops   {dtype name: FLOP/s}
   matmul_flops_by_rows   {dtype name: {rows: FLOP/s}}: x @ W.T for a weight set larger than the CPU caches, by the
                          number of rows of x (batch x tokens); small row counts are memory-bound and much slower
+  int4_matmul_flops_by_rows  {rows: FLOP/s}: the same through torch's int4 kernel from 4-bit weights (CPU; bf16
+                         activations whatever the compute dtype); absent: the cost model never assumes the kernel
+                         faster (compress/choice.py measures it again at each run's start)
   op_overhead_s          seconds per op of the engine's own decode step (small tensors, run serially)
   parallel_op_s          seconds of one elementwise op on a tensor just over torch's parallel grain (2 x 32768
                          elements): OpenMP wakes its threads for it, which costs ~50 us with OMP_WAIT_POLICY=PASSIVE
@@ -60,20 +63,18 @@ class Rates:
     disk_read_busy: Optional[float] = None  # disk read rate while compute runs (CPU-only overlap)
     compute_busy: float = 1.0  # fraction of its idle rate that compute keeps while the disk is read
     parallel_op: Optional[float] = None  # seconds per op on tensors of >= GRAIN elements (None: op_overhead)
+    int4_by_rows: tuple = ()  # ((rows, FLOP/s), ...) ascending of the int4 kernel; empty: not measured
 
     def matmul_rate(self, rows: int, prefill: bool) -> float:
         """FLOP/s of x @ W.T with `rows` rows of x: interpolated in log(rows) from the measured table, clamped to
         its ends; without a table, the prefill (large) or decode (skinny) figure."""
-        table = self.matmul_by_rows
-        if not table:
+        if not self.matmul_by_rows:
             return self.matmul if prefill else self.decode_matmul
-        if rows <= table[0][0]:
-            return table[0][1]
-        for (r0, f0), (r1, f1) in zip(table, table[1:]):
-            if rows <= r1:
-                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return f0 + w * (f1 - f0)
-        return table[-1][1]
+        return by_rows(self.matmul_by_rows, rows)
+
+    def int4_rate(self, rows: int) -> Optional[float]:
+        """FLOP/s of the int4 kernel at `rows` rows (as matmul_rate), None when the profile has no figures."""
+        return by_rows(self.int4_by_rows, rows) if self.int4_by_rows else None
 
     @staticmethod
     def from_profile(hw: dict, dtype: torch.dtype) -> "Rates":
@@ -101,7 +102,19 @@ class Rates:
                      f("h2d_bw"), f("d2h_bw"), f("disk_read_bw"), f("disk_write_bw"),
                      f("cpu_flops", default=mm), f("op_overhead_s", default=0.0),
                      f("disk_read_latency_s", default=0.0), f("disk_write_latency_s", default=0.0),
-                     rows, f("disk_read_bw_busy"), f("compute_busy", default=1.0), f("parallel_op_s"))
+                     rows, f("disk_read_bw_busy"), f("compute_busy", default=1.0), f("parallel_op_s"),
+                     tuple(sorted((int(k), float(v)) for k, v in (hw.get("int4_matmul_flops_by_rows") or {}).items())))
+
+
+def by_rows(table: tuple, rows: int) -> float:
+    """A ((rows, FLOP/s), ...) table read at `rows`: interpolated in log(rows), clamped to its ends."""
+    if rows <= table[0][0]:
+        return table[0][1]
+    for (r0, f0), (r1, f1) in zip(table, table[1:]):
+        if rows <= r1:
+            w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+            return f0 + w * (f1 - f0)
+    return table[-1][1]
 
 
 def _figure(hw: dict, key: str, dtype: str) -> Optional[float]:

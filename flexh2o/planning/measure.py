@@ -67,6 +67,7 @@ def compute_rates(dtype: torch.dtype, device: torch.device, quick: bool) -> dict
 
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+INT4_ROWS = (1, 4, 16, 64, 256)  # the int4 kernel's table (rates between are interpolated)
 
 
 class _Matmuls:
@@ -97,6 +98,24 @@ def matmul_rows_rates(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     """{rows: FLOP/s} of x @ W.T by the number of rows of x (see _Matmuls)."""
     mm, sync = _Matmuls(dtype, device, quick), _sync(device)
     return {str(r): mm.flops(r) / median_time(mm.runner(r), 3 if quick else 5, sync) for r in ROWS}
+
+
+def int4_rows_rates(quick: bool) -> dict:
+    """{rows: FLOP/s} of torch's int4 kernel (CPU) over the weights of _Matmuls stored 4-bit in groups of 64 along
+    their input dimension, by the number of rows of x (bf16 activations, as the engine feeds it)."""
+    from flexh2o.compress.codec import CompressionSpec, quantize
+    from flexh2o.compress.kernels import PackedWeight, to_kernel_order
+    mm = _Matmuls(torch.float32, torch.device("cpu"), quick)
+    spec = CompressionSpec(4, 64, 1)
+    packed = [PackedWeight.from_stored(to_kernel_order(quantize(w, spec, torch.bfloat16))) for w in mm.ws]
+    shapes = {w.shape[1] for w in mm.ws}
+    del mm.ws  # fp32 copies no longer needed
+
+    def runner(rows: int) -> Callable[[], None]:
+        xs = {n: torch.randn(rows, n) for n in shapes}
+        return lambda: [p.linear(xs[p.packed.shape[1] * 2]) for p in packed]
+    flops = 2 * sum(p.meta.shape[0] * p.packed.shape[1] * 2 for p in packed)
+    return {str(r): r * flops / median_time(runner(r), 3 if quick else 5) for r in INT4_ROWS}
 
 
 def memory_rates(device: torch.device, quick: bool) -> dict:
@@ -277,6 +296,9 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool,
     progress(1)
     prof["op_overhead_s"] = op_overhead(dev)
     prof["parallel_op_s"] = parallel_op(dev)
+    from flexh2o.compress.kernels import kernel_available
+    if kernel_available(dev):
+        prof["int4_matmul_flops_by_rows"] = int4_rows_rates(quick)
     progress(1)
     if offload_dir is not None:
         prof.update(disk_rates(offload_dir, quick, busy=dev.type == "cpu"))
@@ -302,6 +324,9 @@ def summary(prof: dict) -> str:
     for d, table in prof.get("matmul_flops_by_rows", {}).items():
         lines.append(f"{'matmul by rows ' + d:<24}" + " ".join(f"{r}:{v / 1e9:.0f}" for r, v in table.items())
                      + " GFLOP/s")
+    if prof.get("int4_matmul_flops_by_rows"):
+        lines.append(f"{'int4 kernel by rows':<24}" + " ".join(
+            f"{r}:{v / 1e9:.0f}" for r, v in prof["int4_matmul_flops_by_rows"].items()) + " GFLOP/s")
     for key in ("cpu_mem_bw", "gpu_mem_bw", "convert_bw", "h2d_bw", "d2h_bw", "disk_read_bw", "disk_write_bw",
                 "disk_read_bw_busy"):
         v = prof.get(key)
