@@ -27,7 +27,7 @@ from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, L
 from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
 from flexh2o.storage.factory import make_tiers
-from flexh2o.weights.forms import in_kernel_order, kernel_layout
+from flexh2o.weights.forms import in_kernel_order, kernel_layout, least_kernel
 from flexh2o.weights.store import WeightStore
 
 
@@ -49,7 +49,7 @@ class Engine:
     """Holds the weights in their tiers for the engine's lifetime; use as a context manager (cleans up files)."""
 
     def __init__(self, rc: RunConfig, on_progress: Optional[Callable] = None):
-        plan = plan_memory(rc)  # the least memory the weights can take (weights/forms.py: planned_kernel)
+        plan = plan_memory(rc, kernel=least_kernel(rc))  # the least memory this run can take (weights/forms.py)
         plan.check()
         self.rc, self.cfg = rc, rc.model
         self.family = models.family(rc.model)

@@ -77,11 +77,12 @@ def test_int4_runs_every_phase_and_slow_kernel_rates_keep_auto_expanding():
 
 
 def test_the_kernel_is_charged_where_memory_forces_it():
-    """At the largest batch of a small --gpu-mem, expanding the blocks at prefill does not fit: the engine runs the
-    kernel there (compress/choice.py), so the prediction does too, and its plan is that choice's."""
+    """At the largest batch the kernel allows under a small --gpu-mem, expanding the blocks at prefill does not fit:
+    the engine runs the kernel there (compress/choice.py), so the prediction does too, and its plan is that
+    choice's."""
     hw = _hw()
     rc = _rc(gpu_mem=400 << 20, prompt_len=32)
-    rc = rc.with_(gpu_batch_size=largest_batch(rc))
+    rc = rc.with_(gpu_batch_size=largest_batch(rc.with_(weight_kernel="int4")))  # the kernel's largest batch
     assert plan_memory(rc, kernel={"prefill": False, "decode": True}).overflow()
     rates = dict.fromkeys(("prefill", "decode"), Rates.from_profile(hw, torch.float32))
     assert kernel_choice(rc, rates) == {"prefill": True, "decode": True}

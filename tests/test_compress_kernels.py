@@ -77,6 +77,22 @@ def test_packed_weight_linear_equals_the_generic_path(rows):
     assert (got - want).abs().max() > 0  # really the kernel (bf16), not the dense path
 
 
+@pytest.mark.parametrize("blocks_at_once, dtype", [(1, torch.float32), (3, torch.float32), (64, torch.bfloat16)])
+def test_packed_weight_expanded_block_by_block_is_the_generic_path(monkeypatch, blocks_at_once, dtype):
+    """A PackedWeight with kernel False (the head where the kernel does not run) expands a few row blocks at a time
+    and multiplies them in x's dtype: the generic path's result (fp32: to float rounding of the split matmul)."""
+    from flexh2o.compress import kernels
+    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", blocks_at_once * kernels.ROW_BLOCK * 192)
+    g = torch.Generator().manual_seed(blocks_at_once)
+    ct = to_kernel_order(quantize(torch.randn(160, 192, generator=g) * 0.05, CompressionSpec(4, 64, 1)))
+    x, bias = torch.randn(2, 7, 192, generator=g).to(dtype), torch.randn(160, generator=g).to(dtype)
+    got = linear(x, PackedWeight.from_stored(ct, dtype, kernel=False), bias)
+    want = linear(x, expand_kernel_order(ct, torch.empty(160, 192)).to(dtype), bias)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=tol)
+
+
 def test_probe_times_both_paths_per_phase():
     f32 = dict.fromkeys(PHASES, torch.float32)
     times = probe((64, 128), {"prefill": 64, "decode": 2}, CompressionSpec(4, 64, 1), f32)

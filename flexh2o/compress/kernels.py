@@ -99,20 +99,22 @@ def from_kernel_order(ct: CompressedTensor) -> CompressedTensor:
 class PackedWeight:
     """A (N, K) weight on the compute side in the kernel's form: packed bytes (N, K / 2), its scales and zeros
     (K / group, N, 2) bf16, and the stored meta (N, groups, 2) (exact rows for embedding lookups). `linear` and
-    `rows` are the operations the models use on it; results come in `dtype` (the compute dtype)."""
+    `rows` are the operations the models use on it; results come in `dtype` (the compute dtype). With `kernel`
+    False, `linear` is the generic path instead, a few row blocks at a time (no expanded copy of the whole weight)."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
     meta: torch.Tensor
     spec: CompressionSpec
     dtype: torch.dtype = torch.float32
+    kernel: bool = True
 
     @staticmethod
-    def from_stored(ct: CompressedTensor, dtype: torch.dtype = torch.float32) -> "PackedWeight":
+    def from_stored(ct: CompressedTensor, dtype: torch.dtype = torch.float32, kernel: bool = True) -> "PackedWeight":
         """From a kernel-order CompressedTensor (meta (N, groups, 2): scale, minimum)."""
         scale, lo = ct.meta[..., 0].float(), ct.meta[..., 1].float()  # (N, groups)
         sz = torch.stack([scale, lo + 8 * scale], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
-        return PackedWeight(ct.data, sz, ct.meta, ct.spec, dtype)
+        return PackedWeight(ct.data, sz, ct.meta, ct.spec, dtype, kernel)
 
     @property
     def group_size(self) -> int:
@@ -122,11 +124,28 @@ class PackedWeight:
         return sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta))
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations)."""
+        """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations), or with
+        `kernel` False expanded block by block (rows_buffer_bytes at a time) and multiplied in x's dtype."""
+        if not self.kernel:
+            return self._expanded_linear(x, bias)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
         y = y.view(*x.shape[:-1], -1).to(x.dtype)
         return y if bias is None else y.add_(bias)
+
+    def _expanded_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        n, k = self.meta.shape[0], self.packed.shape[1] * 2
+        flat = x.reshape(-1, k)  # (rows, K)
+        out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)  # (rows, N)
+        step = _rows_chunk(k) * ROW_BLOCK
+        buf = torch.empty(min(n, step), k, device=x.device)  # (rows of a chunk, K) fp32
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            sub = CompressedTensor(self.packed[start:stop], self.meta[start:stop], k, self.spec)
+            w = expand_kernel_order(sub, buf[:stop - start])
+            out[:, start:stop] = flat @ (w if x.dtype == w.dtype else w.to(x.dtype)).t()  # (rows, chunk)
+        out = out.view(*x.shape[:-1], n)
+        return out if bias is None else out.add_(bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) of the expanded weight, (*ids.shape, K) in `dtype`, exactly as the generic path

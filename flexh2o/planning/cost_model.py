@@ -154,8 +154,8 @@ class _Model:
 
     def weight_io(self, st: _Terms, layer: int, prefill: bool, t: int) -> None:
         """Weights of one layer, loaded once for all GPU batches, converted or expanded to the compute dtype where
-        they do not reach the compute side in the int4 kernel's form (weights/forms.py): lookups expand the row
-        blocks they read, per GPU batch."""
+        the int4 kernel does not run them (weights/forms.py): lookups expand the row blocks they read and the head
+        its blocks, per GPU batch."""
         r = self.r
         for tier, nbytes, on_disk, files in self.weights[layer]:
             if tier == "disk":
@@ -169,7 +169,10 @@ class _Model:
             kern, lookups = self.kernel_parts[layer]
             rows = self.rc.gpu_batch_size * t * ROW_BLOCK  # at most a row block a token looked up
             n = self.packed[layer] - (kern if self.kernel_on(layer, prefill) else 0) - sum(e for e, _ in lookups)
-            n += self.rc.num_gpu_batches * sum(min(e, rows * k) for e, k in lookups)
+            nb = self.rc.num_gpu_batches
+            n += nb * sum(min(e, rows * k) for e, k in lookups)
+            if layer > self.cfg.num_layers and not self.kernel_on(layer, prefill):
+                n += (nb - 1) * kern  # the head's expanded block by block at each GPU batch's call
             rate = r.gpu_mem if self.cuda else r.convert
             st.add("compute.expand_weights", _div(n * self.w * EXPAND_PASSES, rate, "convert_bw"))
 

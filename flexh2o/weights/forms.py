@@ -3,15 +3,19 @@
 
 Under --compress-weight with 4-bit groups along the input dimension on a CPU (`kernel_layout`), weights of a
 kernel shape are stored in the int4 kernel's order (compress/kernels.py). Such a weight comes to the compute side
-either in the kernel's form (a PackedWeight: its stored bytes plus bf16 scales and zeros) or expanded into the
-compute dtype. `kernel` (phase -> bool) says where the decoder blocks' matmuls run the kernel; then
-  lookup tables (layer 0's embeddings)  always come in the kernel's form: a lookup expands only the row blocks it reads
-  the head's matmuls                    follow decode: the head multiplies one token a sequence at every phase
-  every other matmul                    follows its phase.
+either as a PackedWeight (its stored bytes plus bf16 scales and zeros; multiplied by the kernel, or expanded a few
+row blocks at a time) or expanded whole into the compute dtype. `kernel` (phase -> bool) says where the decoder
+blocks' matmuls run the kernel; then (`packed_form`)
+  lookup tables (layer 0's embeddings)  always a PackedWeight: a lookup expands only the row blocks it reads
+  the head's matmuls                    always a PackedWeight, run by the kernel where decode runs it (the head
+                                        multiplies one token a sequence at every phase), else block by block
+  every other matmul                    a PackedWeight run by the kernel where its phase runs it, else expanded.
 Every other weight is used in place when it lives on the compute side in the compute dtype, else copied (converted,
 or expanded from the codec's order) into the compute dtype.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -38,23 +42,32 @@ def is_lookup(layer: int, spec) -> bool:
     return layer == 0 and "embed" in spec.name
 
 
-def as_kernel(layer: int, num_layers: int, spec, kernel: dict, phase: str) -> bool:
-    """For a weight stored in the kernel's order: whether it comes in the kernel's form at `phase`."""
+def packed_form(layer: int, num_layers: int, spec, kernel: dict, phase: str) -> Optional[bool]:
+    """For a weight stored in the kernel's order, at `phase`: None when it comes expanded whole, else whether its
+    PackedWeight runs the kernel (False: lookups, and matmuls expanded block by block)."""
     if is_lookup(layer, spec):
-        return True
-    return bool(kernel.get("decode" if layer > num_layers else phase, False))
+        return False
+    if layer > num_layers:
+        return bool(kernel.get("decode", False))
+    return True if kernel.get(phase, False) else None
 
 
 def planned_kernel(rc) -> dict:
-    """phase -> kernel as the memory plan assumes before the engine's probe: with the kernel's layout and
-    --weight-kernel auto or int4, the kernel at every phase (the least memory: under auto the engine expands a
-    phase instead only where the plan still fits, compress/choice.py); never otherwise."""
+    """phase -> kernel as the memory plan assumes before the engine's probe: --weight-kernel int4 the kernel at
+    every phase; auto room to expand at every phase (the probe may choose that at either phase), so the engine
+    never gives up the faster path for memory at a planned batch."""
+    return dict.fromkeys(PHASES, kernel_layout(rc) and rc.weight_kernel == "int4")
+
+
+def least_kernel(rc) -> dict:
+    """phase -> kernel taking the least memory this run may use (the kernel wherever --weight-kernel allows)."""
     return dict.fromkeys(PHASES, kernel_layout(rc) and rc.weight_kernel != "generic")
 
 
 def compute_side_bytes(rc, homes, kernel: dict, phase: str) -> tuple:
     """Per layer index: bytes its weights take on the compute side at `phase` apart from their homes (the
-    PackedWeights, expanded and converted copies, a lookup's row buffer). homes: a WeightHomes."""
+    PackedWeights and the block buffer of those expanded block by block, expanded and converted copies).
+    homes: a WeightHomes."""
     compute = rc.compute_at(0 if phase == "prefill" else 1)
     key = ("compute_side", rc.dtype, compute, rc.compress_weight, kernel_layout(rc),
            tuple(bool(kernel.get(p)) for p in PHASES), phase)
@@ -71,6 +84,7 @@ def _weight_bytes(rc, layer: int, num_layers: int, s, home: str, compute: torch.
     spec = weight_spec(s.shape, rc.compress_weight)
     if spec is None:
         return 0 if home == "gpu" and rc.dtype == compute else s.numel * compute.itemsize
-    if in_kernel_order(s, rc.compress_weight, kernel_layout(rc)) and as_kernel(layer, num_layers, s, kernel, phase):
-        return packed_bytes(s.shape, rc.dtype, spec) + (rows_buffer_bytes(s.shape) if is_lookup(layer, s) else 0)
+    form = packed_form(layer, num_layers, s, kernel, phase)
+    if in_kernel_order(s, rc.compress_weight, kernel_layout(rc)) and form is not None:
+        return packed_bytes(s.shape, rc.dtype, spec) + (0 if form else rows_buffer_bytes(s.shape))
     return s.numel * compute.itemsize

@@ -16,7 +16,7 @@ from flexh2o.compress.kernels import PackedWeight
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
 from flexh2o.placement import WeightHomes
-from flexh2o.weights.forms import as_kernel, in_kernel_order
+from flexh2o.weights.forms import in_kernel_order, packed_form
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 
@@ -107,8 +107,9 @@ class WeightStore:
             else:
                 ct = tier.load_compressed(h, device)
                 mid = time.perf_counter()
-                if s.name in self.kernel_order and as_kernel(layer, last, s, kernel or {}, phase):
-                    t = tier.pack(ct, dtype)
+                form = packed_form(layer, last, s, kernel or {}, phase) if s.name in self.kernel_order else None
+                if form is not None:
+                    t = tier.pack(ct, dtype, form)
                 elif on_cpu:
                     t = tier.expand_into(ct, self.buffers.take(s.shape, dtype))
                 else:
