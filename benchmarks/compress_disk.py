@@ -1,12 +1,14 @@
-"""Disk-streamed weights with and without --compress-weight --compress-cache, one policy per invocation (full, or
-h2o at a budget), each configuration at its largest batch under the same caps, runs alternated (plain, compressed,
-plain, ...), each flexh2o-run process in its own memory cgroup (benchmarks/memcap.py) so the page cache cannot keep
-the weights: every decode step reads them from the disk. Prints tok/s, disk bytes read per step, the ratios, and
-where a decode step's time went (compute, reading and expanding weights, waiting for loads).
+"""Disk-streamed weights, full and h2o (20%), each with and without --compress-weight --compress-cache, each
+configuration at its largest batch under the same caps, runs alternated (full plain, full compressed, h2o plain, h2o
+compressed, then again), each flexh2o-run process in its own memory cgroup (benchmarks/memcap.py) so the page cache
+cannot keep the weights: every decode step reads them from the disk. Prints tok/s, disk bytes read per step, the
+ratios (medians over the repeats), and where a decode step's time went (compute, reading and expanding weights,
+waiting for loads) and which phases ran the int4 kernel.
 
-    flock /work/team/bench.lock env OMP_WAIT_POLICY=PASSIVE python benchmarks/compress_disk.py --policy full \\
-        --out benchmarks/results/compress_disk.jsonl
-    flock /work/team/bench.lock env OMP_WAIT_POLICY=PASSIVE python benchmarks/compress_disk.py --policy h2o \\
+The defaults (opt-125m, prompt 16, gen 32, --gpu-mem 360MB: batches 17 / 177 full, 43 / 398 h2o) keep each run
+under a minute on this 2-core machine when it is quiet, three rounds in about 6 minutes:
+
+    flock /work/team/bench.lock env OMP_WAIT_POLICY=PASSIVE python benchmarks/compress_disk.py --repeats 3 \
         --out benchmarks/results/compress_disk.jsonl
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 from bench_common import bench_env, load_avg, run_flexh2o
 from flexh2o.units import parse_bytes
@@ -24,11 +27,11 @@ from flexh2o.units import parse_bytes
 COMPRESS = ["--compress-weight", "--compress-cache"]
 
 
-def base_argv(args) -> list:
+def base_argv(args, policy: str) -> list:
     argv = ["--model", args.model, "--percent", "0", "0", "100", "0", "--dtype", "bfloat16", "--compute-dtype",
             "float32", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--gpu-batch-size",
             "auto", "--gpu-mem", args.gpu_mem, "--cpu-mem", args.cpu_mem, "--offload-dir", args.offload_dir]
-    if args.policy == "h2o":
+    if policy == "h2o":
         argv += ["--hh-ratio", str(args.hh_ratio)]
     return argv
 
@@ -51,44 +54,71 @@ def row(name: str, rec: dict) -> str:
             f"{s['stall_s']:.2f} s | {', '.join(f'{k} {v}' for k, v in rec.get('weight_kernel', {}).items())} |")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--policy", choices=["full", "h2o"], default="full")
+    p.add_argument("--policies", default="full,h2o", help="comma-separated: full, h2o (default both)")
     p.add_argument("--hh-ratio", type=float, default=0.2, help="h2o: heavy = recent = ratio * prompt (20%% total)")
-    p.add_argument("--model", default="opt-350m")
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--model", default="opt-125m")
+    p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--gpu-mem", default="400MB")
+    p.add_argument("--gpu-mem", default="360MB")
     p.add_argument("--cpu-mem", default="2GB")
     p.add_argument("--mem-cap", default="3GB", help="memory cgroup of each run (its page cache included)")
-    p.add_argument("--repeats", type=int, default=1, help="alternated pairs (plain, compressed)")
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--repeats", type=int, default=1, help="alternated rounds of every configuration")
+    p.add_argument("--timeout", type=float, default=180, help="seconds a run may take")
     p.add_argument("--offload-dir", default="/tmp/flexh2o-cmp-bench")
     p.add_argument("--out", default=None, help="append one JSON line per run")
     args = p.parse_args()
+    args.policies = [x for x in args.policies.split(",") if x]
+    if not args.policies or set(args.policies) - {"full", "h2o"}:
+        p.error("--policies takes full and/or h2o")
+    return args
+
+
+def run_one(args, policy: str, name: str, env: dict, cap: int) -> dict:
+    """One flexh2o-run; its record (None if it failed, said on stdout)."""
+    out = run_flexh2o(base_argv(args, policy) + (COMPRESS if name == "compressed" else []), args.timeout, env, cap)
+    print(f"{policy} {name}: {out.status} {' '.join(out.argv)} {out.message}", flush=True)
+    if out.status != "ok":
+        return None
+    rec = dict(out.record, bench_label=f"{policy} {name}", load=load_avg())
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    print(row(f"{policy} {name}", rec), f"load {rec['load']}", flush=True)
+    return rec
+
+
+def ratios(policy: str, runs: dict) -> str:
+    """Medians of compressed / plain: total and decode tok/s, disk bytes read per step."""
+    def med(name, key):
+        return statistics.median(key(r) for r in runs[policy, name])
+    keys = {"total": lambda r: r["total_throughput"], "decode": lambda r: r["decode_throughput"],
+            "disk read/step": lambda r: r["moved_bytes_per_step"].get("disk", 0)}
+    return f"{policy}: compressed / plain " + ", ".join(
+        f"{k} {med('compressed', f) / med('plain', f):.2f}x" for k, f in keys.items())
+
+
+def main() -> int:
+    args = parse_args()
     env, cap = bench_env(), parse_bytes(args.mem_cap)
     lscpu = subprocess.run("lscpu | grep -E 'Model name|Flags' | cut -c1-300", shell=True, capture_output=True,
                            text=True).stdout.strip()
     print(f"machine: {lscpu}\nload before: {load_avg()}", flush=True)
-    runs: dict = {"plain": [], "compressed": []}
+    print("| run | batch | prefill | decode | decode tok/s | total tok/s | disk read/step | step / compute / read / "
+          "expand / stall | weight matmuls |", flush=True)
+    start, runs = time.perf_counter(), {}
     for _ in range(args.repeats):
-        for name, extra in (("plain", []), ("compressed", COMPRESS)):
-            argv = base_argv(args) + extra
-            out = run_flexh2o(argv, args.timeout, env, cap)
-            print(f"{name}: {out.status} {' '.join(out.argv)} {out.message}", flush=True)
-            if out.status != "ok":
-                return 1
-            rec = dict(out.record, bench_label=f"{args.policy} {name}", load=load_avg())
-            runs[name].append(rec)
-            if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-            print(row(f"{args.policy} {name}", rec), f"load {rec['load']}", flush=True)
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("total_throughput", "decode_throughput")}
-           for n, rs in runs.items()}
-    total, decode = (med["compressed"][k] / med["plain"][k] for k in ("total_throughput", "decode_throughput"))
-    print(f"{args.policy}: compressed / plain total {total:.2f}x, decode {decode:.2f}x  (load after: {load_avg()})")
+        for policy in args.policies:
+            for name in ("plain", "compressed"):
+                rec = run_one(args, policy, name, env, cap)
+                if rec is None:
+                    return 1
+                runs.setdefault((policy, name), []).append(rec)
+    for policy in args.policies:
+        print(ratios(policy, runs), flush=True)
+    print(f"{time.perf_counter() - start:.0f} s in all; load after: {load_avg()}")
     return 0
 
 
