@@ -176,3 +176,11 @@ def test_log_file_auto_no_log_and_verbose(capsys, tmp_path, monkeypatch):
     assert cli.main(BASE + ["--log-file", "auto", "--no-log"]) == 0
     assert "total" in capsys.readouterr().out  # --verbose 2 (default): the summary
     assert len(list(tmp_path.glob("*.log"))) == 1  # --no-log wrote nothing
+
+
+def test_h2o_suite_abbreviations(capsys):
+    """The H2O authors' benchmark commands abbreviate flags as their argparse allowed (`--debug fewer_batch`,
+    `--cpu`): --debug is --debug-mode here too; --cpu is ambiguous here (--cpu-cache-compute, --cpu-mem), so it is
+    refused in one line naming both."""
+    assert _rc(["--gen-len", "32", "--debug", "fewer_batch"])[1].measured_steps == FEWER_BATCH_STEPS
+    _refused(capsys, ["--cpu"], "--cpu-cache-compute", "--cpu-mem")
