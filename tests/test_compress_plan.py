@@ -90,3 +90,25 @@ def test_cost_model_reads_compressed_weights_from_disk():
     read = {k: p.terms["decode"]["disk.weights_read"] for k, p in (("plain", plain), ("packed", packed))}
     assert 0.27 < read["packed"] / read["plain"] < 0.30
     assert "compute.expand_weights" in packed.terms["decode"] and "compute.expand_weights" not in plain.terms["decode"]
+
+
+@pytest.mark.parametrize("flags", [["--compress-weight", "--compress-cache"],
+                                   ["--compress-cache", "--compress-bits", "8", "--compress-group-size", "32"],
+                                   ["--compress-weight", "--weight-kernel", "off"],
+                                   ["--compress-weight", "--weight-kernel", "int4"]])
+def test_plan_searches_compressed_and_its_command_line_runs_the_same(flags, capsys):
+    """flexh2o-plan takes the compression flags (the ones flexh2o-run shares) and prints a flexh2o-run command line
+    that reads back to the same compression."""
+    from flexh2o.cli import plan as plan_cli
+    from flexh2o.cli import run as run_cli
+    from flexh2o.planning.search import command_line
+    argv = ["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "4", "--hardware", "cpu_measured", "--gpu-mem",
+            "1GB", "--cpu-mem", "2GB", "--disk-mem", "4GB", "--step", "50", "--max-num-gpu-batches", "1", "--top", "1"]
+    rc, _ = plan_cli.plan_from_args(plan_cli.build_parser().parse_args(argv + flags))
+    assert plan_cli.main(argv + flags) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1].split()
+    line = command_line(rc).split()
+    assert set(flags) <= set(printed) and set(flags) <= set(line)
+    back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
+    assert (back.compress_weight, back.compress_cache, back.weight_kernel) == \
+        (rc.compress_weight, rc.compress_cache, rc.weight_kernel)

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from flexh2o import config as model_configs
+from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.dtypes import parse_dtype
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prompt-len", type=int, default=512)
     a("--gen-len", type=int, default=32)
     add_kv_flags(p)
+    add_compression_flags(p)
     a("--seed", type=int, default=0, help="seed of the random policy")
     a("--gpu-mem", help="gpu tier capacity (default: the profile's)")
     a("--cpu-mem", help="cpu tier capacity (default: the profile's)")
@@ -59,10 +61,12 @@ def plan_from_args(args) -> tuple:
     if args.top < 1 or args.max_num_gpu_batches < 1:
         raise ValueError("--top and --max-num-gpu-batches must be at least 1")
     device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
+    weights, cache = compression_specs(args, device)
     rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=parse_dtype(args.dtype),
                    device=device, overlap=args.overlap == "true", kv=kv_spec(args, args.prompt_len),
                    gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
-                   disk_mem=_capacity(args.disk_mem, hw, "disk"))
+                   disk_mem=_capacity(args.disk_mem, hw, "disk"), compress_weight=weights, compress_cache=cache,
+                   weight_kernel=weight_kernel_mode(args))
     return rc, hw
 
 

@@ -93,11 +93,25 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
         parts.append(f"--dtype {dtype}")
     if rc.compute_dtype is not None:
         parts.append(f"--compute-dtype {str(rc.compute_dtype).replace('torch.', '')}")
+    parts += compression_flags(rc)
     if not rc.overlap:
         parts.append("--overlap false")
     if with_caps:
         parts.append(f"--gpu-mem {_size(rc.gpu_mem)} --cpu-mem {_size(rc.cpu_mem)} --disk-mem {_size(rc.disk_mem)}")
     return " ".join(parts)
+
+
+def compression_flags(rc: RunConfig) -> list:
+    """The flexh2o-run flags of rc's compression (cli/compress_flags.py reads them back)."""
+    spec = rc.compress_weight or rc.compress_cache
+    if spec is None:
+        return []
+    out = ["--compress-weight"] * bool(rc.compress_weight) + ["--compress-cache"] * bool(rc.compress_cache)
+    if (spec.bits, spec.group_size) != (4, 64):
+        out.append(f"--compress-bits {spec.bits} --compress-group-size {spec.group_size}")
+    if rc.compress_weight and rc.weight_kernel != "auto":
+        out.append(f"--weight-kernel {'off' if rc.weight_kernel == 'generic' else rc.weight_kernel}")
+    return out
 
 
 def _size(n: int) -> str:
