@@ -76,7 +76,7 @@ def run(args) -> dict:
     fits = {k: slope(xs, [r[k] for r in kept]) for k in kept[0] if k not in ("step", "s")}
     return {"argv": sys.argv[1:], "steps": steps, "every": args.every, "skip": args.skip, "model": cfg.__dict__,
             "percent": str(rc.percent), "batch": rc.num_seqs, "kv_budget": args.budget,
-            "cache_slots": rc.kv.slots(args.prompt_len, steps), "decode_s": gen.decode_s,
+            "cache_slots": rc.kv.slots(args.prompt_len, steps, rc.model.num_layers), "decode_s": gen.decode_s,
             "slope_bytes_per_step": fits, "rss_first": kept[0]["rss"], "rss_last": kept[-1]["rss"],
             "rss_max": max(r["rss"] for r in samples), "samples": samples,
             "machine": {**fingerprint(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())}}

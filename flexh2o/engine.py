@@ -54,7 +54,7 @@ class Engine:
         self.rc, self.cfg = rc, rc.model
         self.family = models.family(rc.model)
         self.device = torch.device(rc.device)
-        self.policy = rc.kv.make()  # the run's one policy object
+        self.policy = rc.kv.make(rc.model.num_layers)  # the run's one policy object
         usable = kernel_layout(rc) and kernel_available(rc.device)
         if rc.weight_kernel == "int4" and not usable:
             raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
@@ -126,11 +126,12 @@ class _Run:
         if t > rc.prompt_len or gen_len > rc.gen_len:
             raise ValueError(f"prompts of up to {t} tokens + {gen_len} generated exceed the planned "
                              f"{rc.prompt_len} + {rc.gen_len}: plan with the real lengths")
-        slots = rc.kv.slots(t, gen_len)
+        slots = rc.kv.slots(t, gen_len, cfg.num_layers)
         cache = KVCache(eng.tiers, rc.placement.cache, rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim,
                         rc.dtype, rc.compress_cache)
         self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
-        self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, rc.kv.evicts(t, gen_len))
+        evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
+        self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
 
     # ---- the schedule's ops -------------------------------------------------------------------------------

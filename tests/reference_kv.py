@@ -16,6 +16,7 @@ Only `random_key` (the seeded hash that defines the `random` policy's choice) co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -40,15 +41,17 @@ class History:
 
 
 # heavy tokens + a protected recent window
-WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm")
-SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm")  # the first num_sinks positions are protected
+WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid")
+SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid")  # the first num_sinks positions are protected
+MEAN = ("mean_attn", "pyramid")  # value: the mean attention a token received
 
 
 @dataclass(frozen=True)
 class RefPolicy:
     """name in full / local / streaming / tova: a budget of `heavy + recent` tokens (streaming: the first
     `num_sinks` of them are the attention sinks). The WINDOWED policies keep the `recent` newest tokens plus `heavy`
-    others by their value (`_value`); those in SINKS also keep the first `num_sinks` tokens."""
+    others by their value (`_value`); those in SINKS also keep the first `num_sinks` tokens. pyramid: layer `layer`
+    of `num_layers` has its own heavy count (`layer_heavy`)."""
 
     name: str
     heavy: int = 0
@@ -56,15 +59,35 @@ class RefPolicy:
     num_sinks: int = 4
     seed: int = 0
     hh_decay: float = 0.98
+    num_layers: int = 1
+    pyramid_ratio: float = 0.5
 
     @property
     def budget(self) -> Optional[int]:
         return None if self.name == "full" else self.heavy + self.recent
 
+    def budget_at(self, layer: int) -> Optional[int]:
+        if self.name == "pyramid":
+            return self.layer_heavy(layer) + self.recent
+        return self.budget
+
+    def layer_heavy(self, layer: int) -> int:
+        """pyramid: num_sinks + layer's share of the L * (heavy - num_sinks) free tokens, shares proportional to
+        (L - 1) * b + (a - b) * layer for ratio a / b, rounded by largest remainder (ties to the lower layer)."""
+        L, r = self.num_layers, Fraction(self.pyramid_ratio)
+        a, b = r.numerator, r.denominator
+        w = [max(1, L - 1) * b + (a - b) * i for i in range(L)]
+        free = L * (self.heavy - self.num_sinks)
+        floor = [free * x // sum(w) for x in w]
+        left = free - sum(floor)
+        extra = sorted(range(L), key=lambda i: (-(free * w[i] % sum(w)), i))[:left]
+        return self.num_sinks + floor[layer] + (layer in extra)
+
     def prefill(self, n: int, hist: History, layer: int, head: int) -> set:
         """Positions kept out of an n-token prompt."""
         everything = set(range(n))
-        if self.budget is None or n <= self.budget:
+        budget = self.budget_at(layer)
+        if budget is None or n <= budget:
             return everything
         if self.name == "local":
             return set(range(n - self.budget, n))
@@ -75,7 +98,7 @@ class RefPolicy:
                               reverse=True)[:self.budget])  # ties keep the newer
         protect = self._protected(everything, n - 1)
         value = lambda t: (self._value(t, n - 1, hist, layer, head), t)  # noqa: E731
-        heavy = sorted(everything - protect, key=value, reverse=True)[:self.budget - len(protect)]
+        heavy = sorted(everything - protect, key=value, reverse=True)[:budget - len(protect)]
         return protect | set(heavy)
 
     def evict(self, kept: set, cur: int, hist: History, layer: int, head: int) -> int:
@@ -103,7 +126,7 @@ class RefPolicy:
             return sum(p for q, p in seen if q == cur)
         if self.name == "a2sf":
             return sum(self.hh_decay ** (cur - q) * p for q, p in seen)
-        if self.name == "mean_attn":
+        if self.name in MEAN:
             return total / len(seen)
         if self.name == "vatp":
             return total * hist.vnorm[t]
@@ -288,5 +311,5 @@ def _apply_policy(policy: RefPolicy, kept: set, step: int, cur: int, hist: Histo
         kept |= policy.prefill(cur + 1, hist, layer, head)
         return
     kept.add(cur)
-    while policy.budget is not None and len(kept) > policy.budget:
+    while policy.budget is not None and len(kept) > policy.budget_at(layer):
         kept.remove(policy.evict(kept, cur, hist, layer, head))

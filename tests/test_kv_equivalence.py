@@ -33,11 +33,12 @@ MODELS = {
 }
 BUDGETS = {"full": None, "h2o": Budget(5, 3), "random": Budget(5, 3), "local": Budget(0, 8),
            "streaming": Budget(0, 8), "tova": Budget(0, 8), "a2sf": Budget(5, 3), "mean_attn": Budget(5, 3),
-           "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3), "mean_vnorm": Budget(5, 3)}  # heavy != recent, so a
-# swapped split shows
+           "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3), "mean_vnorm": Budget(5, 3),
+           "pyramid": Budget(5, 3)}  # heavy != recent, so a swapped split shows
 POLICIES = sorted(BUDGETS)
 SINKS, SEED = 4, 0
 DECAY = 0.7  # a2sf's forgetting factor here (not the default, so a lost --hh-decay shows)
+RATIO = 0.25  # pyramid's (not the default): layer budgets 9 and 7 around the mean of 8
 SHARPEN = 4.0  # see _engine
 LENS = [12, 7, 3, 10, 5, 12]  # 6 sequences; shorter and longer than the budget of 8
 GEN = 33  # the prefill step + 32 decode steps
@@ -51,7 +52,7 @@ COMBOS = [
     ("disk-overlap", [0, 0, 0, 0], True, False, (2, 3), 4),
     ("mixed-serial", [30, 30, 30, 30, 30, 30], False, True, (2, 3), 5),
 ]
-BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm")
+BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid")
 H2O_EXTRA = [  # these policies (on OPT) also get every placement with the other overlap setting
     ("gpu-serial", [100, 0, 100, 0], False, False, (3, 2), 3),
     ("cpu-overlap", [0, 100, 0, 100], True, True, (2, 3), 256),
@@ -75,7 +76,8 @@ def _rc(model: str, policy: str, offload_dir: str, percent=(100, 0, 100, 0), ove
     return RunConfig(model=MODELS[model], percent=Percent.parse(list(percent)), gpu_batch_size=batching[0],
                      num_gpu_batches=batching[1], prompt_len=max(LENS), gen_len=GEN, dtype=torch.float32,
                      overlap=overlap, cpu_cache_compute=cpu_cache_compute, seed=SEED,
-                     kv=KVSpec(policy, BUDGETS[policy] if budget == "default" else budget, SINKS, SEED, DECAY),
+                     kv=KVSpec(policy, BUDGETS[policy] if budget == "default" else budget, SINKS, SEED, DECAY,
+                               pyramid_ratio=RATIO),
                      offload_dir=offload_dir, attn_chunk=attn_chunk)
 
 
@@ -118,14 +120,19 @@ def reference(weights, data):
         key = (model, policy, greedy)
         if key not in cache:
             b = BUDGETS[policy]
-            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED, DECAY)
+            pol = _ref_policy(model, policy, b)
             cache[key] = [ref.generate(MODELS[model], weights(model), p, GEN, pol,
                                        None if greedy else forced[i].tolist()) for i, p in enumerate(prompts)]
         return cache[key]
     return get
 
 
-def _assert_matches(gen, refs: list, budget) -> None:
+def _ref_policy(model: str, policy: str, b, num_sinks: int = SINKS) -> ref.RefPolicy:
+    return ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, num_sinks, SEED, DECAY,
+                         MODELS[model].num_layers, RATIO)
+
+
+def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None) -> None:
     assert len(gen.step_logits) == GEN
     for i, r in enumerate(refs):
         assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
@@ -134,7 +141,7 @@ def _assert_matches(gen, refs: list, budget) -> None:
                                        msg=lambda m: f"sequence {i}, step {step}: {m}")
     for layer, n in gen.kept.items():
         assert n == max(len(kept) for r in refs for kept in r.kept[layer]), f"layer {layer} kept count"
-        assert budget is None or n <= budget.total
+        assert budget is None or n <= (budget.total if pol is None else pol.budget_at(layer))
 
 
 def _cases():
@@ -152,7 +159,7 @@ def test_engine_matches_reference(model, policy, combo, data, reference, offload
     rc = _rc(model, policy, offload_dir, percent, overlap, ccc, batching, chunk)
     with _engine(rc) as eng:
         gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
-    _assert_matches(gen, reference(model, policy), BUDGETS[policy])
+    _assert_matches(gen, reference(model, policy), BUDGETS[policy], _ref_policy(model, policy, BUDGETS[policy]))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -163,7 +170,7 @@ def test_greedy_tokens_match_reference(policy, data, reference, offload_dir):
     assert len({t for r in refs for t in r.tokens}) > 2 * len(refs), "degenerate greedy tokens prove little"
     with _engine(_rc("llama", policy, offload_dir, [100, 0, 100, 0], True, False, (2, 3), 4)) as eng:
         gen = eng.generate(prompts, GEN, record_logits=True)
-    _assert_matches(gen, refs, BUDGETS[policy])
+    _assert_matches(gen, refs, BUDGETS[policy], _ref_policy("llama", policy, BUDGETS[policy]))
 
 
 def test_reference_tells_policies_apart(reference):
@@ -205,6 +212,8 @@ def test_reference_off_by_one_split_differs(weights, data):
 
 def _covering(policy: str):
     total = max(LENS) + GEN
+    if ENGINE_POLICIES[policy].layered:  # the smallest layer budget (recent + sinks at least) covers it too
+        return Budget(total, total)
     if ENGINE_POLICIES[policy].windowed:
         return Budget(total // 2, total - total // 2)
     return Budget(0, total)

@@ -14,7 +14,8 @@ KV = 2  # KV heads per block in these tests
 SINKS = 2
 BUDGETS = {"full": None, "h2o": Budget(3, 2), "random": Budget(3, 2), "local": Budget(0, 5),
            "streaming": Budget(0, 5), "tova": Budget(0, 5), "a2sf": Budget(3, 2), "mean_attn": Budget(3, 2),
-           "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2), "mean_vnorm": Budget(3, 2)}
+           "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2), "mean_vnorm": Budget(3, 2),
+           "pyramid": Budget(3, 2)}
 NAMES = sorted(BUDGETS)
 LENS = [9, 4, 1, 7, 5]  # unequal prompts, left-padded to 9: shorter, equal and longer than the budget of 5
 GEN = 14
@@ -22,16 +23,17 @@ DIM = 2  # head_dim of the simulated values
 
 
 DECAY = 0.5  # a2sf's forgetting factor here: powers of two keep the quarter-step scores exact
+LAYERS, RATIO = 4, 0.25  # pyramid: 4 layers of budgets 6, 5, 5, 4 (heavy 3 + recent 2 on average)
 
 
 def _policy(name, budget="default", seed=3):
-    return make_policy(name, BUDGETS[name] if budget == "default" else budget, SINKS, seed, DECAY)
+    return make_policy(name, BUDGETS[name] if budget == "default" else budget, SINKS, seed, DECAY, LAYERS, RATIO)
 
 
 def _ref(name, budget="default", seed=3) -> RefPolicy:
     budget = BUDGETS[name] if budget == "default" else budget
     heavy, recent = (budget.heavy, budget.recent) if budget else (0, 0)
-    return RefPolicy(name, heavy, recent, SINKS, seed, DECAY)
+    return RefPolicy(name, heavy, recent, SINKS, seed, DECAY, LAYERS, RATIO)
 
 
 def _prompt_pos(lens: list) -> torch.Tensor:
@@ -128,7 +130,7 @@ class Sim:
             for h in range(KV):
                 valid = self.pos[i, h] >= 0
                 kept = set(self.pos[i, h][valid].tolist())
-                over = self.ref.budget is not None and len(kept) > self.ref.budget
+                over = self.ref.budget is not None and len(kept) > self.ref.budget_at(self.layer)
                 want = self.ref.evict(kept, int(self.cur[i]), self.hist[i][h], self.layer, h) if over else None
                 got = [] if evict is None else self.pos[i, h][evict[i, h]].tolist()
                 assert evict is None or not (evict[i, h] & ~valid).any(), "an empty slot marked for eviction"
@@ -153,7 +155,7 @@ def test_decisions_match_reference(name, layer, seed):
 @pytest.mark.parametrize("name", NAMES)
 def test_kept_count_never_exceeds_budget(name):
     sim = Sim(name)
-    budget = sim.ref.budget
+    budget = sim.ref.budget_at(sim.layer)
     for step in range(GEN):
         for i, n in enumerate(LENS):
             for h in range(KV):
@@ -167,7 +169,8 @@ def test_kept_count_never_exceeds_budget(name):
 def test_exactly_heavy_plus_recent_after_each_step(name):
     """Once more than B tokens were seen: the R newest positions are all kept, plus exactly H older ones."""
     sim = Sim(name)
-    heavy, recent = BUDGETS[name].heavy, BUDGETS[name].recent
+    recent = BUDGETS[name].recent
+    heavy = sim.ref.budget_at(sim.layer) - recent
     for step in range(GEN):
         for i, n in enumerate(LENS):
             cur = n - 1 + step
@@ -210,7 +213,9 @@ def test_budget_covering_everything_equals_full(name):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "full"])
 def test_slots_are_budget_plus_one(name):
-    assert _policy(name).slots(9, GEN) == BUDGETS[name].total + 1
+    largest = max(_ref(name).budget_at(layer) for layer in range(LAYERS))  # the bottom layer's, for pyramid
+    assert _policy(name).slots(9, GEN) == largest + 1
+    assert largest == BUDGETS[name].total or POLICIES[name].layered
 
 
 # ---- the exact H2O rules, by hand ---------------------------------------------------------------------------------

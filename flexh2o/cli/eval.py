@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Optional
 
+from flexh2o.cli.checks import check_kv_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags
@@ -107,7 +108,7 @@ def _run(args, argv: list) -> int:
 
 def set_run_options(model, args) -> None:
     """The engine options of an EvalModel from the flags shared with flexh2o-run (cli/compress_flags.py)."""
-    model.num_sinks, model.hh_decay = args.num_sinks, args.hh_decay
+    model.num_sinks, model.hh_decay, model.pyramid_ratio = args.num_sinks, args.hh_decay, args.pyramid_ratio
     model.compress_weight, model.compress_cache = compression_specs(args)
     model.weight_kernel = weight_kernel_mode(args)
 
@@ -117,6 +118,7 @@ def _settings(args):
         raise ValueError("--context must be at least 2 tokens")
     if not 0.0 <= args.hh_decay <= 1.0:
         raise ValueError(f"--hh-decay must be between 0 and 1 (got {args.hh_decay})")
+    check_kv_flags(args, None)
     if args.task == "ppl":
         from flexh2o.eval.ppl import PplSettings
         return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,

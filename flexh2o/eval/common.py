@@ -18,7 +18,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_PYRAMID_RATIO, POLICIES
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
@@ -44,6 +44,7 @@ class EvalModel:
     compress_cache: Optional[CompressionSpec] = None  # --compress-cache (grouped along head_dim)
     weight_kernel: str = "auto"  # RunConfig.weight_kernel, from --weight-kernel as flexh2o-run reads it
     hh_decay: float = DEFAULT_DECAY
+    pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
 
 
 def smollm2_gguf() -> str:
@@ -115,7 +116,7 @@ def budget_tokens(spec: str, context: int) -> int:
 
 def spec_of(model: EvalModel, policy: str, budget: Optional[int]) -> KVSpec:
     """The KVSpec of `policy` at a total of `budget` tokens, with the model's sinks, seed and decay."""
-    return KVSpec.of_total(policy, budget, model.num_sinks, model.seed, model.hh_decay)
+    return KVSpec.of_total(policy, budget, model.num_sinks, model.seed, model.hh_decay, model.pyramid_ratio)
 
 
 def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: list, targets: torch.Tensor,

@@ -104,7 +104,7 @@ def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows
         return [[lane] for lane in lanes]
     cfg = model.cfg
     per_slot = rows * cfg.num_layers * cfg.kv_heads * (2 * cfg.head_dim * model.dtype.itemsize + 12)
-    slots = {lane: spec_of(model, *lane).slots(prompt_len, steps) for lane in lanes}
+    slots = {lane: spec_of(model, *lane).slots(prompt_len, steps, cfg.num_layers) for lane in lanes}
     passes, cur = [], []
     for lane in sorted(lanes, key=lambda x: slots[x]):
         if cur and (len(cur) + 1) * slots[lane] * per_slot > mem:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from flexh2o.kv.policies import DEFAULT_DECAY, POLICIES
-from flexh2o.kv.policies.base import Budget, KVPolicy, cache_slots
+from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.policies.base import Budget, KVPolicy
 from flexh2o.kv.policies.lanes import LanePolicy
 
 LANES = "lanes"
@@ -15,7 +15,9 @@ LANES = "lanes"
 class KVSpec:
     """policy: a name in kv.policies.POLICIES; budget: tokens per sequence, layer and KV head (None = unbounded);
     num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random;
-    hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum).
+    hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum);
+    pyramid_ratio: the pyramid policy's top-layer share of the extra tokens over the bottom layer's, in [0, 1].
+    The per-layer budgets need the model's number of layers: slots, evicts and make take it (`num_layers`).
     lanes (policy "lanes"): ((rows, KVSpec), ...), each lane's spec for its own rows of one batch (see of_lanes)."""
 
     policy: str = "full"
@@ -24,6 +26,7 @@ class KVSpec:
     seed: int = 0
     hh_decay: float = DEFAULT_DECAY
     lanes: tuple = ()
+    pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
 
     def __post_init__(self):
         if self.policy == LANES:
@@ -49,12 +52,19 @@ class KVSpec:
                              f"{self.policy} policy: lower --num-sinks or raise the budget")
         if not 0.0 <= self.hh_decay <= 1.0:
             raise ValueError(f"--hh-decay must be between 0 and 1 (got {self.hh_decay})")
+        if not 0.0 <= self.pyramid_ratio <= 1.0:
+            raise ValueError(f"--pyramid-ratio must be between 0 and 1 (got {self.pyramid_ratio})")
+        if cls.layered and self.budget.recent + self.num_sinks < 1:
+            raise ValueError(f"the {self.policy} policy needs a recent window or sinks (every layer keeps them): "
+                             "raise --recent-ratio or --num-sinks")
 
     @staticmethod
     def from_flags(policy: Optional[str], prompt_len: int, hh_ratio: Optional[float] = None,
                    recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None, num_sinks: int = 4,
-                   seed: int = 0, hh_decay: float = DEFAULT_DECAY) -> "KVSpec":
-        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed/--hh-decay.
+                   seed: int = 0, hh_decay: float = DEFAULT_DECAY,
+                   pyramid_ratio: float = DEFAULT_PYRAMID_RATIO) -> "KVSpec":
+        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed/--hh-decay/
+        --pyramid-ratio.
 
         No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
         heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, split evenly (heavy = N // 2) for
@@ -65,17 +75,18 @@ class KVSpec:
             if budgeted:
                 raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
                                  "policy")
-            return KVSpec("full", None, num_sinks, seed, hh_decay)
+            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio)
         return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed,
-                      hh_decay)
+                      hh_decay, pyramid_ratio=pyramid_ratio)
 
     @staticmethod
     def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0,
-                 hh_decay: float = DEFAULT_DECAY) -> "KVSpec":
+                 hh_decay: float = DEFAULT_DECAY, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO) -> "KVSpec":
         """A spec at a total budget of `tokens` (None or policy full: unbounded)."""
         if policy == "full":
-            return KVSpec("full", None, num_sinks, seed, hh_decay)
-        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, hh_decay=hh_decay)
+            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio)
+        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, hh_decay=hh_decay,
+                                 pyramid_ratio=pyramid_ratio)
 
     @staticmethod
     def of_lanes(lanes: list) -> "KVSpec":
@@ -90,22 +101,23 @@ class KVSpec:
             return any(spec.needs_scores for _, spec in self.lanes)
         return POLICIES[self.policy].needs_scores
 
-    def slots(self, prompt_len: int, gen_len: int) -> int:
-        """Cache slots per sequence and KV head: budget + 1 (the incoming token), or the whole sequence."""
-        if self.lanes:
-            return max(spec.slots(prompt_len, gen_len) for _, spec in self.lanes)
-        return cache_slots(self.budget, prompt_len, gen_len)
+    def slots(self, prompt_len: int, gen_len: int, num_layers: Optional[int] = None) -> int:
+        """Cache slots per sequence and KV head in every layer: the largest layer budget + 1 (the incoming token),
+        or the whole sequence (the policy's `slots`: the one place that says it)."""
+        return self.make(num_layers).slots(prompt_len, gen_len)
 
-    def evicts(self, prompt_len: int, gen_len: int) -> bool:
+    def evicts(self, prompt_len: int, gen_len: int, num_layers: Optional[int] = None) -> bool:
+        """Some layer of some lane evicts."""
         if self.lanes:
-            return any(spec.evicts(prompt_len, gen_len) for _, spec in self.lanes)
-        return self.slots(prompt_len, gen_len) < prompt_len + gen_len
+            return any(spec.evicts(prompt_len, gen_len, num_layers) for _, spec in self.lanes)
+        return self.make(num_layers).evicts(prompt_len, gen_len)
 
-    def make(self) -> KVPolicy:
-        """The policy object (built once per engine)."""
+    def make(self, num_layers: Optional[int] = None) -> KVPolicy:
+        """The policy object (built once per engine); `num_layers`: the model's, for per-layer budgets."""
         if self.lanes:
-            return LanePolicy([(rows, spec.make()) for rows, spec in self.lanes])
-        return POLICIES[self.policy](self.budget, self.num_sinks, self.seed, self.hh_decay)
+            return LanePolicy([(rows, spec.make(num_layers)) for rows, spec in self.lanes])
+        return POLICIES[self.policy](self.budget, self.num_sinks, self.seed, self.hh_decay, num_layers=num_layers,
+                                     pyramid_ratio=self.pyramid_ratio)
 
     def kv_budget_flag(self) -> Optional[int]:
         """N such that --kv-budget N gives this spec back, or ValueError when none does; None for full."""
@@ -114,7 +126,7 @@ class KVSpec:
         if self.budget is None:
             return None
         n = self.budget.total
-        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed, self.hh_decay) != self:
+        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed, self.hh_decay, self.pyramid_ratio) != self:
             raise ValueError(f"KV budget heavy {self.budget.heavy} + recent {self.budget.recent} cannot be written "
                              f"as --kv-budget for policy {self.policy} (it splits a budget evenly)")
         return n
@@ -124,13 +136,15 @@ class KVSpec:
             return "lanes: " + ", ".join(f"{rows} x {spec.describe()}" for rows, spec in self.lanes)
         if self.budget is None:
             return self.policy
-        return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent})"
+        ratio = f", ratio {self.pyramid_ratio:g}" if POLICIES[self.policy].layered else ""
+        return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent}{ratio})"
 
 
 def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0,
-                hh_decay: float = DEFAULT_DECAY) -> KVPolicy:
+                hh_decay: float = DEFAULT_DECAY, num_layers: Optional[int] = None,
+                pyramid_ratio: float = DEFAULT_PYRAMID_RATIO) -> KVPolicy:
     """A policy object from its parts (validated as a KVSpec)."""
-    return KVSpec(name, budget, num_sinks, seed, hh_decay).make()
+    return KVSpec(name, budget, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio).make(num_layers)
 
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,

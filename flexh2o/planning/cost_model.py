@@ -97,7 +97,7 @@ class _Model:
         self.block_files = 2 * len(kv_parts) + 2
         self.block_padded = 2 * sum(map(padded, kv_parts)) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
         self.slot_kv = 2 * stored_bytes((d,), rc.dtype, rc.compress_cache)  # K and V of one token and KV head
-        self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len)
+        self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
         self.contended = not self.cuda and rc.overlap and r.disk_read_busy is not None

@@ -8,6 +8,7 @@ Fits and bytes come from the memory plan itself (memory_plan.largest_batch and p
 """
 from __future__ import annotations
 
+from flexh2o.kv.policies import POLICIES
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.planning.cost_model import predict_with
@@ -82,10 +83,12 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
         parts.append("--cpu-cache-compute")
     if rc.kv.policy != "full":
         parts.append(f"--kv-policy {rc.kv.policy} --kv-budget {rc.kv.kv_budget_flag()}")
-    if rc.kv.policy == "streaming" and rc.kv.num_sinks != 4:
+    if POLICIES[rc.kv.policy].uses_sinks and rc.kv.num_sinks != 4:
         parts.append(f"--num-sinks {rc.kv.num_sinks}")
     if rc.kv.policy == "a2sf":
         parts.append(f"--hh-decay {rc.kv.hh_decay}")
+    if POLICIES[rc.kv.policy].layered:
+        parts.append(f"--pyramid-ratio {rc.kv.pyramid_ratio}")
     if rc.seed:
         parts.append(f"--seed {rc.seed}")
     dtype = str(rc.dtype).replace("torch.", "")

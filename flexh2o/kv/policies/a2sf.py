@@ -14,6 +14,6 @@ DEFAULT_DECAY = 0.98
 class A2SFPolicy(H2OPolicy):
     name = "a2sf"
 
-    def __init__(self, budget, num_sinks: int = 4, seed: int = 0, hh_decay: float = DEFAULT_DECAY):
-        super().__init__(budget, num_sinks, seed, hh_decay)
+    def __init__(self, budget, num_sinks: int = 4, seed: int = 0, hh_decay: float = DEFAULT_DECAY, **options):
+        super().__init__(budget, num_sinks, seed, hh_decay, **options)
         self.decay = hh_decay

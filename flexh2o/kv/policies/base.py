@@ -9,7 +9,8 @@ cur_pos (b,) int64 is the position of the newest token of each sequence.
 A policy is a `priority` (higher = keep) plus a `protected` set (never evicted): the `budget.recent` newest
 positions when it is `windowed`, the first `num_sinks` positions when it `uses_sinks`. Eviction removes the
 lowest-priority unprotected token, ties going to the older position; prefill keeps the protected tokens and
-then the highest priorities, ties going to the newer position.
+then the highest priorities, ties going to the newer position. The budget of layer l is `layer_budget(l)`, the same
+`budget` in every layer unless the policy is `layered` (pyramid); `slots` is then the largest layer's + 1.
 
 Scores: with a `decay` d, a token's score after query c is the sum over the queries q that attended to it of
 d ** (c - q) times the probability q gave it (summed over the query heads of the KV head), in fp32. d = 1 (the
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+DEFAULT_PYRAMID_RATIO = 0.5  # pyramid: the top layer's extra tokens over the bottom layer's
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,33 @@ class KVPolicy:
     windowed = False  # a --kv-budget is split evenly into heavy tokens and a protected recent window
     uses_sinks = False  # protects the first --num-sinks positions
     needs_values = False  # priority reads the cached values
+    layered = False  # the budget differs from layer to layer (layer_budget)
     decay = 1.0
 
-    def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0):
+    def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0, *,
+                 num_layers: Optional[int] = None, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO):
         self.budget = budget
         self.num_sinks = num_sinks
         self.seed = seed
         self.hh_decay = hh_decay
+        self.num_layers = num_layers
+        self.pyramid_ratio = pyramid_ratio
+
+    def options(self) -> dict:
+        """The constructor's keywords besides the budget: a policy of the same class built with them is the same."""
+        return {"num_sinks": self.num_sinks, "seed": self.seed, "hh_decay": self.hh_decay,
+                "num_layers": self.num_layers, "pyramid_ratio": self.pyramid_ratio}
+
+    def layer_budget(self, layer: int) -> Optional[Budget]:
+        """The budget of one layer (the same for every layer here; see pyramid)."""
+        return self.budget
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return cache_slots(self.budget, prompt_len, gen_len)
+
+    def evicts(self, prompt_len: int, gen_len: int) -> bool:
+        """Some layer evicts: its budget holds fewer tokens than the sequence."""
+        return cache_slots(self.budget, prompt_len, gen_len) < prompt_len + gen_len
 
     def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
                  v: Optional[torch.Tensor]) -> torch.Tensor:
@@ -98,7 +118,7 @@ class KVPolicy:
             order = torch.gather(order, -1, torch.argsort(k.float(), dim=-1, descending=True, stable=True))
         rank = torch.empty_like(order)
         rank.scatter_(-1, order, torch.arange(order.shape[-1], device=pos.device).expand_as(order))
-        return valid & (rank < self.budget.total)
+        return valid & (rank < self.layer_budget(layer).total)
 
     def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
                      v: Optional[torch.Tensor] = None):
@@ -106,7 +126,7 @@ class KVPolicy:
         if self.budget is None:
             return None
         prio = self.priority(pos, score, layer, cur_pos, v).float()
-        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.budget.total)
+        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.layer_budget(layer).total)
 
 
 def lowest_unprotected(pos: torch.Tensor, prio: torch.Tensor, prot: torch.Tensor, total) -> torch.Tensor:

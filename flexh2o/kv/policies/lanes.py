@@ -67,9 +67,13 @@ class LanePolicy(KVPolicy):
         self.needs_scores = any(p.needs_scores for p in self.lanes)
         self.needs_values = any(p.needs_values for p in self.lanes)
         self._device_state = {}  # device name -> _Rows, built on first use
+        self._layer_totals = {}  # (device name, layer) -> per-row totals, when some lane's budget is per layer
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return max(p.slots(prompt_len, gen_len) for p in self.lanes)
+
+    def evicts(self, prompt_len: int, gen_len: int) -> bool:
+        return any(p.evicts(prompt_len, gen_len) for p in self.lanes)
 
     def _parts(self, x: torch.Tensor) -> list:
         self._check(x)
@@ -125,7 +129,20 @@ class LanePolicy(KVPolicy):
         if not rows.groups:
             return None
         prio = self.priority(pos, score, layer, cur_pos, v).float()
-        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), rows.total)
+        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self._total(pos.device, layer))
+
+    def _total(self, device, layer: int) -> torch.Tensor:
+        """(rows, 1, 1) int64: each row's budget in `layer` (its lane's layer_budget)."""
+        if not any(p.layered for p in self.lanes):
+            return self._state(device).total
+        key = (str(device), layer)
+        if key not in self._layer_totals:
+            totals = []
+            for p, sl in zip(self.lanes, self.slices):
+                b = p.layer_budget(layer)
+                totals += [UNBOUNDED if b is None else b.total] * (sl.stop - sl.start)
+            self._layer_totals[key] = torch.tensor(totals, dtype=torch.int64, device=device).view(-1, 1, 1)
+        return self._layer_totals[key]
 
     def _state(self, device) -> _Rows:
         key = str(device)
@@ -144,7 +161,7 @@ class LanePolicy(KVPolicy):
             for k, x in row.items():
                 cols[k] += [x] * (sl.stop - sl.start)
             if b is not None:
-                by_key.setdefault((type(p), p.num_sinks, p.seed, p.hh_decay, p.decay), []).append(sl)
+                by_key.setdefault((type(p), tuple(sorted(p.options().items())), p.decay), []).append(sl)
         t = {k: torch.tensor(x, dtype=torch.float32 if k == "decay" else torch.int64, device=device).view(-1, 1, 1)
              for k, x in cols.items()}
         budget = RowBudget(t["heavy"], t["total"] - t["heavy"])
@@ -153,8 +170,8 @@ class LanePolicy(KVPolicy):
         return _Rows(t["total"], t["recent"], t["sinks"], decay, groups)
 
     def _group(self, key, slices: list, budget: RowBudget, device) -> _Group:
-        cls, num_sinks, seed, hh_decay, _ = key
+        cls, options, _ = key
         index = torch.tensor([r for sl in slices for r in range(sl.start, sl.stop)], dtype=torch.int64,
                              device=device)
         own = RowBudget(budget.heavy.index_select(0, index), budget.recent.index_select(0, index))
-        return _Group(index, cls(own, num_sinks, seed, hh_decay))
+        return _Group(index, cls(own, **dict(options)))
