@@ -10,8 +10,8 @@ import reference_kv as ref
 from flexh2o.compress import CompressionSpec, dequantize, quantize, stored_bytes
 from flexh2o.engine import Engine
 from flexh2o.sampling import TeacherForcer
-from test_kv_equivalence import BUDGETS, COMBOS, DECAY, GEN, LENS, MODELS, POLICIES, SEED, SINKS, _assert_matches, \
-    _engine, _rc
+from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, _assert_matches, _engine, _rc, \
+    _ref_policy
 
 SPEC = CompressionSpec(4, 16, -1)  # head_dim 16: one group per token and head
 LLAMA_COMBOS = ("gpu-overlap", "disk-overlap")  # OPT runs every cache placement, Llama two of them
@@ -40,8 +40,7 @@ def packed_reference(tmp_path_factory, data):
             with _engine(_rc(model, "full", str(tmp_path_factory.mktemp("w")))) as eng:
                 weights[model] = {k: v.clone() for k, v in eng.weights.handles.items()}
         if (model, policy) not in cache:
-            b = BUDGETS[policy]
-            pol = ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, SINKS, SEED, DECAY)
+            pol = _ref_policy(model, policy, BUDGETS[policy])
             cache[model, policy] = [ref.generate(MODELS[model], weights[model], p, GEN, pol, forced[i].tolist(),
                                                  kv_quant) for i, p in enumerate(prompts)]
         return cache[model, policy]
@@ -63,14 +62,14 @@ def test_engine_matches_quantized_reference(model, policy, combo, data, packed_r
     rc = _rc(model, policy, offload_dir, percent, overlap, ccc, batching, chunk).with_(compress_cache=SPEC)
     with _engine(rc) as eng:
         gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
-    _assert_matches(gen, packed_reference(model, policy), BUDGETS[policy])
+    _assert_matches(gen, packed_reference(model, policy), BUDGETS[policy], _ref_policy(model, policy, BUDGETS[policy]))
 
 
 def test_quantization_moves_the_logits(data, packed_reference):
     """The comparison is sharp: the quantized and the exact reference differ by far more than the tolerance."""
     from test_kv_equivalence import ATOL
     prompts, forced = data
-    pol = ref.RefPolicy("h2o", BUDGETS["h2o"].heavy, BUDGETS["h2o"].recent, SINKS, SEED)
+    pol = _ref_policy("opt", "h2o", BUDGETS["h2o"])
     with _engine(_rc("opt", "full", "/tmp")) as eng:
         w = {k: v.clone() for k, v in eng.weights.handles.items()}
     exact = ref.generate(MODELS["opt"], w, prompts[0], GEN, pol, forced[0].tolist())
