@@ -15,6 +15,7 @@ Only `random_key` (the seeded hash that defines the `random` policy's choice) co
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
@@ -41,9 +42,10 @@ class History:
 
 
 # heavy tokens + a protected recent window
-WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid")
-SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid")  # the first num_sinks positions are protected
-MEAN = ("mean_attn", "pyramid")  # value: the mean attention a token received
+WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv")
+SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv")  # the first num_sinks are protected
+MEAN = ("mean_attn", "pyramid", "adakv")  # value: the mean attention a token received
+SHARED_HEADS = ("adakv",)  # the KV heads of a layer share heads x budget tokens, each at most head_cap x budget
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class RefPolicy:
     hh_decay: float = 0.98
     num_layers: int = 1
     pyramid_ratio: float = 0.5
+    head_cap: float = 2.0
 
     @property
     def budget(self) -> Optional[int]:
@@ -70,6 +73,12 @@ class RefPolicy:
         if self.name == "pyramid":
             return self.layer_heavy(layer) + self.recent
         return self.budget
+
+    def most_per_head(self, layer: int) -> Optional[int]:
+        """The most tokens one KV head of `layer` may hold."""
+        if self.name in SHARED_HEADS:
+            return math.floor(self.head_cap * self.budget)
+        return self.budget_at(layer)
 
     def layer_heavy(self, layer: int) -> int:
         """pyramid: num_sinks + layer's share of the L * (heavy - num_sinks) free tokens, shares proportional to
@@ -100,6 +109,30 @@ class RefPolicy:
         value = lambda t: (self._value(t, n - 1, hist, layer, head), t)  # noqa: E731
         heavy = sorted(everything - protect, key=value, reverse=True)[:budget - len(protect)]
         return protect | set(heavy)
+
+    def layer_prefill(self, n: int, hists: list, layer: int) -> list:
+        """SHARED_HEADS: the kept positions of every head (hists: one History per head) out of an n-token prompt:
+        the protected ones, then greedily by value (ties: newer, then lower head) while the layer and the head
+        have room."""
+        heads, cap = len(hists), math.floor(self.head_cap * self.budget)
+        kept = [self._protected(set(range(n)), n - 1) for _ in range(heads)]
+        pool = [(self._value(t, n - 1, hists[h], layer, h), t, -h) for h in range(heads)
+                for t in set(range(n)) - kept[h]]
+        for _, t, neg_head in sorted(pool, reverse=True):
+            if sum(map(len, kept)) < heads * self.budget and len(kept[-neg_head]) < cap:
+                kept[-neg_head].add(t)
+        return kept
+
+    def layer_evict(self, kept: list, cur: int, hists: list, layer: int) -> None:
+        """SHARED_HEADS, in place: drop tokens while the layer holds more than heads x budget or a head more than
+        its cap, each time the lowest value (ties: older, then lower head) of the over-cap heads, else of all."""
+        heads, cap = len(kept), math.floor(self.head_cap * self.budget)
+        while sum(map(len, kept)) > heads * self.budget or max(map(len, kept)) > cap:
+            over = [h for h in range(heads) if len(kept[h]) > cap] or range(heads)
+            pool = [(self._value(t, cur, hists[h], layer, h), t, h) for h in over
+                    for t in kept[h] - self._protected(kept[h], cur)]
+            _, t, h = min(pool)
+            kept[h].remove(t)
 
     def evict(self, kept: set, cur: int, hist: History, layer: int, head: int) -> int:
         """The position to drop from `kept` (which holds one token too many; `cur` is the newest position)."""
@@ -288,7 +321,7 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
             for head in range(H):
                 _record(hist[layer][head], probs[head], visible[layer][head, :T, :T], vnorm[head],
                         range(T) if step == 0 else [cur])
-                _apply_policy(policy, kept[layer][head], step, cur, hist[layer][head], layer, head)
+            _apply_layer(policy, kept[layer], step, cur, hist[layer], layer)
         nxt = int(logits.argmax()) if forced is None else int(forced[step])
         out.tokens.append(nxt)
         out.step_logits.append(logits)
@@ -303,6 +336,20 @@ def _record(hist: History, probs: torch.Tensor, visible: torch.Tensor, vnorm: to
     for q in queries:
         for t in visible[q].nonzero()[:, 0].tolist():
             hist.seen(q, t, float(probs[q, t]))
+
+
+def _apply_layer(policy: RefPolicy, kept: list, step: int, cur: int, hists: list, layer: int):
+    """Update one layer's kept sets (one per KV head) in place after the attention of `step`."""
+    if policy.name not in SHARED_HEADS:
+        for head, k in enumerate(kept):
+            _apply_policy(policy, k, step, cur, hists[head], layer, head)
+        return
+    if step == 0:
+        kept[:] = policy.layer_prefill(cur + 1, hists, layer)
+        return
+    for k in kept:
+        k.add(cur)
+    policy.layer_evict(kept, cur, hists, layer)
 
 
 def _apply_policy(policy: RefPolicy, kept: set, step: int, cur: int, hist: History, layer: int, head: int):

@@ -19,7 +19,7 @@ LENS = [5, 9, 3]
 STEPS = 30
 LANES = [("h2o", 8), ("tova", 8), ("a2sf", 10), ("mean_attn", 6), ("vatp", 12), ("h2o_sinks", 10),
          ("streaming", 7), ("local", 6), ("random", 8), ("h2o", 5), ("vatp", 7), ("random", 11),
-         ("mean_vnorm", 9), ("pyramid", 9), ("pyramid", 12), ("full", None)]
+         ("mean_vnorm", 9), ("pyramid", 9), ("adakv", 8), ("pyramid", 12), ("adakv", 11), ("full", None)]
 # the same policy at several budgets, in rows apart: the lanes batch one policy's rows with per-row budgets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +35,7 @@ def data():
 def test_lanes_equal_separate_runs(data):
     prompts, targets = data
     model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32, num_sinks=2, hh_decay=0.9,
-                      pyramid_ratio=0.25)
+                      pyramid_ratio=0.25, head_cap=1.5)
     together = lanes_run(model, LANES, prompts, targets)
     gaps = []
     for (policy, tokens), (logprob, correct) in zip(LANES, together):

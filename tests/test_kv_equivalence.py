@@ -34,11 +34,12 @@ MODELS = {
 BUDGETS = {"full": None, "h2o": Budget(5, 3), "random": Budget(5, 3), "local": Budget(0, 8),
            "streaming": Budget(0, 8), "tova": Budget(0, 8), "a2sf": Budget(5, 3), "mean_attn": Budget(5, 3),
            "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3), "mean_vnorm": Budget(5, 3),
-           "pyramid": Budget(5, 3)}  # heavy != recent, so a swapped split shows
+           "pyramid": Budget(5, 3), "adakv": Budget(5, 3)}  # heavy != recent, so a swapped split shows
 POLICIES = sorted(BUDGETS)
 SINKS, SEED = 4, 0
 DECAY = 0.7  # a2sf's forgetting factor here (not the default, so a lost --hh-decay shows)
 RATIO = 0.25  # pyramid's (not the default): layer budgets 9 and 7 around the mean of 8
+HEAD_CAP = 1.5  # adakv's (not the default): a KV head holds at most 12 of the layer's heads x 8
 SHARPEN = 4.0  # see _engine
 LENS = [12, 7, 3, 10, 5, 12]  # 6 sequences; shorter and longer than the budget of 8
 GEN = 33  # the prefill step + 32 decode steps
@@ -52,7 +53,7 @@ COMBOS = [
     ("disk-overlap", [0, 0, 0, 0], True, False, (2, 3), 4),
     ("mixed-serial", [30, 30, 30, 30, 30, 30], False, True, (2, 3), 5),
 ]
-BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid")
+BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv")
 H2O_EXTRA = [  # these policies (on OPT) also get every placement with the other overlap setting
     ("gpu-serial", [100, 0, 100, 0], False, False, (3, 2), 3),
     ("cpu-overlap", [0, 100, 0, 100], True, True, (2, 3), 256),
@@ -77,7 +78,7 @@ def _rc(model: str, policy: str, offload_dir: str, percent=(100, 0, 100, 0), ove
                      num_gpu_batches=batching[1], prompt_len=max(LENS), gen_len=GEN, dtype=torch.float32,
                      overlap=overlap, cpu_cache_compute=cpu_cache_compute, seed=SEED,
                      kv=KVSpec(policy, BUDGETS[policy] if budget == "default" else budget, SINKS, SEED, DECAY,
-                               pyramid_ratio=RATIO),
+                               pyramid_ratio=RATIO, head_cap=HEAD_CAP),
                      offload_dir=offload_dir, attn_chunk=attn_chunk)
 
 
@@ -129,7 +130,7 @@ def reference(weights, data):
 
 def _ref_policy(model: str, policy: str, b, num_sinks: int = SINKS) -> ref.RefPolicy:
     return ref.RefPolicy(policy, b.heavy if b else 0, b.recent if b else 0, num_sinks, SEED, DECAY,
-                         MODELS[model].num_layers, RATIO)
+                         MODELS[model].num_layers, RATIO, HEAD_CAP)
 
 
 def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None) -> None:
@@ -141,7 +142,7 @@ def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None) -> None:
                                        msg=lambda m: f"sequence {i}, step {step}: {m}")
     for layer, n in gen.kept.items():
         assert n == max(len(kept) for r in refs for kept in r.kept[layer]), f"layer {layer} kept count"
-        assert budget is None or n <= (budget.total if pol is None else pol.budget_at(layer))
+        assert budget is None or n <= (budget.total if pol is None else pol.most_per_head(layer))
 
 
 def _cases():

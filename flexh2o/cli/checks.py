@@ -40,6 +40,7 @@ def check_kv_flags(args, policy: Optional[str]) -> None:
     check_int("--num-sinks", getattr(args, "num_sinks", None), 0, fix="the number of first tokens always kept")
     check_real("--pyramid-ratio", getattr(args, "pyramid_ratio", None), 0.0, 1.0,
                fix="the top layer's share of the bottom layer's unprotected budget")
+    check_real("--head-cap", getattr(args, "head_cap", None), 1.0, fix="the most one KV head holds, in budgets")
     if hh is not None and kv_budget is not None:
         raise ValueError("--hh-ratio and --kv-budget both set the KV budget: give one of them")
     if recent is not None and hh is None:

@@ -109,6 +109,7 @@ def _run(args, argv: list) -> int:
 def set_run_options(model, args) -> None:
     """The engine options of an EvalModel from the flags shared with flexh2o-run (cli/compress_flags.py)."""
     model.num_sinks, model.hh_decay, model.pyramid_ratio = args.num_sinks, args.hh_decay, args.pyramid_ratio
+    model.head_cap = args.head_cap
     model.compress_weight, model.compress_cache = compression_specs(args)
     model.weight_kernel = weight_kernel_mode(args)
 

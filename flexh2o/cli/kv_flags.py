@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from flexh2o.cli.checks import check_kv_flags
-from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
 from flexh2o.kv.spec import KVSpec
 
 
@@ -24,10 +24,13 @@ def add_kv_flags(p: argparse.ArgumentParser, budgets: bool = True) -> None:
     a("--pyramid-ratio", type=float, default=DEFAULT_PYRAMID_RATIO, help="pyramid policy: the top layer's share "
       "of the unprotected budget over the bottom layer's, in [0, 1]; 1 = the same budget in every layer "
       f"(default {DEFAULT_PYRAMID_RATIO})")
+    a("--head-cap", type=float, default=DEFAULT_HEAD_CAP, help="adakv policy: the most tokens one KV head may hold, "
+      f"in per-head budgets, >= 1 (default {DEFAULT_HEAD_CAP})")
 
 
 def kv_spec(args: argparse.Namespace, prompt_len: int) -> KVSpec:
     """The run's KVSpec from parsed flags (the only place where --hh-ratio becomes token counts)."""
     check_kv_flags(args, args.kv_policy)
     return KVSpec.from_flags(args.kv_policy, prompt_len, args.hh_ratio, getattr(args, "recent_ratio", None),
-                             args.kv_budget, args.num_sinks, args.seed, args.hh_decay, args.pyramid_ratio)
+                             args.kv_budget, args.num_sinks, args.seed, args.hh_decay, args.pyramid_ratio,
+                             args.head_cap)

@@ -18,7 +18,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.dtypes import parse_dtype
@@ -45,6 +45,7 @@ class EvalModel:
     weight_kernel: str = "auto"  # RunConfig.weight_kernel, from --weight-kernel as flexh2o-run reads it
     hh_decay: float = DEFAULT_DECAY
     pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
+    head_cap: float = DEFAULT_HEAD_CAP
 
 
 def smollm2_gguf() -> str:
@@ -116,7 +117,8 @@ def budget_tokens(spec: str, context: int) -> int:
 
 def spec_of(model: EvalModel, policy: str, budget: Optional[int]) -> KVSpec:
     """The KVSpec of `policy` at a total of `budget` tokens, with the model's sinks, seed and decay."""
-    return KVSpec.of_total(policy, budget, model.num_sinks, model.seed, model.hh_decay, model.pyramid_ratio)
+    return KVSpec.of_total(policy, budget, model.num_sinks, model.seed, model.hh_decay, model.pyramid_ratio,
+                           model.head_cap)
 
 
 def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: list, targets: torch.Tensor,

@@ -1,10 +1,11 @@
 """KVSpec: which KV policy a run uses and its parameters, in whole tokens (ratios are converted here, once)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
-from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
 from flexh2o.kv.policies.base import Budget, KVPolicy
 from flexh2o.kv.policies.lanes import LanePolicy
 
@@ -16,7 +17,8 @@ class KVSpec:
     """policy: a name in kv.policies.POLICIES; budget: tokens per sequence, layer and KV head (None = unbounded);
     num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random;
     hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum);
-    pyramid_ratio: the pyramid policy's top-layer share of the extra tokens over the bottom layer's, in [0, 1].
+    pyramid_ratio: the pyramid policy's top-layer share of the extra tokens over the bottom layer's, in [0, 1];
+    head_cap: the adakv policy's most tokens per KV head, in per-head budgets (>= 1).
     The per-layer budgets need the model's number of layers: slots, evicts and make take it (`num_layers`).
     lanes (policy "lanes"): ((rows, KVSpec), ...), each lane's spec for its own rows of one batch (see of_lanes)."""
 
@@ -27,6 +29,7 @@ class KVSpec:
     hh_decay: float = DEFAULT_DECAY
     lanes: tuple = ()
     pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
+    head_cap: float = DEFAULT_HEAD_CAP
 
     def __post_init__(self):
         if self.policy == LANES:
@@ -54,6 +57,8 @@ class KVSpec:
             raise ValueError(f"--hh-decay must be between 0 and 1 (got {self.hh_decay})")
         if not 0.0 <= self.pyramid_ratio <= 1.0:
             raise ValueError(f"--pyramid-ratio must be between 0 and 1 (got {self.pyramid_ratio})")
+        if not (math.isfinite(self.head_cap) and self.head_cap >= 1.0):
+            raise ValueError(f"--head-cap must be a finite number >= 1 (got {self.head_cap})")
         if cls.layered and self.budget.recent + self.num_sinks < 1:
             raise ValueError(f"the {self.policy} policy needs a recent window or sinks (every layer keeps them): "
                              "raise --recent-ratio or --num-sinks")
@@ -62,9 +67,9 @@ class KVSpec:
     def from_flags(policy: Optional[str], prompt_len: int, hh_ratio: Optional[float] = None,
                    recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None, num_sinks: int = 4,
                    seed: int = 0, hh_decay: float = DEFAULT_DECAY,
-                   pyramid_ratio: float = DEFAULT_PYRAMID_RATIO) -> "KVSpec":
+                   pyramid_ratio: float = DEFAULT_PYRAMID_RATIO, head_cap: float = DEFAULT_HEAD_CAP) -> "KVSpec":
         """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed/--hh-decay/
-        --pyramid-ratio.
+        --pyramid-ratio/--head-cap.
 
         No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
         heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, split evenly (heavy = N // 2) for
@@ -75,18 +80,19 @@ class KVSpec:
             if budgeted:
                 raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
                                  "policy")
-            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio)
+            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio, head_cap=head_cap)
         return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed,
-                      hh_decay, pyramid_ratio=pyramid_ratio)
+                      hh_decay, pyramid_ratio=pyramid_ratio, head_cap=head_cap)
 
     @staticmethod
     def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0,
-                 hh_decay: float = DEFAULT_DECAY, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO) -> "KVSpec":
+                 hh_decay: float = DEFAULT_DECAY, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO,
+                 head_cap: float = DEFAULT_HEAD_CAP) -> "KVSpec":
         """A spec at a total budget of `tokens` (None or policy full: unbounded)."""
         if policy == "full":
-            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio)
+            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio, head_cap=head_cap)
         return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, hh_decay=hh_decay,
-                                 pyramid_ratio=pyramid_ratio)
+                                 pyramid_ratio=pyramid_ratio, head_cap=head_cap)
 
     @staticmethod
     def of_lanes(lanes: list) -> "KVSpec":
@@ -117,7 +123,7 @@ class KVSpec:
         if self.lanes:
             return LanePolicy([(rows, spec.make(num_layers)) for rows, spec in self.lanes])
         return POLICIES[self.policy](self.budget, self.num_sinks, self.seed, self.hh_decay, num_layers=num_layers,
-                                     pyramid_ratio=self.pyramid_ratio)
+                                     pyramid_ratio=self.pyramid_ratio, head_cap=self.head_cap)
 
     def kv_budget_flag(self) -> Optional[int]:
         """N such that --kv-budget N gives this spec back, or ValueError when none does; None for full."""
@@ -126,7 +132,8 @@ class KVSpec:
         if self.budget is None:
             return None
         n = self.budget.total
-        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed, self.hh_decay, self.pyramid_ratio) != self:
+        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed, self.hh_decay, self.pyramid_ratio,
+                           self.head_cap) != self:
             raise ValueError(f"KV budget heavy {self.budget.heavy} + recent {self.budget.recent} cannot be written "
                              f"as --kv-budget for policy {self.policy} (it splits a budget evenly)")
         return n
@@ -137,14 +144,16 @@ class KVSpec:
         if self.budget is None:
             return self.policy
         ratio = f", ratio {self.pyramid_ratio:g}" if POLICIES[self.policy].layered else ""
+        ratio += f", head cap {self.head_cap:g}" if POLICIES[self.policy].shares_heads else ""
         return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent}{ratio})"
 
 
 def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0,
                 hh_decay: float = DEFAULT_DECAY, num_layers: Optional[int] = None,
-                pyramid_ratio: float = DEFAULT_PYRAMID_RATIO) -> KVPolicy:
+                pyramid_ratio: float = DEFAULT_PYRAMID_RATIO, head_cap: float = DEFAULT_HEAD_CAP) -> KVPolicy:
     """A policy object from its parts (validated as a KVSpec)."""
-    return KVSpec(name, budget, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio).make(num_layers)
+    return KVSpec(name, budget, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio,
+                  head_cap=head_cap).make(num_layers)
 
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,

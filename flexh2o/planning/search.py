@@ -89,6 +89,8 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
         parts.append(f"--hh-decay {rc.kv.hh_decay}")
     if POLICIES[rc.kv.policy].layered:
         parts.append(f"--pyramid-ratio {rc.kv.pyramid_ratio}")
+    if POLICIES[rc.kv.policy].shares_heads:
+        parts.append(f"--head-cap {rc.kv.head_cap}")
     if rc.seed:
         parts.append(f"--seed {rc.seed}")
     dtype = str(rc.dtype).replace("torch.", "")

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from flexh2o.kv.policies.a2sf import DEFAULT_DECAY, A2SFPolicy  # noqa: F401  (re-exported)
-from flexh2o.kv.policies.base import DEFAULT_PYRAMID_RATIO, Budget, KVPolicy  # noqa: F401  (re-exported)
+from flexh2o.kv.policies.adakv import AdaKVPolicy
+from flexh2o.kv.policies.base import DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, Budget, KVPolicy  # noqa: F401
 from flexh2o.kv.policies.full import FullPolicy
 from flexh2o.kv.policies.h2o import H2OPolicy
 from flexh2o.kv.policies.h2o_sinks import H2OSinksPolicy
@@ -17,4 +18,4 @@ from flexh2o.kv.policies.vatp import VATPPolicy
 
 POLICIES = {p.name: p for p in (FullPolicy, H2OPolicy, LocalPolicy, StreamingPolicy, RandomPolicy, TOVAPolicy,
                                 A2SFPolicy, MeanAttentionPolicy, VATPPolicy, H2OSinksPolicy, MeanVNormPolicy,
-                                PyramidPolicy)}
+                                PyramidPolicy, AdaKVPolicy)}

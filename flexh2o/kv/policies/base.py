@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 DEFAULT_PYRAMID_RATIO = 0.5  # pyramid: the top layer's extra tokens over the bottom layer's
+DEFAULT_HEAD_CAP = 2.0  # adakv: the most a KV head holds, in per-head budgets
 
 
 @dataclass(frozen=True)
@@ -52,21 +53,24 @@ class KVPolicy:
     uses_sinks = False  # protects the first --num-sinks positions
     needs_values = False  # priority reads the cached values
     layered = False  # the budget differs from layer to layer (layer_budget)
+    shares_heads = False  # the KV heads of a layer share one budget (adakv): decisions couple the heads
     decay = 1.0
 
     def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0, *,
-                 num_layers: Optional[int] = None, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO):
+                 num_layers: Optional[int] = None, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO,
+                 head_cap: float = DEFAULT_HEAD_CAP):
         self.budget = budget
         self.num_sinks = num_sinks
         self.seed = seed
         self.hh_decay = hh_decay
         self.num_layers = num_layers
         self.pyramid_ratio = pyramid_ratio
+        self.head_cap = head_cap
 
     def options(self) -> dict:
         """The constructor's keywords besides the budget: a policy of the same class built with them is the same."""
         return {"num_sinks": self.num_sinks, "seed": self.seed, "hh_decay": self.hh_decay,
-                "num_layers": self.num_layers, "pyramid_ratio": self.pyramid_ratio}
+                "num_layers": self.num_layers, "pyramid_ratio": self.pyramid_ratio, "head_cap": self.head_cap}
 
     def layer_budget(self, layer: int) -> Optional[Budget]:
         """The budget of one layer (the same for every layer here; see pyramid)."""

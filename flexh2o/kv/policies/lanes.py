@@ -129,7 +129,15 @@ class LanePolicy(KVPolicy):
         if not rows.groups:
             return None
         prio = self.priority(pos, score, layer, cur_pos, v).float()
-        return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self._total(pos.device, layer))
+        evict = lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self._total(pos.device, layer))
+        for g in rows.groups:  # a class with its own eviction rule (adakv's heads share a budget) decides its rows
+            if type(g.policy).decode_evict is not KVPolicy.decode_evict:
+                i = g.index
+                vi = v.index_select(0, i) if v is not None else None
+                own = g.policy.decode_evict(pos.index_select(0, i), score.index_select(0, i), layer,
+                                            cur_pos.index_select(0, i), vi)
+                evict.index_copy_(0, i, own)
+        return evict
 
     def _total(self, device, layer: int) -> torch.Tensor:
         """(rows, 1, 1) int64: each row's budget in `layer` (its lane's layer_budget)."""
