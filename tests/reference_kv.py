@@ -10,6 +10,9 @@ Plain and slow on purpose:
     head), and the L1 norm of its value vector;
   * each policy is a handful of lines over those sets, its value of a token computed from the History by the
     policy's definition (class `RefPolicy`), never from a running score.
+  * policies whose KV heads share a budget (adakv) decide a layer's sets together (`layer_prefill`, `layer_evict`);
+    a merging policy (merge) logs each merge as an event, and the attention replays the events into the values every
+    later query reads (`merged_values`), so merged values are never kept as state either.
 
 Only `random_key` (the seeded hash that defines the `random` policy's choice) comes from the engine.
 """
@@ -42,9 +45,10 @@ class History:
 
 
 # heavy tokens + a protected recent window
-WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv")
-SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv")  # the first num_sinks are protected
-MEAN = ("mean_attn", "pyramid", "adakv")  # value: the mean attention a token received
+WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "merge")
+SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "merge")  # first num_sinks protected
+MEAN = ("mean_attn", "pyramid", "adakv", "merge")  # value: the mean attention a token received
+MERGING = ("merge",)  # an evicted token's value goes into the kept token of the most similar key (`merge_events`)
 SHARED_HEADS = ("adakv",)  # the KV heads of a layer share heads x budget tokens, each at most head_cap x budget
 
 
@@ -177,15 +181,17 @@ def ref_random_key(seed: int, layer: int, head: int, pos: int) -> float:
 
 # ---- models -----------------------------------------------------------------------------------------------------
 def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optional[Callable] = None,
-              prompt_len: int = 0) -> tuple:
+              prompt_len: int = 0, merges: Optional[list] = None) -> tuple:
     """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), (probs (kv, T, T) summed over each group,
-    L1 norms of the values (kv, T))).
+    L1 norms of the values (kv, T), keys (kv, T, d))).
+    `merges`: per KV head, the merge events (see `merged_values`) that change the values later queries read.
 
     With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V), the queries after the prompt (generated tokens)
     read the quantized K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends
     before the cache is written)."""
     if kv_quant is None:
-        return _attention(q, k, v, visible, num_heads, kv_heads)
+        return _attention(q, k, v, visible, num_heads, kv_heads, merges)
+    assert not merges or not any(merges), "the reference merges only exact K/V"
     T = q.shape[0]
     qk, qv = (kv_quant(x.view(T, kv_heads, -1)).reshape(T, -1) for x in (k, v))
     exact = _attention(q, k, v, visible, num_heads, kv_heads)
@@ -193,26 +199,67 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache
     vnorm = packed[1][1] if T > prompt_len else exact[1][1]  # decode steps weigh the values the cache holds
     return (torch.where(later[:, None], packed[0], exact[0]),
-            (torch.where(later[None, :, None], packed[1][0], exact[1][0]), vnorm))
+            (torch.where(later[None, :, None], packed[1][0], exact[1][0]), vnorm, exact[1][2]))
 
 
-def _attention(q, k, v, visible, num_heads: int, kv_heads: int) -> tuple:
+def _attention(q, k, v, visible, num_heads: int, kv_heads: int, merges: Optional[list] = None) -> tuple:
     """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), (probs (kv, T, T) summed over each group,
-    L1 norms of the values (kv, T)))."""
+    L1 norms of the values (kv, T), keys (kv, T, d)))."""
     T = q.shape[0]
     d = q.shape[1] // num_heads
     group = num_heads // kv_heads
     vnorm = v.view(T, kv_heads, d).abs().sum(-1).T  # (kv, T)
+    keys = k.view(T, kv_heads, d).transpose(0, 1)  # (kv, T, d)
+    per_query = None
+    if merges and any(merges):  # (kv, query, token, d): the value each query reads for each token
+        heads = v.view(T, kv_heads, d).transpose(0, 1)
+        per_query = torch.stack([merged_values(heads[h], merges[h]) for h in range(kv_heads)])
     q = q.view(T, num_heads, d).transpose(0, 1)  # (n, T, d)
     k = k.view(T, kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)  # (n, T, d): query head h reads h // group
     v = v.view(T, kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)
     mask = visible.repeat_interleave(group, 0)  # (n, T, T)
     probs = ((q @ k.transpose(1, 2)) * d ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1)  # (n, T, T)
-    out = (probs @ v).transpose(0, 1).reshape(T, num_heads * d)
-    return out, (probs.view(kv_heads, group, T, T).sum(1), vnorm)
+    if per_query is None:
+        out = (probs @ v).transpose(0, 1).reshape(T, num_heads * d)
+    else:
+        out = torch.einsum("nqt,nqtd->nqd", probs, per_query.repeat_interleave(group, 0))
+        out = out.transpose(0, 1).reshape(T, num_heads * d)
+    return out, (probs.view(kv_heads, group, T, T).sum(1), vnorm, keys)
 
 
-def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)) -> tuple:
+def merged_values(v: torch.Tensor, events: list) -> torch.Tensor:
+    """v (T, d) one KV head's values, events [(c, target, [(source, m_source)], m_target)] -> (query, token, d): the
+    value each query reads, every event at query c changing what queries after c read for its target: the
+    m-weighted mean of the target's and its sources' values as they were then."""
+    T = v.shape[0]
+    state, out, todo = v.clone(), v.new_empty(T, T, v.shape[1]), sorted(events, key=lambda e: e[0])
+    for query in range(T):
+        while todo and todo[0][0] < query:
+            _, t, sources, m_t = todo.pop(0)
+            mass = m_t + sum(m for _, m in sources)
+            if mass > 0:
+                state[t] = (m_t * state[t] + sum(m * state[e] for e, m in sources)) / mass
+        out[query] = state
+    return out
+
+
+def merge_events(kept: set, evicted: set, cur: int, hist: History, keys: torch.Tensor) -> list:
+    """The merge events of tokens `evicted` after query `cur` (keys (T, d) of the head): each source goes into the
+    kept token of highest key cosine (ties: the older), weighted by the attention each has received so far."""
+    def mass(t):
+        return sum(p for _, p in hist.probs.get(t, []))
+
+    def cos(a, b):
+        return float(keys[a] @ keys[b]) / (max(float(keys[a].norm()), 1e-8) * max(float(keys[b].norm()), 1e-8))
+    into = {}
+    for e in sorted(evicted):
+        t = max(kept, key=lambda t: (cos(e, t), -t))
+        into.setdefault(t, []).append((e, mass(e)))
+    return [(cur, t, sources, mass(t)) for t, sources in sorted(into.items())]
+
+
+def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0),
+                merges: Optional[list] = None) -> tuple:
     """Pre-LayerNorm OPT. -> (logits of the last position (vocab,), [(probs (kv, T, T), vnorm (kv, T)) per layer])."""
     assert cfg.norm_before and cfg.embed_dim == cfg.hidden, "the reference covers pre-LN OPT without projections"
     P = "model.decoder."
@@ -223,7 +270,7 @@ def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)
         p = f"{P}layers.{i}."
         y = _layer_norm(x, w, p + "self_attn_layer_norm")
         q, k, v = (_linear(y, w, f"{p}self_attn.{name}_proj") for name in "qkv")
-        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.num_heads, *quant)
+        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.num_heads, *quant, merges and merges[i])
         x = x + _linear(o, w, p + "self_attn.out_proj")
         y = _layer_norm(x, w, p + "final_layer_norm")
         x = x + _linear(F.relu(_linear(y, w, p + "fc1")), w, p + "fc2")
@@ -232,7 +279,8 @@ def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)
     return x[-1] @ w[P + "embed_tokens.weight"].T, all_probs
 
 
-def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)) -> tuple:
+def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0),
+                  merges: Optional[list] = None) -> tuple:
     """Llama with grouped KV heads. -> (logits of the last position (vocab,), [(probs, vnorm) per layer])."""
     T, d = len(ids), cfg.head_dim
     x = w["model.embed_tokens.weight"][ids]  # (T, h)
@@ -243,7 +291,7 @@ def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 
         y = _rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
         q, k, v = (y @ w[f"{p}self_attn.{name}_proj.weight"].T for name in "qkv")
         q, k = _rotate(q, cos, sin, d), _rotate(k, cos, sin, d)
-        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.kv_heads, *quant)
+        o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.kv_heads, *quant, merges and merges[i])
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
         y = _rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
         gate, up = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
@@ -303,6 +351,7 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
     visible = [torch.zeros(H, size, size, dtype=torch.bool) for _ in range(L)]  # per layer (kv, query, key)
     hist = [[History() for _ in range(H)] for _ in range(L)]
     kept = [[set() for _ in range(H)] for _ in range(L)]
+    merges = [[[] for _ in range(H)] for _ in range(L)]  # per layer and KV head, the merge events so far
     ids = list(prompt)
     out = RefGeneration([], [])
     for step in range(gen_len):
@@ -315,13 +364,17 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
             for layer in range(L):
                 for head in range(H):
                     visible[layer][head, cur, sorted(kept[layer][head] | {cur})] = True
-        logits, stats = forward(cfg, w, ids, [m[:, :T, :T] for m in visible], (kv_quant, n))
+        logits, stats = forward(cfg, w, ids, [m[:, :T, :T] for m in visible], (kv_quant, n), merges)
         for layer in range(L):
-            probs, vnorm = stats[layer]
+            probs, vnorm, keys = stats[layer]
+            before = [set(range(T)) if step == 0 else s | {cur} for s in kept[layer]]
             for head in range(H):
                 _record(hist[layer][head], probs[head], visible[layer][head, :T, :T], vnorm[head],
                         range(T) if step == 0 else [cur])
             _apply_layer(policy, kept[layer], step, cur, hist[layer], layer)
+            for head in range(H) if policy.name in MERGING else ():
+                merges[layer][head] += merge_events(kept[layer][head], before[head] - kept[layer][head], cur,
+                                                    hist[layer][head], keys[head])
         nxt = int(logits.argmax()) if forced is None else int(forced[step])
         out.tokens.append(nxt)
         out.step_logits.append(logits)

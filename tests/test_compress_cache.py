@@ -18,8 +18,10 @@ LLAMA_COMBOS = ("gpu-overlap", "disk-overlap")  # OPT runs every cache placement
 # OPT under mean_attn sits on a 4-bit rounding edge: perturbing K/V by 1e-6 (relative) before quantizing moves the
 # reference's own step-2 logits by 2e-4, so engine and reference (1e-7 apart) may round it apart. Not compared.
 EDGE = {("opt", "mean_attn")}
+# merge: the reference merges exact values only; a compressed cache re-quantizes each merged slot, which
+# tests/test_merge.py checks on the block itself
 CASES = [(m, p, c) for m in MODELS for p in POLICIES for c in COMBOS
-         if (m == "opt" or c[0] in LLAMA_COMBOS) and (m, p) not in EDGE]
+         if (m == "opt" or c[0] in LLAMA_COMBOS) and (m, p) not in EDGE and p != "merge"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,8 @@ LENS = [5, 9, 3]
 STEPS = 30
 LANES = [("h2o", 8), ("tova", 8), ("a2sf", 10), ("mean_attn", 6), ("vatp", 12), ("h2o_sinks", 10),
          ("streaming", 7), ("local", 6), ("random", 8), ("h2o", 5), ("vatp", 7), ("random", 11),
-         ("mean_vnorm", 9), ("pyramid", 9), ("adakv", 8), ("pyramid", 12), ("adakv", 11), ("full", None)]
+         ("mean_vnorm", 9), ("pyramid", 9), ("adakv", 8), ("merge", 8), ("pyramid", 12), ("adakv", 11),
+         ("merge", 13), ("full", None)]
 # the same policy at several budgets, in rows apart: the lanes batch one policy's rows with per-row budgets
 
 pytestmark = pytest.mark.usefixtures("one_thread")

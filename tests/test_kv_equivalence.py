@@ -34,7 +34,8 @@ MODELS = {
 BUDGETS = {"full": None, "h2o": Budget(5, 3), "random": Budget(5, 3), "local": Budget(0, 8),
            "streaming": Budget(0, 8), "tova": Budget(0, 8), "a2sf": Budget(5, 3), "mean_attn": Budget(5, 3),
            "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3), "mean_vnorm": Budget(5, 3),
-           "pyramid": Budget(5, 3), "adakv": Budget(5, 3)}  # heavy != recent, so a swapped split shows
+           "pyramid": Budget(5, 3), "adakv": Budget(5, 3), "merge": Budget(5, 3)}  # heavy != recent, so a swapped
+# split shows
 POLICIES = sorted(BUDGETS)
 SINKS, SEED = 4, 0
 DECAY = 0.7  # a2sf's forgetting factor here (not the default, so a lost --hh-decay shows)
@@ -53,7 +54,7 @@ COMBOS = [
     ("disk-overlap", [0, 0, 0, 0], True, False, (2, 3), 4),
     ("mixed-serial", [30, 30, 30, 30, 30, 30], False, True, (2, 3), 5),
 ]
-BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv")
+BOTH_OVERLAPS = ("h2o", "tova", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "merge")
 H2O_EXTRA = [  # these policies (on OPT) also get every placement with the other overlap setting
     ("gpu-serial", [100, 0, 100, 0], False, False, (3, 2), 3),
     ("cpu-overlap", [0, 100, 0, 100], True, True, (2, 3), 256),
@@ -200,6 +201,17 @@ def test_protected_sinks_change_h2o(weights, data, offload_dir):
     with _engine(rc) as eng:
         gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
     _assert_matches(gen, refs["h2o_sinks"], b)
+
+
+def test_merging_changes_the_values(weights, data):
+    """merge evicts as pyramid at ratio 1 does; the merged values alone move the logits far beyond the tolerance."""
+    prompts, forced = data
+    cfg, w, b = MODELS["opt"], weights("opt"), BUDGETS["merge"]
+    runs = [ref.generate(cfg, w, prompts[0], GEN, ref.RefPolicy(name, b.heavy, b.recent, SINKS, SEED, DECAY,
+                                                                cfg.num_layers, 1.0), forced[0].tolist())
+            for name in ("merge", "pyramid")]
+    assert runs[0].kept == runs[1].kept
+    assert max(float((x - y).abs().max()) for x, y in zip(runs[0].step_logits, runs[1].step_logits)) > 100 * ATOL
 
 
 def test_reference_off_by_one_split_differs(weights, data):

@@ -15,7 +15,8 @@ SINKS = 2
 BUDGETS = {"full": None, "h2o": Budget(3, 2), "random": Budget(3, 2), "local": Budget(0, 5),
            "streaming": Budget(0, 5), "tova": Budget(0, 5), "a2sf": Budget(3, 2), "mean_attn": Budget(3, 2),
            "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2), "mean_vnorm": Budget(3, 2),
-           "pyramid": Budget(3, 2), "adakv": Budget(3, 2)}
+           "pyramid": Budget(3, 2), "adakv": Budget(3, 2),
+           "merge": Budget(3, 2)}
 NAMES = sorted(BUDGETS)
 PER_HEAD = [n for n in NAMES if not POLICIES[n].shares_heads]  # Sim checks each head alone: adakv has its own file
 LENS = [9, 4, 1, 7, 5]  # unequal prompts, left-padded to 9: shorter, equal and longer than the budget of 5

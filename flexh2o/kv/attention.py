@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.compress.codec import assign, expand
-from flexh2o.kv.cache import KVBlock
+from flexh2o.kv.cache import KVBlock, merged_values
 from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.tensors import moved
 
@@ -53,6 +53,9 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     kpos = pos[:, None, :].expand(b, kv, t)
     cur = pos.max(-1).values  # (b,)
     keep = policy.prefill_keep(kpos, score, layer, cur, v)
+    if policy.merges and scores:  # the dropped prompt tokens' values go into kept ones (the policy says where)
+        target, mass = policy.merge_plan(kpos, score, k.float(), (kpos >= 0) & ~keep)
+        v = merged_values(v.float(), target, mass)[0].to(v.dtype)
     _pack(k, v, kpos, score, keep, blk)
     return out
 
@@ -108,7 +111,10 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     if policy.needs_scores:
         policy.accumulate(blk.score, att_sum)  # (b, kv, slots): 0 on every slot past a segment's used ones
     values = expand(blk.v, torch.float32) if policy.needs_values else None  # what the cache holds
-    blk.evict(policy.decode_evict(blk.pos, blk.score, layer, cur_pos, values))
+    evict = policy.decode_evict(blk.pos, blk.score, layer, cur_pos, values)
+    if policy.merges and evict is not None:
+        blk.merge(*policy.merge_plan(blk.pos, blk.score, expand(blk.k, torch.float32), evict))
+    blk.evict(evict)
     return moved(out.reshape(b, n, 1, d), home)
 
 

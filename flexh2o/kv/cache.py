@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from flexh2o.compress import CompressedTensor, CompressionSpec
-from flexh2o.compress.codec import assign, empty_like_layout
+from flexh2o.compress.codec import assign, empty_like_layout, expand
 from flexh2o.compress.tier import CompressedTier
 
 FIELDS = ("k", "v", "pos", "score")
@@ -29,7 +29,7 @@ class KVBlock:
     v: torch.Tensor
     pos: torch.Tensor
     score: torch.Tensor
-    written: Optional[torch.Tensor] = field(default=None, compare=False)  # (b, kv) slot of the last append
+    written: Optional[torch.Tensor] = field(default=None, compare=False)  # (b, kv[, n]) slots written since load
 
     def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
         """Write one token per row (k/v (b, kv, d), cur_pos (b,)) into each row's first free slot, in place;
@@ -44,6 +44,18 @@ class KVBlock:
         self.score[bi, hi, slot] = 0.0
         self.written = slot
         return slot
+
+    def merge(self, target: torch.Tensor, mass: torch.Tensor) -> None:
+        """Merge values as a policy's merge_plan says (target, mass: see merged_values), in place: a compressed block
+        re-quantizes each merged slot; the merged slot (one per row at most, in decode) is stored home with the
+        appended one."""
+        values, changed = merged_values(expand(self.v, torch.float32), target, mass)
+        bi, hi, si = changed.nonzero(as_tuple=True)
+        if len(bi):
+            assign(self.v, (bi, hi, si), values[bi, hi, si])
+        if self.written is not None:
+            merged = torch.where(changed.any(-1), changed.to(torch.int8).argmax(-1), self.written)  # (b, kv)
+            self.written = torch.stack([self.written, merged], -1)  # (b, kv, 2)
 
     def evict(self, mask: Optional[torch.Tensor]) -> None:
         """Free the slots marked in `mask` (b, kv, slots); None evicts nothing."""
@@ -68,6 +80,22 @@ class KVBlock:
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
         return (self.pos >= 0).sum(-1)
+
+
+def merged_values(v: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> tuple:
+    """v (b, h, s, d) fp32, target (b, h, s) int64 (-1: no merge), mass (b, h, s) fp32 -> (values, changed (b, h, s)):
+    each slot with a target adds its mass-weighted value there; a target's value becomes (m_t v_t + sum m_e v_e) /
+    (m_t + sum m_e) over the slots e merged into it (unchanged where that mass is 0)."""
+    src = target >= 0
+    idx = target.clamp(min=0)  # (b, h, s)
+    w = torch.where(src, mass, 0.0)
+    num = torch.zeros_like(v).scatter_add_(2, idx[..., None].expand_as(v), v * w[..., None])  # (b, h, s, d)
+    den = torch.zeros_like(mass).scatter_add_(2, idx, w)
+    hits = torch.zeros_like(mass).scatter_add_(2, idx, src.float()) > 0
+    total = mass + den
+    changed = hits & (total > 0)
+    new = (v * mass[..., None] + num) / torch.where(changed, total, 1.0)[..., None]
+    return torch.where(changed[..., None], new, v), changed
 
 
 class KVCache:

@@ -97,6 +97,7 @@ class _Model:
         self.block_files = 2 * len(kv_parts) + 2
         self.block_padded = 2 * sum(map(padded, kv_parts)) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
         self.slot_kv = 2 * stored_bytes((d,), rc.dtype, rc.compress_cache)  # K and V of one token and KV head
+        self.slot_kv *= 2 if rc.kv.make(rc.model.num_layers).merges else 1  # merging also stores the merged slot
         self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
@@ -247,7 +248,7 @@ class _Model:
         st.add("h2d.cache", n * _div(blk, r.h2d, "h2d_bw"))
         if tier == "disk":
             st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
-        else:  # memory tier: only the written slot of K/V, plus the whole pos/score arrays
+        else:  # memory tier: only the written slot(s) of K/V, plus the whole pos/score arrays
             b, kv = self.rc.gpu_batch_size, self.cfg.kv_heads
             st.add("d2h.cache", n * _div(b * kv * (self.slot_kv + 12 * self.slots), r.d2h, "d2h_bw"))
 

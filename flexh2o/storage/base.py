@@ -89,8 +89,10 @@ def nbytes_of(shape: tuple, dtype: torch.dtype) -> int:
 
 
 def scatter_slots(dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
-    """dst[b, h, slots[b, h], ...] = src[b, h, slots[b, h], ...] for tensors shaped (b, h, s, ...)."""
-    idx = slots.view(*slots.shape, 1, *([1] * (src.dim() - 3)))
-    idx = idx.expand(*slots.shape, 1, *src.shape[3:]).to(src.device)
+    """dst[b, h, slots[b, h], ...] = src[b, h, slots[b, h], ...] for tensors shaped (b, h, s, ...); slots (b, h) or
+    (b, h, n) for n slots per row."""
+    slots = slots if slots.dim() == 3 else slots[..., None]  # (b, h, n)
+    idx = slots.view(*slots.shape, *([1] * (src.dim() - 3)))
+    idx = idx.expand(*slots.shape, *src.shape[3:]).to(src.device)
     picked = torch.gather(src, 2, idx)
     dst.scatter_(2, idx.to(dst.device), picked.to(dst.device, dst.dtype))

@@ -44,4 +44,5 @@ class MemoryTier(Tier):
 def _dirty_bytes(t: torch.Tensor, slots: Optional[torch.Tensor]) -> int:
     if slots is None:
         return t.numel() * t.element_size()
-    return t.numel() // t.shape[2] * t.element_size()
+    per_row = slots.shape[2] if slots.dim() == 3 else 1  # slots written per (row, head)
+    return t.numel() // t.shape[2] * per_row * t.element_size()

@@ -10,6 +10,7 @@ from flexh2o.kv.policies.h2o_sinks import H2OSinksPolicy
 from flexh2o.kv.policies.local import LocalPolicy
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
 from flexh2o.kv.policies.mean_vnorm import MeanVNormPolicy
+from flexh2o.kv.policies.merge import MergePolicy
 from flexh2o.kv.policies.pyramid import PyramidPolicy
 from flexh2o.kv.policies.random import RandomPolicy
 from flexh2o.kv.policies.streaming import StreamingPolicy
@@ -18,4 +19,4 @@ from flexh2o.kv.policies.vatp import VATPPolicy
 
 POLICIES = {p.name: p for p in (FullPolicy, H2OPolicy, LocalPolicy, StreamingPolicy, RandomPolicy, TOVAPolicy,
                                 A2SFPolicy, MeanAttentionPolicy, VATPPolicy, H2OSinksPolicy, MeanVNormPolicy,
-                                PyramidPolicy, AdaKVPolicy)}
+                                PyramidPolicy, AdaKVPolicy, MergePolicy)}

@@ -54,6 +54,7 @@ class KVPolicy:
     needs_values = False  # priority reads the cached values
     layered = False  # the budget differs from layer to layer (layer_budget)
     shares_heads = False  # the KV heads of a layer share one budget (adakv): decisions couple the heads
+    merges = False  # evicted values are merged into kept tokens: merge_plan says where, kv/cache.py writes them
     decay = 1.0
 
     def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0, *,
@@ -85,6 +86,11 @@ class KVPolicy:
 
     def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
                  v: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge_plan(self, pos, score, keys, evict) -> tuple:
+        """When `merges`: (target (b, h, s) int64, the slot that absorbs each evicted slot's value, -1 elsewhere;
+        mass (b, h, s) fp32, each slot's weight in the mean). kv/cache.merged_values computes the new values."""
         raise NotImplementedError
 
     def protected(self, pos: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:

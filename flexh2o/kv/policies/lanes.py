@@ -66,6 +66,7 @@ class LanePolicy(KVPolicy):
         self.rows = start
         self.needs_scores = any(p.needs_scores for p in self.lanes)
         self.needs_values = any(p.needs_values for p in self.lanes)
+        self.merges = any(p.merges for p in self.lanes)
         self._device_state = {}  # device name -> _Rows, built on first use
         self._layer_totals = {}  # (device name, layer) -> per-row totals, when some lane's budget is per layer
 
@@ -138,6 +139,15 @@ class LanePolicy(KVPolicy):
                                             cur_pos.index_select(0, i), vi)
                 evict.index_copy_(0, i, own)
         return evict
+
+    def merge_plan(self, pos, score, keys, evict) -> tuple:
+        """The merging lanes' plans on their rows; the other rows merge nothing."""
+        self._check(pos)
+        target = torch.full_like(pos, -1)
+        for p, sl in zip(self.lanes, self.slices):
+            if p.merges:
+                target[sl] = p.merge_plan(pos[sl], score[sl], keys[sl], evict[sl])[0]
+        return target, score
 
     def _total(self, device, layer: int) -> torch.Tensor:
         """(rows, 1, 1) int64: each row's budget in `layer` (its lane's layer_budget)."""

@@ -1,0 +1,46 @@
+"""`flexh2o-eval recall` and `ppl` run every KV policy (the new ones with their flags) end to end on a tiny seeded
+model with a byte-level tokenizer built here: one result row per (policy, budget, task). Accuracy on a random model
+means nothing; that every lane runs and is reported is what is checked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexh2o.cli import eval as eval_cli
+from flexh2o.eval.common import EVICTING
+from tiny_models import tiny_opt, write_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model folder, tokenizer.json): a 2-layer OPT and a 256-token byte-level vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    root = tmp_path_factory.mktemp("tiny")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(root / "tokenizer.json"))
+    write_tiny_checkpoint(str(root / "model"), tiny_opt(vocab=512, max_positions=512))
+    return str(root / "model"), str(root / "tokenizer.json")
+
+
+@pytest.mark.parametrize("task, extra, keys", [
+    ("recall", ["--samples", "1", "--context", "160"], ("passkey", "kv")),
+    ("ppl", ["--windows", "1", "--context", "96", "--prefix", "8", "--texts", "hamlet"], ("hamlet",)),
+])
+def test_every_policy_runs(task, extra, keys, tiny, tmp_path, capsys):
+    model, tokenizer = tiny
+    out = tmp_path / "r.json"
+    argv = [task, "--model", model, "--tokenizer", tokenizer, "--dtype", "float32", "--budgets", "24",
+            "--policies", ",".join(EVICTING), "--pyramid-ratio", "0.25", "--head-cap", "1.5", "--no-progress",
+            "--out", str(out)] + extra
+    assert eval_cli.main(argv) == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    field = "task" if task == "recall" else "text"
+    for key in keys:
+        got = {r["policy"] for r in rows if r.get(field) == key and r.get("budget_tokens") == 24}
+        assert got == set(EVICTING), (key, sorted(got))
