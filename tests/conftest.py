@@ -54,6 +54,9 @@ def _fixture_profiles(cache: str) -> None:
     from flexh2o.planning import machine, profile_cache
     from flexh2o.planning.hardware import load_profile
     prof = load_profile("cpu_measured")
+    for key, by_dtype in list(prof.items()):  # every candidate dtype, so a dry run never measures one (--hardware
+        if isinstance(by_dtype, dict) and "bfloat16" in by_dtype:  # auto adds a missing compute dtype's rates)
+            prof[key] = {"float16": by_dtype["bfloat16"], **by_dtype}
     fp = machine.fingerprint("cpu")
     from flexh2o.planning import dtype_choice
     for threads in {1, os.cpu_count(), torch.get_num_threads()}:

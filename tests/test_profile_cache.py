@@ -26,8 +26,39 @@ def test_cached_profile_is_reused_without_measuring_again(tmp_path, monkeypatch)
     again = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
     assert calls == [("float32",)] and first["fingerprint"] == again["fingerprint"] == machine.fingerprint("cpu")
     assert os.path.exists(tmp_path / profile_cache.profile_file("cpu"))
-    profile_cache.auto_profile("cpu", "float16", None, may_measure=True, measure=fake_measure(calls))
-    assert len(calls) == 1  # a dtype the cached profile lacks is not measured behind the user's back
+    assert "float16" not in profile_cache.auto_profile("cpu", "float16", None, may_measure=False)["matmul_flops"]
+    assert len(calls) == 1  # without may_measure a dtype the cached profile lacks is not measured
+
+
+def test_a_dtype_the_cached_profile_lacks_is_added_once_when_planning(tmp_path, monkeypatch, capsys):
+    """--dry-run / --policy auto of a run whose decode computes in another dtype: only that dtype is measured, merged
+    into the cached profile, and not measured again."""
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    calls, added = [], []
+
+    def fake_add(prof, dtypes, progress=lambda n: None):
+        added.append(tuple(dtypes))
+        return {**prof, "matmul_flops": {**prof["matmul_flops"], **{d: 1e9 for d in dtypes}}}
+    profile_cache.auto_profile("cpu", ["float32"], None, may_measure=True, measure=fake_measure(calls))
+    got = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
+    again = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
+    assert calls == [("float32",)] and added == [("float16",)]
+    assert got["matmul_flops"]["float16"] == again["matmul_flops"]["float16"] == 1e9
+    assert "profiling float16 on this machine" in capsys.readouterr().err
+
+
+def test_add_dtypes_merges_measured_rates_into_the_profile(monkeypatch):
+    from flexh2o.planning import measure
+    monkeypatch.setattr(measure, "compute_rates", lambda dtype, dev, quick: {
+        "matmul_flops": 2e9, "decode_matmul_flops": 1e9, "attention_flops": 1e9, "decode_attention_flops": 1e9})
+    monkeypatch.setattr(measure, "matmul_rows_rates", lambda dtype, dev, quick: {"4": 1e9})
+    prof = {**load_profile("cpu_measured"), "device": "cpu", "quick": True}
+    before = dict(prof["matmul_flops"])
+    out = measure.add_dtypes(prof, ["float16"])
+    assert out["matmul_flops"]["float16"] == 2e9 and out["decode_matmul_flops"]["float16"] == 1e9
+    assert out["matmul_flops_by_rows"]["float16"] == {"4": 1e9}
+    assert prof["matmul_flops"] == before  # the input is not changed
+    assert {k: v for k, v in out["matmul_flops"].items() if k != "float16"} == before
 
 
 def test_cli_dry_run_measures_once_then_uses_the_cache(tmp_path, monkeypatch, capsys):

@@ -21,13 +21,19 @@ def describe_plan(rc: RunConfig, plan_of=plan_memory) -> str:
     plan = plan_of(rc)
     lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
              f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv.describe()}"
-             f"  cache slots {rc.cache_slots()}" + _compression_note(rc), plan.describe()]
+             f"  cache slots {rc.cache_slots()}" + _compression_note(rc), _dtype_line(rc), plan.describe()]
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
     lines.append(f"largest --gpu-batch-size that fits: {rc.kv.policy} {largest_batch(rc, plan_of=plan_of)}")
     if rc.kv.policy != "full":
         lines[-1] += f", full {largest_batch(rc.with_(kv=KVSpec()), plan_of=plan_of)}"
     return "\n".join(lines)
+
+
+def _dtype_line(rc: RunConfig) -> str:
+    from flexh2o.dtypes import dtype_name
+    dec = "" if rc.decode_compute == rc.compute else f" (prefill), {dtype_name(rc.decode_compute)} (decode)"
+    return f"dtype {dtype_name(rc.dtype)} storage, {dtype_name(rc.compute)} compute{dec}"
 
 
 def _compression_note(rc: RunConfig) -> str:

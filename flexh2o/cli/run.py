@@ -183,15 +183,25 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
                    gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, offload_dir=args.offload_dir,
                    compress_weight=packed[0], compress_cache=packed[1], pin_weight=args.pin_weight,
                    weight_kernel=weight_kernel_mode(args))
-    if getattr(args, "policy", "given") != "auto":  # --policy auto chooses them with its search
+    choose = getattr(args, "policy", "given") != "auto"  # --policy auto chooses the dtypes with its search
+    if choose:
         rc = _choose_dtypes(args, rc)
     if auto:
-        best = largest_batch(rc)
-        if best == 0:
-            plan_memory(rc).check()
-        rc = rc.with_(gpu_batch_size=best)
-        print(f"--gpu-batch-size auto: picked {best} (largest that fits, policy {kv.policy})", file=sys.stderr)
+        rc = _auto_batch(rc)
+        if choose:  # the dtypes again at the batch that runs (a decode step's best dtype depends on its rows)
+            again = _choose_dtypes(args, rc)
+            if (again.dtype, again.compute, again.decode_compute) != (rc.dtype, rc.compute, rc.decode_compute):
+                rc = _auto_batch(again)
+        print(f"--gpu-batch-size auto: picked {rc.gpu_batch_size} (largest that fits, policy {kv.policy})",
+              file=sys.stderr)
     return rc
+
+
+def _auto_batch(rc: RunConfig) -> RunConfig:
+    best = largest_batch(rc.with_(gpu_batch_size=1))
+    if best == 0:
+        plan_memory(rc.with_(gpu_batch_size=1)).check()
+    return rc.with_(gpu_batch_size=best)
 
 
 def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
@@ -214,7 +224,7 @@ def _hardware(args, rc: RunConfig) -> tuple:
     """(profile or None, label) for --hardware (planning/profile_cache.py); warnings and hints go to stderr."""
     from flexh2o.planning.profile_cache import resolve
     need = args.dry_run or args.policy == "auto"
-    compute = rc.compute_dtype if hasattr(args, "dtype_choice") else None  # --policy auto: chosen later
+    compute = [rc.compute, rc.decode_compute] if hasattr(args, "dtype_choice") else None  # --policy auto: later
     if compute is None and args.compute_dtype not in (None, "auto"):
         compute = parse_dtype(args.compute_dtype)
     hw, label, warning = resolve(args.hardware, rc.device, compute, args.offload_dir, may_measure=need)

@@ -282,15 +282,7 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool,
     if dev.type == "cuda":
         prof["gpu"] = torch.cuda.get_device_name(dev)
         prof["gpu_mem"] = torch.cuda.get_device_properties(dev).total_memory
-    rates, by_rows = {}, {}
-    for d in dtypes:
-        rates[dtype_name(parse_dtype(d))] = compute_rates(parse_dtype(d), dev, quick)
-        progress(1)
-        by_rows[dtype_name(parse_dtype(d))] = matmul_rows_rates(parse_dtype(d), dev, quick)
-        progress(1)
-    for key in next(iter(rates.values())):
-        prof[key] = {d: r[key] for d, r in rates.items()}
-    prof["matmul_flops_by_rows"] = by_rows
+    prof.update(dtype_rates(dev, dtypes, quick, progress))
     prof.update(memory_rates(dev, quick))
     prof["cpu_flops"] = cpu_attention_flops(quick)
     progress(1)
@@ -309,6 +301,31 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool,
         prof.update(disk_read_bw=None, disk_write_bw=None, disk_read_latency_s=None, disk_write_latency_s=None,
                     direct_io=None, disk_read_bw_busy=None, compute_busy=None)
     return prof
+
+
+def dtype_rates(dev: torch.device, dtypes: list, quick: bool,
+                progress: Callable[[int], object] = lambda n: None) -> dict:
+    """The per-dtype part of a profile: {rate key: {dtype: FLOP/s}} plus matmul_flops_by_rows; progress(1) twice per
+    dtype."""
+    rates, by_rows = {}, {}
+    for d in dtypes:
+        rates[dtype_name(parse_dtype(d))] = compute_rates(parse_dtype(d), dev, quick)
+        progress(1)
+        by_rows[dtype_name(parse_dtype(d))] = matmul_rows_rates(parse_dtype(d), dev, quick)
+        progress(1)
+    out = {key: {d: r[key] for d, r in rates.items()} for key in next(iter(rates.values()))}
+    out["matmul_flops_by_rows"] = by_rows
+    return out
+
+
+def add_dtypes(prof: dict, dtypes: list, progress: Callable[[int], object] = lambda n: None) -> dict:
+    """`prof` (this machine's) with the per-dtype rates of `dtypes` measured now and merged in, at the profile's own
+    quickness."""
+    added = dtype_rates(torch.device(prof["device"]), dtypes, prof.get("quick", True), progress)
+    out = dict(prof)
+    for key, by_dtype in added.items():
+        out[key] = {**prof.get(key, {}), **by_dtype}
+    return out
 
 
 def measure_steps(dtypes: list, offload_dir: Optional[str]) -> int:

@@ -23,42 +23,58 @@ def profile_file(device: str, fp: Optional[dict] = None) -> str:
     return f"hardware-{device.split(':')[0]}-{machine.fingerprint_key(fp)}.json"
 
 
-def wanted_dtypes(device: str, compute: Optional[str] = None) -> list:
+def wanted_dtypes(device: str, compute=None) -> list:
     """Compute dtypes an auto profile holds: float32 (and float16 on CUDA, bfloat16 on CPUs with bf16 hardware),
-    plus the run's own."""
+    plus the run's own (`compute`: a dtype name or a list of them, e.g. prefill's and decode's)."""
     fp = machine.fingerprint(device)
     out = ["float16", "float32"] if device.startswith("cuda") else ["float32"]
     if not device.startswith("cuda") and any(f in fp["cpu_flags"] for f in FAST_BF16_FLAGS):
         out.append("bfloat16")
-    if compute and compute not in out:
-        out.append(compute)
+    for c in _names(compute):
+        if c not in out:
+            out.append(c)
     return out
 
 
-def auto_profile(device: str, compute: Optional[str], offload_dir: Optional[str], may_measure: bool,
-                 measure: Optional[Callable] = None) -> Optional[dict]:
+def _names(compute) -> list:
+    return [] if compute is None else [compute] if isinstance(compute, str) else list(compute)
+
+
+def auto_profile(device: str, compute, offload_dir: Optional[str], may_measure: bool,
+                 measure: Optional[Callable] = None, add: Optional[Callable] = None) -> Optional[dict]:
     """This machine's cached profile (measured again, when may_measure, if it was taken on a busy machine that is now
     much quieter: machine.stale_by_load); else, if may_measure, a quick one measured now (wanted_dtypes) and cached;
-    else None. A cached profile without the run's compute dtype is returned as it is (the prediction then warns
-    and names the flexh2o-profile command that adds it)."""
+    else None. `compute`: the run's compute dtype name(s). A cached profile without one of them gets that dtype's
+    rates measured now and cached too when may_measure (a few seconds, with a progress bar); otherwise it is returned
+    as it is (the prediction then warns and names the flexh2o-profile command that adds it)."""
+    from flexh2o.planning import measure as profiler
     name = profile_file(device)
     prof = machine.read_cached(name)
     if prof and may_measure and machine.stale_by_load(prof.get("load_at_measure")):
         print(f"note: the cached profile of this machine was measured at load {prof['load_at_measure']:.1f} "
               f"(now {machine.load_now():.1f}): measuring it again", file=sys.stderr)
         prof = None
-    if prof or not may_measure:
-        return prof
-    from flexh2o.planning import measure as profiler
-    dtypes = wanted_dtypes(device, compute)
-    from tqdm import tqdm
-    with tqdm(total=profiler.measure_steps(dtypes, offload_dir), desc="profiling this machine (once, cached)",
-              file=sys.stderr, unit="step") as bar:
-        prof = (measure or profiler.measure)(device, dtypes, offload_dir, True, progress=bar.update)
-    prof["name"] = f"auto-{name[len('hardware-'):-len('.json')]}"
-    where = machine.write_cached(name, prof)
-    prof["cached_at"] = where
+    if prof:
+        missing = [c for c in _names(compute) if c not in prof.get("matmul_flops", {})]
+        if not (missing and may_measure):
+            return prof
+        with _bar(2 * len(missing), f"profiling {', '.join(missing)} on this machine (once, cached)") as bar:
+            prof = (add or profiler.add_dtypes)(prof, missing, progress=bar.update)
+    else:
+        if not may_measure:
+            return None
+        dtypes = wanted_dtypes(device, compute)
+        with _bar(profiler.measure_steps(dtypes, offload_dir), "profiling this machine (once, cached)") as bar:
+            prof = (measure or profiler.measure)(device, dtypes, offload_dir, True, progress=bar.update)
+        prof["name"] = f"auto-{name[len('hardware-'):-len('.json')]}"
+    prof.pop("cached_at", None)
+    prof["cached_at"] = machine.write_cached(name, prof)
     return prof
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, file=sys.stderr, unit="step")
 
 
 def mismatch_warning(hw: dict, device: str, label: str) -> Optional[str]:
@@ -73,9 +89,12 @@ def mismatch_warning(hw: dict, device: str, label: str) -> Optional[str]:
 
 
 def resolve(arg: Optional[str], device: str, compute, offload_dir: Optional[str], may_measure: bool) -> tuple:
-    """(profile or None, label, warning or None) for --hardware `arg` (auto, a shipped name or a file)."""
+    """(profile or None, label, warning or None) for --hardware `arg` (auto, a shipped name or a file); `compute`:
+    the run's compute dtype(s), a torch dtype or a list (prefill's and decode's), or None."""
     if arg in (None, AUTO):
-        hw = auto_profile(device, dtype_name(compute) if compute is not None else None, offload_dir, may_measure)
+        given = [] if compute is None else list(compute) if isinstance(compute, (list, tuple)) else [compute]
+        names = [dtype_name(c) for c in given]
+        hw = auto_profile(device, list(dict.fromkeys(names)), offload_dir, may_measure)
         return hw, "of this machine (auto)", None
     hw = load_profile(arg)
     return hw, arg, mismatch_warning(hw, device, arg)
