@@ -150,7 +150,8 @@ def main(argv=None) -> int:
                     "under the cap (fair.py: flexh2o's own search inside the cap, Accelerate's largest completing "
                     "batch)")
     ap.add_argument("--fair-overhead", default="650MB", help="process memory outside flexh2o's tiers (--fair)")
-    ap.add_argument("--fair-max-batch", type=int, default=256, help="largest Accelerate batch tried (--fair)")
+    ap.add_argument("--fair-max-batch", type=int, default=256, help="most sequences at once (--fair): the largest "
+                    "Accelerate batch tried and flexh2o's search limit (--max-seqs)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")

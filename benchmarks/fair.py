@@ -4,7 +4,8 @@ flexh2o: its own policy search (flexh2o-run --policy auto --dry-run) with the ti
 minus the process overhead (--fair-overhead: torch, Python, the I/O buffers outside the tiers) split between the gpu
 and cpu tiers in a few ways (on a CPU both are host memory), the best predicted split kept, per KV policy.
 Accelerate: the largest batch that completes under the cap, found by doubling from 1 and then bisecting, each try a
-whole run (same lengths) with a timeout; every try is logged.
+whole run (same lengths) with a timeout; every try is logged. Both are held to at most --fair-max-batch sequences at
+once (flexh2o's search through --max-seqs), so neither wins by a batch the other was not allowed to try.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def fair_commands(args, env: dict, mem_cap: int, cmds: dict, ckpt: str, log=prin
                        ("h2o", h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len))):
         if system not in cmds:
             continue
-        argv, pred, tried = flexh2o_best(flag_args({**common, **kv}) + hardware_args(args.hardware), budget, env)
+        argv, pred, tried = flexh2o_best(flag_args({**common, **kv, "max_seqs": args.fair_max_batch})
+                                         + hardware_args(args.hardware), budget, env)
         log(f"fair: flexh2o {system} inside {budget} B: tried {tried}; best {' '.join(argv)} (predicted {pred})")
         out[system] = (run_flexh2o, argv)
     if "accelerate" in cmds:

@@ -175,3 +175,8 @@ def test_read_json_errors_are_one_line_naming_file_and_fix(tmp_path):
         msg = str(e.value)
         assert msg.startswith(str(path)) and what in msg and msg.endswith(": do X") and "\n" not in msg
     assert read_json(str(wrong), "do X", list) == [1, 2]
+
+
+def test_max_seqs_needs_policy_auto_and_a_positive_count(capsys):
+    _fails(capsys, SMALL + ["--max-seqs", "4"], "--max-seqs", "--policy auto")
+    _fails(capsys, SMALL + ["--policy", "auto", "--max-seqs", "0"], "--max-seqs")

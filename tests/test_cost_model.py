@@ -200,6 +200,17 @@ def test_search_keeps_only_fitting_plans_and_beats_a_naive_one():
     assert tps[0] > predict(naive, profile).total_throughput
 
 
+def test_search_max_seqs_caps_the_sequences_in_flight():
+    profile = hw(disk_read_bw=1e9, disk_write_bw=1e9, cpu_mem_bw=1e10, decode_matmul_flops=1e11, matmul_flops=1e11,
+                 op_overhead_s=1e-5)
+    base = toy_rc(gpu_mem=160 << 20, cpu_mem=64 << 20, disk_mem=1 << 30)
+    free = search(base, profile, step=50, max_num_gpu_batches=4, limit=50)
+    capped = search(base, profile, step=50, max_num_gpu_batches=4, limit=50, max_seqs=6)
+    assert max(rc.num_seqs for rc, _ in free) > 6  # the cap binds here
+    assert capped and all(rc.num_seqs <= 6 for rc, _ in capped)
+    assert max(rc.num_seqs for rc, _ in capped) >= 4  # it still fills the cap as far as the batch sizes allow
+
+
 @pytest.mark.parametrize("nb", [1, 3])
 @pytest.mark.parametrize("percent", [(100, 0, 100, 0, 100, 0), (30, 50, 20, 40, 0, 100), (0, 0, 0, 0, 0, 0)])
 def test_search_memory_arithmetic_matches_plan_memory(percent, nb):

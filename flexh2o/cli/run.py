@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--policy", choices=["given", "auto"], default="given",
       help="auto: search --percent and batch sizes for the best predicted throughput (cost model)")
+    a("--max-seqs", type=int, help="--policy auto: run at most this many sequences at once (gpu batch x GPU "
+      "batches; default: the prompts of --prompt-file, else no limit)")
     a("--hardware", default="auto", help="hardware profile for predictions, --dry-run and --policy auto: auto (this "
       "machine's, cached; measured once, under a minute, the first time --dry-run or --policy auto needs it), a "
       "shipped name (t4_paper, a100_80gb) or a flexh2o-profile JSON file")
@@ -104,7 +106,7 @@ def _run(args) -> int:
         return 0
     hw, hw_label = _hardware(args, rc)
     if args.policy == "auto":
-        rc = _auto_policy(args, rc, hw)
+        rc = _auto_policy(args, rc, hw, prompts)
     predicted = _predict(rc, hw)
     if args.dry_run:
         _note(args)
@@ -162,6 +164,8 @@ def _run_stages(args, rc: RunConfig, job) -> int:
 def build_run_config(args, cfg, prompts) -> RunConfig:
     if args.prompt_len < 1 or args.gen_len < 1:
         raise ValueError("--prompt-len and --gen-len must be at least 1")
+    if args.max_seqs is not None and (args.max_seqs < 1 or args.policy != "auto"):
+        raise ValueError("--max-seqs takes a positive number of sequences, and only with --policy auto")
     prompt_len = max(len(p) for p in prompts) if prompts else args.prompt_len
     kv = kv_spec(args, prompt_len)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -247,21 +251,22 @@ def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
         return None
 
 
-def _auto_policy(args, rc: RunConfig, hw: Optional[dict]) -> RunConfig:
+def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list]) -> RunConfig:
     """The searched placement and batch; the dtypes are the fastest pair for which the search finds a fit."""
     from flexh2o.planning.search import command_line, search
     if hw is None:
         raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")
     tried = {}
+    cap = args.max_seqs or (len(prompts) if prompts else None)
 
     def fits(r: RunConfig) -> bool:
         try:
-            tried[r] = search(r, hw)
+            tried[r] = search(r, hw, max_seqs=cap)
         except ValueError:  # the profile has no rates for this compute dtype
             return False
         return bool(tried[r])
     rc = _choose_dtypes(args, rc, fits=fits)
-    found = tried[rc] if rc in tried else search(rc, hw)
+    found = tried[rc] if rc in tried else search(rc, hw, max_seqs=cap)
     if not found:
         plan_memory(rc).check()
         raise ValueError("--policy auto found no placement that fits: raise --gpu-mem/--cpu-mem/--disk-mem")

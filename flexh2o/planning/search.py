@@ -8,6 +8,8 @@ Fits and bytes come from the memory plan itself (memory_plan.largest_batch and p
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from flexh2o.kv.policies import POLICIES
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
@@ -34,8 +36,9 @@ def batch_sizes(largest: int) -> list:
 
 
 def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: int = 32, max_batch: int = 4096,
-           limit: int = 20, refine: int = 16) -> list:
-    """[(rc, Prediction)] best first (at most `limit`), every one fitting its tiers per plan_memory.
+           limit: int = 20, refine: int = 16, max_seqs: Optional[int] = None) -> list:
+    """[(rc, Prediction)] best first (at most `limit`), every one fitting its tiers per plan_memory, and running at
+    most `max_seqs` sequences at once (gpu batch x GPU batches) when given (e.g. the prompts there are).
 
     For each placement and number of GPU batches the largest fitting batch is predicted first; the `refine` best
     combinations are then also predicted at every power-of-two batch size below it.
@@ -56,7 +59,7 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
                         percent = Percent(*w, *c, *a)
                         rc = base_rc.with_(percent=percent, num_gpu_batches=nb, cpu_cache_compute=ccc,
                                            gpu_batch_size=1).placed(Placement.build(specs, percent, nb, memo))
-                        top = largest_batch(rc, max_batch)
+                        top = largest_batch(rc, min(max_batch, (max_seqs or max_batch * nb) // nb))
                         if top == 0:
                             break  # more GPU batches only need more memory
                         scored.append(_scored(rc.with_(gpu_batch_size=top), rates, memo))
