@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--lane-mem", type=float, default=1.5, help="GB of KV cache per engine pass: (policy, budget) "
                      "lanes of similar cache size share a pass and its weight reads (default 1.5)")
     ppl.add_argument("--separate", action="store_true", help="one engine pass per (policy, budget), no lanes")
+    ppl.add_argument("--procs", type=int, default=1, help="processes the texts are split between, each with "
+                     "--threads / procs torch threads (default 1; e.g. 2 on 2 cores: no core idles between ops)")
     rec = sub.add_parser("recall", parents=[common], help="passkey / key-value recall, exact match")
     rec.add_argument("--tasks", type=_csv, default=("passkey", "kv"), help="passkey,kv (default both)")
     rec.add_argument("--samples", type=int, default=16, help="samples per task (default 16)")
@@ -83,7 +85,7 @@ def _run(args, argv: list) -> int:
     start = time.perf_counter()
     if args.task == "ppl":
         from flexh2o.eval.ppl import format_ppl, plot_ppl, run_ppl
-        result = run_ppl(model, settings, not args.no_progress)
+        result = run_ppl(model, settings, not args.no_progress, args.procs)
         text = format_ppl(result) + "\n" + format_ppl(result, "ppl_late")
     else:
         from flexh2o.eval.recall import format_recall, run_recall
@@ -94,12 +96,15 @@ def _run(args, argv: list) -> int:
     out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
                compress_cache=args.compress_cache, compress_bits=args.compress_bits,
                compress_group_size=args.compress_group_size, weight_kernel=args.weight_kernel,
-               seconds=round(seconds, 1), argv=argv)
+               seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
     path = args.out or f"eval-{args.task}.json"
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
     print(text)
-    print(f"{args.task}: {seconds:.0f} s with {torch.get_num_threads()} torch threads; wrote {path}")
+    procs = min(getattr(args, "procs", 1), len(getattr(args, "texts", ())) or 1)
+    how = f"{procs} processes x {max(1, torch.get_num_threads() // procs)}" if procs > 1 else \
+        f"{torch.get_num_threads()}"
+    print(f"{args.task}: {seconds:.0f} s with {how} torch threads; wrote {path}")
     if args.task == "ppl" and args.plot:
         done = plot_ppl(result, args.plot)
         print(f"plot: {done}" if done else "plot skipped: matplotlib is not installed")
@@ -122,6 +127,8 @@ def _settings(args):
     check_kv_flags(args, None)
     if args.task == "ppl":
         from flexh2o.eval.ppl import PplSettings
+        if args.procs < 1:
+            raise ValueError(f"--procs must be at least 1 (got {args.procs})")
         return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
                            args.lane_mem * 1e9, args.separate)
     from flexh2o.eval.recall import RecallSettings

@@ -62,8 +62,28 @@ def text_windows(tokens: list, context: int, count: int) -> list:
     return [tokens[i * (context + gap): i * (context + gap) + context] for i in range(count)]
 
 
-def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> EvalResult:
-    """Every policy at every budget, plus full, over the same windows: lanes of equal cache size share a pass."""
+def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int = 1) -> EvalResult:
+    """Every policy at every budget, plus full, over the same windows: lanes of equal cache size share a pass.
+    procs > 1: the texts are split between that many processes (eval/parallel.py), each with its share of the
+    torch threads; a text's figures do not depend on which other texts share its batch."""
+    if procs > 1 and len(s.texts) > 1:
+        from flexh2o.eval.parallel import run_split
+        return run_split(model, s, procs, progress)
+    bar = progress_bar(_total_tokens(model, s), "ppl", progress)
+    try:
+        return ppl_rows(model, s, bar.update, bar.set_postfix_str)
+    finally:
+        bar.close()
+
+
+def _total_tokens(model: EvalModel, s: PplSettings) -> int:
+    """Scored tokens over every lane and row: what the progress bar counts."""
+    lanes = {(p, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies} | {("full", None)}
+    return len(lanes) * (s.context - s.prefix) * s.windows * len(s.texts)
+
+
+def ppl_rows(model: EvalModel, s: PplSettings, tick=lambda n: None, note=lambda text: None) -> EvalResult:
+    """run_ppl in this process; tick(n) after each decode step with the tokens it scored, note(text) per pass."""
     names, windows = [], []
     for text in s.texts:
         for w in text_windows(model.tokenizer.encode(load_text(text)), s.context, s.windows):
@@ -75,17 +95,12 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True) -> EvalResu
     lanes = list(dict.fromkeys((p, tokens) for p, _, tokens in jobs))  # 50% of 1024 and 512 run once
     passes = lane_passes(model, lanes, s.prefix, targets.shape[1], len(windows), s.lane_mem, s.separate)
     result = EvalResult("ppl", s, machine=machine())
-    steps = targets.shape[1]
     late = max(s.context // 2 - s.prefix, 0)  # first scored step predicting a token in the second half
-    bar = progress_bar(len(lanes) * steps * len(windows), "ppl", progress)
     nll = {}
-    try:
-        for group in passes:
-            bar.set_postfix_str(f"{len(group)} lanes")
-            done = lanes_run(model, group, prompts, targets, lambda _: bar.update(len(windows) * len(group)))
-            nll.update({lane: -logprob for lane, (logprob, _) in zip(group, done)})  # (n, steps) each
-    finally:
-        bar.close()
+    for group in passes:
+        note(f"{len(group)} lanes")
+        done = lanes_run(model, group, prompts, targets, lambda _, k=len(group): tick(len(windows) * k))
+        nll.update({lane: -logprob for lane, (logprob, _) in zip(group, done)})  # (n, steps) each
     for policy, spec, tokens in jobs:
         for text in s.texts:
             rows = torch.tensor([i for i, t in enumerate(names) if t == text])

@@ -1,0 +1,54 @@
+"""flexh2o-eval ppl --procs: the texts split between processes give the rows, in the same order and within fp32
+noise, that one process gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexh2o.config import ModelConfig
+from flexh2o.eval.common import EvalModel
+from flexh2o.eval.ppl import PplSettings, run_ppl
+
+CFG = ModelConfig("tiny-llama", "llama", hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn=128, vocab=1000,
+                  max_positions=256, tie_embeddings=False)
+
+
+class ByteTokens:
+    """A stand-in tokenizer (module level: the spawned processes unpickle it): one id per byte."""
+
+    def encode(self, text: str) -> list:
+        return [4 + b for b in text.encode()]
+
+
+@pytest.fixture
+def texts(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    paths = []
+    for name in ("a", "b", "c"):
+        path = tmp_path / f"{name}.txt"
+        path.write_text(bytes(torch.randint(97, 123, (400,), generator=g).tolist()).decode())
+        paths.append(str(path))
+    return tuple(paths)
+
+
+def test_procs_equal_one_process(texts):
+    model = EvalModel("_DUMMY_", CFG, ByteTokens(), dtype=torch.float32, num_sinks=2)
+    s = PplSettings(texts=texts, context=48, windows=2, prefix=4, budgets=("8", "25%"),
+                    policies=("h2o", "tova", "streaming"))
+    one = run_ppl(model, s, progress=False)
+    split = run_ppl(model, s, progress=False, procs=2)
+    key = [(r["policy"], r["budget"], r["text"]) for r in one.rows]
+    assert key == [(r["policy"], r["budget"], r["text"]) for r in split.rows]
+    assert len(key) == 3 * (1 + 3 * 2)
+    for a, b in zip(one.rows, split.rows):
+        assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-6) and a["ppl_late"] == pytest.approx(b["ppl_late"], rel=1e-6)
+        assert a["tokens"] == b["tokens"]
+    assert len({r["ppl"] for r in one.rows if r["text"] == texts[0]}) > 2  # the lanes really differ
+
+
+def test_a_failing_process_is_named_in_one_line(texts):
+    model = EvalModel("/nonexistent-checkpoint", CFG, ByteTokens(), dtype=torch.float32)
+    s = PplSettings(texts=texts[:2], context=48, windows=1, prefix=4, budgets=("8",), policies=("h2o",))
+    with pytest.raises(RuntimeError, match=r"ppl process [01] ") as err:
+        run_ppl(model, s, progress=False, procs=2)
+    assert "\n" not in str(err.value)
