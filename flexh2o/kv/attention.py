@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexh2o.compress.codec import assign, expand
+from flexh2o.compress.codec import CompressedTensor, assign, expand
 from flexh2o.kv.cache import KVBlock, merged_values
 from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.tensors import moved
@@ -90,8 +90,9 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     kv, slots = blk.pos.shape[1:]
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
     qg = q.view(b, kv, n // kv, d)
-    keys, values = expand(blk.k, q.dtype), expand(blk.v, q.dtype)
     segments = used_segments(blk.pos)
+    top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
+    keys, values = expand(_first_slots(blk.k, top), q.dtype), expand(_first_slots(blk.v, top), q.dtype)
     whole = len(segments) == 1 and segments[0][2] == slots
     out = torch.empty(b, kv, n // kv, d, dtype=q.dtype, device=dev)
     att_sum = None if whole or not policy.needs_scores else torch.zeros(b, kv, slots, device=dev)
@@ -116,6 +117,11 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
         blk.merge(*policy.merge_plan(blk.pos, blk.score, expand(blk.k, torch.float32), evict))
     blk.evict(evict)
     return moved(out.reshape(b, n, 1, d), home)
+
+
+def _first_slots(x, n: int):
+    """The first `n` slots (dimension 2) of a plain or compressed K/V block, as a view."""
+    return x.map(lambda t: t[:, :, :n]) if isinstance(x, CompressedTensor) else x[:, :, :n]
 
 
 def used_segments(pos: torch.Tensor) -> list:
