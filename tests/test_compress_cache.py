@@ -16,7 +16,8 @@ from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, _a
 SPEC = CompressionSpec(4, 16, -1)  # head_dim 16: one group per token and head
 LLAMA_COMBOS = ("gpu-overlap", "disk-overlap")  # OPT runs every cache placement, Llama two of them
 # OPT under mean_attn sits on a 4-bit rounding edge: perturbing K/V by 1e-6 (relative) before quantizing moves the
-# reference's own step-2 logits by 2e-4, so engine and reference (1e-7 apart) may round it apart. Not compared.
+# reference's own step-2 logits by 2e-4, so engine and reference (1e-7 apart) may round it apart. Compared on
+# other data below (test_opt_mean_attn_matches_quantized_reference_off_the_edge).
 EDGE = {("opt", "mean_attn")}
 # merge: the reference merges exact values only; a compressed cache re-quantizes each merged slot, which
 # tests/test_merge.py checks on the block itself
@@ -99,3 +100,30 @@ def test_cache_tier_holds_compressed_bytes(tier, offload_dir):
     small = rc.gpu_batch_size * rc.model.kv_heads * rc.cache_slots() * 12  # int64 pos + fp32 score
     assert used[False] == blocks * (2 * stored_bytes(shape, torch.float32, SPEC) + small)
     assert used[True] == blocks * (2 * stored_bytes(shape, torch.float32) + small)
+
+
+@pytest.fixture(scope="module")
+def edge_case(tmp_path_factory):
+    """OPT under mean_attn on other seeded data (the module's data sits on a rounding edge, see EDGE): prompts,
+    forced tokens and the quantized reference."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENS]
+    forced = torch.randint(4, 1000, (len(LENS), GEN), generator=g)
+    with _engine(_rc("opt", "full", str(tmp_path_factory.mktemp("w")))) as eng:
+        weights = {k: v.clone() for k, v in eng.weights.handles.items()}
+    b = BUDGETS["mean_attn"]
+    pol = ref.RefPolicy("mean_attn", b.heavy, b.recent, SINKS, SEED, DECAY)
+    refs = [ref.generate(MODELS["opt"], weights, p, GEN, pol, forced[i].tolist(), kv_quant)
+            for i, p in enumerate(prompts)]
+    return prompts, forced, refs
+
+
+@pytest.mark.parametrize("combo", [pytest.param(c, id=c[0]) for c in COMBOS])
+def test_opt_mean_attn_matches_quantized_reference_off_the_edge(combo, edge_case, offload_dir):
+    """The pair EDGE leaves out, compared on data off that edge, on every cache placement."""
+    prompts, forced, refs = edge_case
+    _, percent, overlap, ccc, batching, chunk = combo
+    rc = _rc("opt", "mean_attn", offload_dir, percent, overlap, ccc, batching, chunk).with_(compress_cache=SPEC)
+    with _engine(rc) as eng:
+        gen = eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
+    _assert_matches(gen, refs, BUDGETS["mean_attn"])
