@@ -111,8 +111,7 @@ def edge_case(tmp_path_factory):
     forced = torch.randint(4, 1000, (len(LENS), GEN), generator=g)
     with _engine(_rc("opt", "full", str(tmp_path_factory.mktemp("w")))) as eng:
         weights = {k: v.clone() for k, v in eng.weights.handles.items()}
-    b = BUDGETS["mean_attn"]
-    pol = ref.RefPolicy("mean_attn", b.heavy, b.recent, SINKS, SEED, DECAY)
+    pol = _ref_policy("opt", "mean_attn", BUDGETS["mean_attn"])
     refs = [ref.generate(MODELS["opt"], weights, p, GEN, pol, forced[i].tolist(), kv_quant)
             for i, p in enumerate(prompts)]
     return prompts, forced, refs
