@@ -12,6 +12,7 @@ from flexh2o.cli import run as cli
 from flexh2o.kv.policies import Budget
 from flexh2o.kv.spec import KVSpec, make_policy
 from reference_kv import History, RefPolicy
+from test_validation import _fails
 
 KV, SINKS, BUDGET = 3, 2, Budget(6, 3)  # 9 per head on average, 5 of them protected (3 recent, 2 sinks)
 LENS = [9, 4, 1, 7, 5, 12]  # left-padded prompts, shorter and longer than the budget
@@ -130,6 +131,5 @@ def test_spec_slots_and_bad_cap():
 ])
 @pytest.mark.parametrize("cap", ["0.5", "inf", "nan"])
 def test_bad_head_cap_is_one_line(main, argv, prog, cap, capsys):
-    assert main(argv + ["--head-cap", cap]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: --head-cap {cap}"), err
+    err = _fails(capsys, main, argv + ["--head-cap", cap], prog=prog)
+    assert err.startswith(f"{prog}: error: --head-cap {cap}"), err

@@ -16,6 +16,7 @@ from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.run_config import RunConfig
 from reference_kv import RefPolicy
+from test_validation import _fails
 
 GRID = [(Budget(h, r), layers, ratio, sinks) for h, r in ((3, 2), (32, 32), (60, 4), (4, 0), (0, 7))
         for layers in (1, 2, 3, 30) for ratio in (0.0, 0.25, 0.5, 1 / 3, 1.0) for sinks in (0, 2, 4)
@@ -73,6 +74,5 @@ def test_dry_run_shows_the_largest_layer_slots(capsys):
 ])
 @pytest.mark.parametrize("ratio", ["1.5", "-0.1", "nan"])
 def test_bad_pyramid_ratio_is_one_line(main, argv, prog, ratio, capsys):
-    assert main(argv + ["--pyramid-ratio", ratio]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: --pyramid-ratio {ratio}"), err
+    err = _fails(capsys, main, argv + ["--pyramid-ratio", ratio], prog=prog)
+    assert err.startswith(f"{prog}: error: --pyramid-ratio {ratio}"), err
