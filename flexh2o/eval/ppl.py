@@ -78,8 +78,18 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int 
 
 def _total_tokens(model: EvalModel, s: PplSettings) -> int:
     """Scored tokens over every lane and row: what the progress bar counts."""
-    lanes = {(p, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies} | {("full", None)}
+    lanes = _lanes(_jobs(s))
     return len(lanes) * (s.context - s.prefix) * s.windows * len(s.texts)
+
+
+def _jobs(s: PplSettings) -> list:
+    """(policy, budget as given, budget tokens) of every table cell, full first."""
+    return [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
+
+
+def _lanes(jobs: list) -> list:
+    """The distinct (policy, budget tokens) lanes of `jobs` (50% of 1024 and 512 run once)."""
+    return list(dict.fromkeys((p, tokens) for p, _, tokens in jobs))
 
 
 def ppl_rows(model: EvalModel, s: PplSettings, tick=lambda n: None, note=lambda text: None) -> EvalResult:
@@ -91,8 +101,8 @@ def ppl_rows(model: EvalModel, s: PplSettings, tick=lambda n: None, note=lambda 
             windows.append(w)
     ids = torch.tensor(windows)  # (n, context)
     prompts, targets = ids[:, :s.prefix].tolist(), ids[:, s.prefix:]
-    jobs = [("full", None, None)] + [(p, b, budget_tokens(b, s.context)) for b in s.budgets for p in s.policies]
-    lanes = list(dict.fromkeys((p, tokens) for p, _, tokens in jobs))  # 50% of 1024 and 512 run once
+    jobs = _jobs(s)
+    lanes = _lanes(jobs)
     passes = lane_passes(model, lanes, s.prefix, targets.shape[1], len(windows), s.lane_mem, s.separate)
     result = EvalResult("ppl", s, machine=machine())
     late = max(s.context // 2 - s.prefix, 0)  # first scored step predicting a token in the second half
