@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexh2o.compress.codec import CompressedTensor, assign, expand
+from flexh2o.compress.codec import assign, expand
 from flexh2o.kv.cache import KVBlock, merged_values
 from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.tensors import moved
@@ -73,7 +73,7 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
 
 
-MAX_SEGMENTS = 8  # row segments of one decode attention; beyond that, one segment over the block's used slots
+MAX_SEGMENTS = 8  # row segments of one decode attention; more runs are merged, the cheapest neighbours first
 
 
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torch.Tensor:
@@ -82,53 +82,50 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
     runs there, each segment of rows over the slots its rows use (`used_segments`: empty slots past the last used
     one are skipped, not just masked); scores are updated and at most one token per row is evicted (its slot is
-    free for the next step).
+    free for the next step). The policy sees the block's slots up to the last one any row uses (`KVBlock.front`).
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
-    kv, slots = blk.pos.shape[1:]
+    kv = blk.pos.shape[1]
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
     qg = q.view(b, kv, n // kv, d)
     segments = used_segments(blk.pos)
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
-    keys, values = expand(_first_slots(blk.k, top), q.dtype), expand(_first_slots(blk.v, top), q.dtype)
-    whole = len(segments) == 1 and segments[0][2] == slots
+    front = blk.front(top)  # all the step reads and the policy sees
+    keys, values = expand(front.k, q.dtype), expand(front.v, q.dtype)
     out = torch.empty(b, kv, n // kv, d, dtype=q.dtype, device=dev)
-    att_sum = None if whole or not policy.needs_scores else torch.zeros(b, kv, slots, device=dev)
+    att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=dev)
     for r0, r1, used in segments:
         if not policy.needs_scores:  # no scores wanted: one fused kernel, the query heads of a KV head as rows
-            keep = (blk.pos[r0:r1, :, :used] >= 0)[:, :, None]  # every row holds at least the token just appended
+            keep = (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # every row holds at least the token just appended
             out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
                                                         attn_mask=keep)
             continue
         att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float() * d ** -0.5
-        att = att.masked_fill((blk.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)  # (r, kv, g, s)
-        out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), values[r0:r1, :, :used])
+        att = att.masked_fill((front.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)
+        out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), values[r0:r1, :, :used])  # (r, kv, g, d)
         if att_sum is not None:
             att_sum[r0:r1, :, :used] = att.sum(2)
         elif policy.needs_scores:
             att_sum = att.sum(2)
     if policy.needs_scores:
-        policy.accumulate(blk.score, att_sum)  # (b, kv, slots): 0 on every slot past a segment's used ones
-    values = expand(blk.v, torch.float32) if policy.needs_values else None  # what the cache holds
-    evict = policy.decode_evict(blk.pos, blk.score, layer, cur_pos, values)
+        policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
+    values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
+    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values)
     if policy.merges and evict is not None:
-        blk.merge(*policy.merge_plan(blk.pos, blk.score, expand(blk.k, torch.float32), evict))
-    blk.evict(evict)
+        front.merge(*policy.merge_plan(front.pos, front.score, expand(front.k, torch.float32), evict))
+        blk.written = front.written
+    front.evict(evict)
     return moved(out.reshape(b, n, 1, d), home)
-
-
-def _first_slots(x, n: int):
-    """The first `n` slots (dimension 2) of a plain or compressed K/V block, as a view."""
-    return x.map(lambda t: t[:, :, :n]) if isinstance(x, CompressedTensor) else x[:, :, :n]
 
 
 def used_segments(pos: torch.Tensor) -> list:
     """pos (b, kv, slots) -> [(first row, end row, slots used)]: runs of consecutive rows whose last used slot (over
-    their KV heads) is the same, so attention reads no slot past it. More than MAX_SEGMENTS runs: one run over
-    every row, up to the last slot any row uses. Off the CPU: one run over the whole block (reading the extents
-    would make the host wait for the device)."""
+    their KV heads) is the same, so attention reads no slot past it. More than MAX_SEGMENTS runs: neighbouring runs
+    are merged (a merged run reads up to the larger of their extents), each time the pair whose merge adds the
+    fewest slot reads (`merged_runs`). Off the CPU: one run over the whole block (reading the extents would make
+    the host wait for the device)."""
     b, slots = pos.shape[0], pos.shape[-1]
     if pos.device.type != "cpu":
         return [(0, b, slots)]
@@ -140,6 +137,20 @@ def used_segments(pos: torch.Tensor) -> list:
             runs[-1][1] = row + 1
         else:
             runs.append([row, row + 1, u])
-    if len(runs) > MAX_SEGMENTS:
-        return [(0, b, max(used))]
-    return [tuple(r) for r in runs]
+    return merged_runs(runs, MAX_SEGMENTS)
+
+
+def merged_runs(runs: list, most: int) -> list:
+    """[first row, end row, slots] runs in row order -> at most `most` runs covering the same rows: the neighbouring
+    pair whose merge adds the fewest slot reads ((rows) x (larger extent - own extent)) is merged first."""
+    runs = [tuple(r) for r in runs]
+
+    def extra(a, c):
+        top = max(a[2], c[2])
+        return (a[1] - a[0]) * (top - a[2]) + (c[1] - c[0]) * (top - c[2])
+
+    while len(runs) > most:
+        i = min(range(len(runs) - 1), key=lambda j: extra(runs[j], runs[j + 1]))
+        a, c = runs[i], runs[i + 1]
+        runs[i:i + 2] = [(a[0], c[1], max(a[2], c[2]))]
+    return runs

@@ -77,6 +77,13 @@ class KVBlock:
         return KVBlock(*(x.map(lambda t: t[sl]) if isinstance(x, CompressedTensor) else x[sl]
                          for x in (self.k, self.v)), self.pos[sl], self.score[sl])
 
+    def front(self, n: int) -> "KVBlock":
+        """A view of the first `n` slots of every row (all a decode step reads when no row uses a slot past them);
+        it shares `written` with the block until a merge replaces it."""
+        def cut(x):
+            return x.map(lambda t: t[:, :, :n]) if isinstance(x, CompressedTensor) else x[:, :, :n]
+        return KVBlock(cut(self.k), cut(self.v), self.pos[:, :, :n], self.score[:, :, :n], self.written)
+
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
         return (self.pos >= 0).sum(-1)
