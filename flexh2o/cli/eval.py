@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--windows", type=int, default=8, help="windows per text, batched together (default 8)")
     ppl.add_argument("--prefix", type=int, default=1, help="prompt tokens per window before decoding (default 1)")
     ppl.add_argument("--plot", help="PNG of perplexity vs budget (needs matplotlib)")
-    ppl.add_argument("--lane-mem", type=float, default=1.5, help="GB of KV cache per engine pass: (policy, budget) "
-                     "lanes of similar cache size share a pass and its weight reads (default 1.5)")
+    ppl.add_argument("--lane-mem", type=float, help="GB of KV cache per engine pass: (policy, budget) lanes of "
+                     "similar cache size share a pass and its weight reads (default: half the memory available, "
+                     "split between --procs)")
     ppl.add_argument("--separate", action="store_true", help="one engine pass per (policy, budget), no lanes")
     ppl.add_argument("--procs", type=int, default=1, help="processes the texts are split between, each with "
                      "--threads / procs torch threads (default 1; e.g. 2 on 2 cores: no core idles between ops)")
@@ -130,7 +131,7 @@ def _settings(args):
         if args.procs < 1:
             raise ValueError(f"--procs must be at least 1 (got {args.procs})")
         return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
-                           args.lane_mem * 1e9, args.separate)
+                           None if args.lane_mem is None else args.lane_mem * 1e9, args.separate)
     from flexh2o.eval.recall import RecallSettings
     return RecallSettings(args.tasks, args.filler, args.context, args.samples, args.facts, args.budgets,
                           args.policies, args.seed)

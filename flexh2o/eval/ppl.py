@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, budget_tokens, lanes_run, load_text,
                                  machine, progress_bar, spec_of)
+
+
+LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class PplSettings:
     prefix: int = 1
     budgets: tuple = ("10%", "20%", "50%")
     policies: tuple = EVICTING
-    lane_mem: float = 1.5e9  # bytes of KV cache per engine pass of lanes
+    lane_mem: Optional[float] = None  # bytes of KV cache per engine pass of lanes; None: auto_lane_mem
     separate: bool = False  # one engine pass per (policy, budget), as before lanes
 
     def __post_init__(self):
@@ -46,7 +49,7 @@ class PplSettings:
                 raise ValueError(f"unknown policy {p!r}: choose from {', '.join(EVICTING)}")
         for b in self.budgets:
             budget_tokens(b, self.context)
-        if self.lane_mem <= 0:
+        if self.lane_mem is not None and self.lane_mem <= 0:
             raise ValueError(f"--lane-mem must be positive (got {self.lane_mem / 1e9:g} GB)")
         for t in self.texts:
             if t not in TEXTS and not os.path.isfile(t):
@@ -66,7 +69,10 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int 
     """Every policy at every budget, plus full, over the same windows: lanes of equal cache size share a pass.
     procs > 1: the texts are split between that many processes (eval/parallel.py), each with its share of the
     torch threads; a text's figures do not depend on which other texts share its batch."""
-    if procs > 1 and len(s.texts) > 1:
+    procs = min(procs, len(s.texts))
+    if s.lane_mem is None:
+        s = replace(s, lane_mem=auto_lane_mem(procs))
+    if procs > 1:
         from flexh2o.eval.parallel import run_split
         return run_split(model, s, procs, progress)
     bar = progress_bar(_total_tokens(model, s), "ppl", progress)
@@ -74,6 +80,13 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int 
         return ppl_rows(model, s, bar.update, bar.set_postfix_str)
     finally:
         bar.close()
+
+
+def auto_lane_mem(procs: int = 1) -> float:
+    """--lane-mem when not given: LANE_SHARE of the memory available now, split between the processes, so that the
+    lanes of a table share as few passes (as many rows per weight read) as the machine allows."""
+    import psutil
+    return LANE_SHARE * psutil.virtual_memory().available / max(procs, 1)
 
 
 def _total_tokens(model: EvalModel, s: PplSettings) -> int:
@@ -103,7 +116,8 @@ def ppl_rows(model: EvalModel, s: PplSettings, tick=lambda n: None, note=lambda 
     prompts, targets = ids[:, :s.prefix].tolist(), ids[:, s.prefix:]
     jobs = _jobs(s)
     lanes = _lanes(jobs)
-    passes = lane_passes(model, lanes, s.prefix, targets.shape[1], len(windows), s.lane_mem, s.separate)
+    mem = s.lane_mem if s.lane_mem is not None else auto_lane_mem()
+    passes = lane_passes(model, lanes, s.prefix, targets.shape[1], len(windows), mem, s.separate)
     result = EvalResult("ppl", s, machine=machine())
     late = max(s.context // 2 - s.prefix, 0)  # first scored step predicting a token in the second half
     nll = {}
