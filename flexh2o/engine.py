@@ -131,8 +131,22 @@ class _Run:
                         rc.dtype, rc.compress_cache)
         self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
         evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
+        self.copies = self._prompt_copies(pipe)
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
+
+    def _prompt_copies(self, pipe) -> int:
+        """RunConfig.prompt_copies, checked: every GPU batch must really be that many copies of its first rows."""
+        c = self.rc.prompt_copies
+        if c == 1:
+            return 1
+        if pipe is not None:
+            raise ValueError("prompt_copies needs the whole model in one process (no pipeline stages)")
+        for x in (self.seqs.ids, self.seqs.pos):
+            nb, b, t = x.shape
+            if not torch.equal(x.view(nb, c, b // c, t), x[:, None, :b // c].expand(nb, c, b // c, t)):
+                raise ValueError(f"prompt_copies {c}: the GPU batch is not {c} copies of the same prompts")
+        return c
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
     def load_weight(self, op: Op) -> None:
@@ -161,13 +175,16 @@ class _Run:
         if self.pipe is not None and self.pipe.feeds(op):
             self._receive(op)
         ids, pos = self.seqs.inputs(step, batch, self.eng.device)
+        copies = self.copies if step == 0 else 1
+        if copies > 1:  # prefill runs one copy of the prompts
+            ids, pos = ids[:len(ids) // copies], pos[:len(pos) // copies]
         w = bufs.weights_of(layer)
         if layer == 0:
             bufs.a[batch] = self.layers.embed(w, ids, pos)
         elif op.cache_layer < 0:
-            self._emit(step, batch, self.layers.head(w, bufs.a.pop(batch)))
+            self._emit(step, batch, self.layers.head(w, bufs.a.pop(batch), copies))
         elif step == 0:
-            bufs.a[batch], blk = self.layers.prefill(w, op.cache_layer, bufs.a[batch], pos)
+            bufs.a[batch], blk = self.layers.prefill(w, op.cache_layer, bufs.a[batch], pos, copies)
             bufs.put_block(layer, batch, blk)
         else:
             bufs.a[batch] = self.layers.decode(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch))

@@ -62,3 +62,22 @@ def test_lane_policy_needs_its_whole_batch():
     pos = torch.arange(6).expand(2, 1, 6)  # 2 rows, not 3
     with pytest.raises(ValueError, match="3 rows"):
         lanes.decode_evict(pos, torch.rand(2, 1, 6), 0, torch.tensor([5, 5]))
+
+
+def test_prompt_copies_prefill_once_and_match_a_full_prefill(data):
+    """RunConfig.prompt_copies: the batch's prompts prefilled once for every copy give the figures of prefilling
+    every row (each copy under its own lane); a batch that is not copies is refused in one line."""
+    from flexh2o.eval.common import _forced, spec_of
+    from flexh2o.kv.spec import KVSpec
+    prompts, targets = data
+    model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32, num_sinks=2, hh_decay=0.9)
+    lanes = [("a2sf", 6), ("h2o", 6), ("merge", 7)]
+    spec = KVSpec.of_lanes([(len(prompts), spec_of(model, p, b)) for p, b in lanes])
+    args = (model, spec, prompts * 3, targets.repeat(3, 1), None, 1)
+    once = _forced(*args, prefill_batch=3 * len(prompts), copies=3)
+    every = _forced(*args, prefill_batch=3 * len(prompts), copies=1)
+    torch.testing.assert_close(once.logprob, every.logprob, atol=1e-6, rtol=0)
+    assert torch.equal(once.correct, every.correct)
+    with pytest.raises(ValueError, match="not 3 copies of the same prompts"):
+        _forced(model, spec, prompts[::-1] + prompts * 2, targets.repeat(3, 1), None, 1,
+                prefill_batch=3 * len(prompts), copies=3)

@@ -58,13 +58,13 @@ def test_lane_memory_defaults_to_a_share_of_the_available_memory(texts, monkeypa
     """No --lane-mem: each of the processes gets LANE_SHARE of the available memory over their count, and the result
     records the figure that ran; a given figure is kept."""
     import psutil
-    from flexh2o.eval import ppl
+    from flexh2o.eval import common
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 8e9})())
     model = EvalModel("_DUMMY_", CFG, ByteTokens(), dtype=torch.float32, num_sinks=2)
     s = PplSettings(texts=texts[:1], context=48, windows=1, prefix=4, budgets=("8",), policies=("h2o",))
     assert s.lane_mem is None
-    assert run_ppl(model, s, progress=False).settings.lane_mem == ppl.LANE_SHARE * 8e9
-    assert ppl.auto_lane_mem(2) == ppl.LANE_SHARE * 4e9
+    assert run_ppl(model, s, progress=False).settings.lane_mem == common.LANE_SHARE * 8e9
+    assert common.auto_lane_mem(2) == common.LANE_SHARE * 4e9
     given = PplSettings(texts=texts[:1], context=48, windows=1, prefix=4, budgets=("8",), policies=("h2o",),
                         lane_mem=1e6)
     assert run_ppl(model, given, progress=False).settings.lane_mem == 1e6

@@ -28,6 +28,7 @@ from flexh2o.tokenizer import Tokenizer, load_tokenizer
 
 EVICTING = tuple(p for p in POLICIES if p != "full")  # every policy but full
 TEXTS = ("hamlet", "macbeth", "julius_caesar")
+LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
 
 
 @dataclass
@@ -131,16 +132,41 @@ def lanes_run(model: EvalModel, lanes: list, prompts: list, targets: torch.Tenso
               on_step: Optional[Callable] = None) -> list:
     """Several (policy, budget tokens) lanes in ONE engine pass over the same `prompts` and `targets` (n, steps):
     each lane gets its own n rows of one batch, with its own policy and budget (KVSpec.of_lanes), so each weight
-    read serves every lane. -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
+    read serves every lane; the prompts are prefilled once for all lanes (RunConfig.prompt_copies). -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
     n = targets.shape[0]
     spec = KVSpec.of_lanes([(n, spec_of(model, policy, tokens)) for policy, tokens in lanes])
     scorer = _forced(model, spec, list(prompts) * len(lanes), targets.repeat(len(lanes), 1), on_step, 1,
-                     prefill_batch=n * len(lanes))
+                     prefill_batch=n * len(lanes), copies=len(lanes))
     return [(scorer.logprob[i * n:(i + 1) * n], scorer.correct[i * n:(i + 1) * n]) for i in range(len(lanes))]
 
 
+def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows: int, mem: float,
+                separate: bool = False) -> list:
+    """Lanes grouped into engine passes: sorted by cache slots, a pass grows while its KV cache (every lane's rows
+    at the pass's largest slot count) stays within `mem` bytes. separate: one lane per pass."""
+    if separate:
+        return [[lane] for lane in lanes]
+    cfg = model.cfg
+    per_slot = rows * cfg.num_layers * cfg.kv_heads * (2 * cfg.head_dim * model.dtype.itemsize + 12)
+    slots = {lane: spec_of(model, *lane).slots(prompt_len, steps, cfg.num_layers) for lane in lanes}
+    passes, cur = [], []
+    for lane in sorted(lanes, key=lambda x: slots[x]):
+        if cur and (len(cur) + 1) * slots[lane] * per_slot > mem:
+            passes.append(cur)
+            cur = []
+        cur.append(lane)
+    return passes + [cur]
+
+
+def auto_lane_mem(procs: int = 1) -> float:
+    """--lane-mem when not given: LANE_SHARE of the memory available now, split between the processes, so that the
+    lanes of a table share as few passes (as many rows per weight read) as the machine allows."""
+    import psutil
+    return LANE_SHARE * psutil.virtual_memory().available / max(procs, 1)
+
+
 def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, on_step: Optional[Callable],
-            num_batches: int, prefill_batch: Optional[int] = None) -> TeacherForcer:
+            num_batches: int, prefill_batch: Optional[int] = None, copies: int = 1) -> TeacherForcer:
     from flexh2o.engine import Engine
     n, steps = targets.shape
     prompt_len = max(len(p) for p in prompts)
@@ -149,7 +175,7 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
                    dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
                    max_positions=max(model.cfg.max_positions, prompt_len + steps), prefill_batch=prefill_batch,
                    compress_weight=model.compress_weight, compress_cache=model.compress_cache,
-                   weight_kernel=model.weight_kernel,
+                   weight_kernel=model.weight_kernel, prompt_copies=copies,
                    overlap=False)  # everything lives in one tier: no I/O to overlap, no thread hand-offs
     scorer = TeacherForcer(targets)
     with Engine(rc) as eng:

@@ -19,11 +19,8 @@ from typing import Optional
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, budget_tokens, lanes_run, load_text,
-                                 machine, progress_bar, spec_of)
-
-
-LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
+from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
+                                 lanes_run, load_text, machine, progress_bar)
 
 
 @dataclass(frozen=True)
@@ -82,13 +79,6 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int 
         bar.close()
 
 
-def auto_lane_mem(procs: int = 1) -> float:
-    """--lane-mem when not given: LANE_SHARE of the memory available now, split between the processes, so that the
-    lanes of a table share as few passes (as many rows per weight read) as the machine allows."""
-    import psutil
-    return LANE_SHARE * psutil.virtual_memory().available / max(procs, 1)
-
-
 def _total_tokens(model: EvalModel, s: PplSettings) -> int:
     """Scored tokens over every lane and row: what the progress bar counts."""
     lanes = _lanes(_jobs(s))
@@ -133,24 +123,6 @@ def ppl_rows(model: EvalModel, s: PplSettings, tick=lambda n: None, note=lambda 
                                 "ppl": math.exp(x.mean().item()), "ppl_late": math.exp(x[:, late:].mean().item()),
                                 "tokens": int(x.numel())})
     return result
-
-
-def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows: int, mem: float,
-                separate: bool = False) -> list:
-    """Lanes grouped into engine passes: sorted by cache slots, a pass grows while its KV cache (every lane's rows
-    at the pass's largest slot count) stays within `mem` bytes. separate: one lane per pass."""
-    if separate:
-        return [[lane] for lane in lanes]
-    cfg = model.cfg
-    per_slot = rows * cfg.num_layers * cfg.kv_heads * (2 * cfg.head_dim * model.dtype.itemsize + 12)
-    slots = {lane: spec_of(model, *lane).slots(prompt_len, steps, cfg.num_layers) for lane in lanes}
-    passes, cur = [], []
-    for lane in sorted(lanes, key=lambda x: slots[x]):
-        if cur and (len(cur) + 1) * slots[lane] * per_slot > mem:
-            passes.append(cur)
-            cur = []
-        cur.append(lane)
-    return passes + [cur]
 
 
 def format_ppl(result: EvalResult, key: str = "ppl") -> str:

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, budget_tokens, lanes_run, load_text, machine,
-                                 progress_bar)
+from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
+                                 lanes_run, load_text, machine, progress_bar)
 
 TASKS = ("passkey", "kv")
-LANE_ROWS = 48  # rows of one engine pass: (policy, budget) lanes x the samples of one group
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Jack", "Kate", "Laura", "Mark",
          "Nina", "Oscar", "Paul", "Rachel", "Sam", "Tom", "Victor", "Anna")
 
@@ -136,14 +135,16 @@ def _by_length(samples: list, task: str) -> list:
 
 def _answer_hits(model: EvalModel, lanes: list, group: list) -> list:
     """Per lane (policy, budget tokens), bool (n, answer tokens): the argmax of each answer step is the answer
-    token. Lanes share engine passes of at most LANE_ROWS rows."""
+    token. Lanes of similar cache size share an engine pass (lane_passes, within auto_lane_mem), which prefills
+    the group's prompts once for all of them."""
     forced = torch.tensor([x.forced for x in group])  # (n, steps)
-    prompts, per_pass = [x.prompt for x in group], max(1, LANE_ROWS // len(group))
-    out = []
-    for i in range(0, len(lanes), per_pass):
-        out += [correct[:, group[0].answer_start:]
-                for _, correct in lanes_run(model, lanes[i:i + per_pass], prompts, forced)]
-    return out
+    prompts = [x.prompt for x in group]
+    prompt_len = max(map(len, prompts))
+    hits = {}
+    for part in lane_passes(model, lanes, prompt_len, forced.shape[1], len(group), auto_lane_mem()):
+        for lane, (_, correct) in zip(part, lanes_run(model, part, prompts, forced)):
+            hits[lane] = correct[:, group[0].answer_start:]
+    return [hits[lane] for lane in lanes]
 
 
 def format_recall(result: EvalResult) -> str:

@@ -1,5 +1,5 @@
-"""A layer's compute for one GPU batch: embedding, a decoder block (prefill in bounded sub-batches, or one decode
-step with the cache attended in place), or the head."""
+"""A layer's compute for one GPU batch: embedding, a decoder block (prefill in bounded sub-batches, or once for
+copies of the same prompts, or one decode step with the cache attended in place), or the head."""
 from __future__ import annotations
 
 import torch
@@ -19,9 +19,11 @@ class LayerCompute:
     def embed(self, w: dict, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.family.embed(self.cfg, w, ids, pos.clamp(min=0))
 
-    def head(self, w: dict, x: torch.Tensor) -> torch.Tensor:
-        """Logits (b, vocab) of each row's last position."""
-        return self.family.head(self.cfg, w, x[:, -1:])[:, 0]
+    def head(self, w: dict, x: torch.Tensor, copies: int = 1) -> torch.Tensor:
+        """Logits (b, vocab) of each row's last position; copies > 1: x holds one copy of the rows (prefill of
+        RunConfig.prompt_copies), the logits are repeated for every copy."""
+        logits = self.family.head(self.cfg, w, x[:, -1:])[:, 0]
+        return logits.repeat(copies, 1) if copies > 1 else logits
 
     def decode(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, blk: KVBlock) -> torch.Tensor:
         """One token per row: x (b, 1, h), pos (b, 1); the block gets the new K/V and loses at most one token."""
@@ -29,12 +31,19 @@ class LayerCompute:
             return attention.decode(q, k, v, pos[:, 0], blk, self.policy, cache_layer)
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
 
-    def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+    def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int = 1) -> tuple:
         """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are
-        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch."""
+        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch.
+        copies > 1: the block has copies x b rows over the same prompts (attention.prefill), the output stays b
+        rows and the rows run in one piece."""
         b = x.shape[0]
-        blk = KVBlock.empty(b, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device,
+        blk = KVBlock.empty(b * copies, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device,
                             self.rc.compress_cache)
+        if copies > 1:
+            def attend_all(q, k, v):
+                return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk,
+                                         self.evicts, copies)
+            return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend_all), blk
         outs, rows = [], self.rc.prefill_rows()
         for r in range(0, b, rows):
             sl = slice(r, r + rows)

@@ -22,42 +22,64 @@ def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
     return max(1, min(max_chunk, t, WORKSPACE // (4 * b * heads * t)))
 
 
-def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int, scores: bool = True):
+def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int, scores: bool = True,
+            copies: int = 1):
     """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> out (b, n, t, d); the kept tokens
     are packed into `blk` (an empty block, or rows of one).
+
+    copies > 1: the block holds `copies` x b rows, copy c of row r being row c * b + r (the lanes of one evaluation
+    over the same prompts): attention runs once over the b rows given and every copy's row keeps its own tokens
+    under its own policy, with the scores its own query weights give (computed once per distinct weights).
 
     Probabilities are materialised (chunk by chunk) only when the policy scores tokens and `scores` says an
     eviction can happen; otherwise the fused attention kernel runs."""
     b, n, t, d = q.shape
     kv = k.shape[1]
     g = n // kv
+    rows = b * copies
+    every = pos.repeat(copies, 1) if copies > 1 else pos  # (rows, t): each row of the block
     valid = pos >= 0  # (b, t)
-    score = torch.zeros(b, kv, t, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     qg = q.view(b, kv, g, t, d)
     idx = torch.arange(t, device=q.device)
-    weight = policy.query_weights(pos) if scores and policy.needs_scores else None  # (b, t) fp32 per query
+    wanted = scores and policy.needs_scores
+    which = torch.zeros(copies, dtype=torch.int64, device=q.device)  # copy -> its row of `weights`
+    if wanted:  # (rows, t) fp32 per query, as one tensor per distinct copy
+        weights, which = _distinct(policy.query_weights(every).view(copies, b, t))
+    score = torch.zeros(len(weights) if wanted else 1, b, kv, t, dtype=torch.float32, device=q.device)
     chunk = prefill_chunk(b, n, t, chunk)
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
         allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
         allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
-        if not (scores and policy.needs_scores):  # no probabilities needed: the fused kernel
+        if not wanted:  # no probabilities needed: the fused kernel
             out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k, v, attn_mask=allowed[:, None],
                                                             enable_gqa=g > 1)
             continue
         att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float()  # (b, kv, g, c, t)
         att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
         out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
-        score += torch.einsum("bhgqk,bq->bhk", att, weight[:, s:e])  # padding queries add nothing
-    kpos = pos[:, None, :].expand(b, kv, t)
-    cur = pos.max(-1).values  # (b,)
+        for j, w in enumerate(weights):
+            score[j] += torch.einsum("bhgqk,bq->bhk", att, w[:, s:e])  # padding queries add nothing
+    score = score[0] if copies == 1 else score[which].view(rows, kv, t)
+    if copies > 1:
+        k, v = k.repeat(copies, 1, 1, 1), v.repeat(copies, 1, 1, 1)
+    kpos = every[:, None, :].expand(rows, kv, t)
+    cur = every.max(-1).values  # (rows,)
     keep = policy.prefill_keep(kpos, score, layer, cur, v)
     if policy.merges and scores:  # the dropped prompt tokens' values go into kept ones (the policy says where)
         target, mass = policy.merge_plan(kpos, score, k.float(), (kpos >= 0) & ~keep)
         v = merged_values(v.float(), target, mass)[0].to(v.dtype)
     _pack(k, v, kpos, score, keep, blk)
     return out
+
+
+def _distinct(x: torch.Tensor) -> tuple:
+    """x (copies, ...) -> (the distinct copies (m, ...), index (copies,) of each copy among them)."""
+    if len(x) == 1:
+        return x, torch.zeros(1, dtype=torch.int64, device=x.device)
+    uniq, inverse = torch.unique(x.flatten(1), dim=0, return_inverse=True)
+    return uniq.view(-1, *x.shape[1:]), inverse
 
 
 def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
