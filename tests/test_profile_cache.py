@@ -114,3 +114,28 @@ def test_profile_measured_on_a_busy_machine_is_measured_again_once_quiet(tmp_pat
     assert calls == [("float32",)] and again.get("load_at_measure") != 5.0 * cores
     assert "measured at load" in capsys.readouterr().err
     assert machine.read_cached(profile_cache.profile_file("cpu")).get("load_at_measure") != 5.0 * cores
+
+
+def test_a_dtype_added_on_a_busy_machine_is_measured_again_when_quiet(tmp_path, monkeypatch, capsys):
+    """add_dtypes records the load of what it measured; when the machine is now much quieter (machine.stale_by_load)
+    that dtype alone is measured again, once."""
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    calls, added = [], []
+    load = {"now": 9.0}
+    monkeypatch.setattr(machine, "load_now", lambda: load["now"])
+
+    def fake_add(prof, dtypes, progress=lambda n: None):
+        added.append(tuple(dtypes))
+        return {**prof, "matmul_flops": {**prof["matmul_flops"], **{d: load["now"] for d in dtypes}},
+                "dtype_load_at_measure": {**prof.get("dtype_load_at_measure", {}), **{d: load["now"] for d in dtypes}}}
+    monkeypatch.setattr(machine, "stale_by_load",
+                        lambda at, now=None, cores=None: at is not None and at > 2 > load["now"])
+    profile_cache.auto_profile("cpu", ["float32"], None, may_measure=True, measure=fake_measure(calls))
+    busy = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
+    load["now"] = 0.5
+    quiet = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
+    again = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
+    assert added == [("float16",), ("float16",)] and len(calls) == 1
+    assert busy["matmul_flops"]["float16"] == 9.0
+    assert quiet["matmul_flops"]["float16"] == again["matmul_flops"]["float16"] == 0.5
+    assert "float16 rates of this machine were measured at load 9.0 (now 0.5)" in capsys.readouterr().err

@@ -132,7 +132,8 @@ def lanes_run(model: EvalModel, lanes: list, prompts: list, targets: torch.Tenso
               on_step: Optional[Callable] = None) -> list:
     """Several (policy, budget tokens) lanes in ONE engine pass over the same `prompts` and `targets` (n, steps):
     each lane gets its own n rows of one batch, with its own policy and budget (KVSpec.of_lanes), so each weight
-    read serves every lane; the prompts are prefilled once for all lanes (RunConfig.prompt_copies). -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
+    read serves every lane; the prompts are prefilled once for all lanes (RunConfig.prompt_copies).
+    -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
     n = targets.shape[0]
     spec = KVSpec.of_lanes([(n, spec_of(model, policy, tokens)) for policy, tokens in lanes])
     scorer = _forced(model, spec, list(prompts) * len(lanes), targets.repeat(len(lanes), 1), on_step, 1,

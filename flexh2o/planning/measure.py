@@ -320,11 +320,14 @@ def dtype_rates(dev: torch.device, dtypes: list, quick: bool,
 
 def add_dtypes(prof: dict, dtypes: list, progress: Callable[[int], object] = lambda n: None) -> dict:
     """`prof` (this machine's) with the per-dtype rates of `dtypes` measured now and merged in, at the profile's own
-    quickness."""
+    quickness; the load they were measured at goes into `dtype_load_at_measure` (read by profile_cache)."""
+    load = load_now()
     added = dtype_rates(torch.device(prof["device"]), dtypes, prof.get("quick", True), progress)
     out = dict(prof)
     for key, by_dtype in added.items():
         out[key] = {**prof.get(key, {}), **by_dtype}
+    loads = {d: load for d in added["matmul_flops"]}
+    out["dtype_load_at_measure"] = {**prof.get("dtype_load_at_measure", {}), **loads}
     return out
 
 

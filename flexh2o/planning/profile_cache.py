@@ -46,7 +46,8 @@ def auto_profile(device: str, compute, offload_dir: Optional[str], may_measure: 
     much quieter: machine.stale_by_load); else, if may_measure, a quick one measured now (wanted_dtypes) and cached;
     else None. `compute`: the run's compute dtype name(s). A cached profile without one of them gets that dtype's
     rates measured now and cached too when may_measure (a few seconds, with a progress bar); otherwise it is returned
-    as it is (the prediction then warns and names the flexh2o-profile command that adds it)."""
+    as it is (the prediction then warns and names the flexh2o-profile command that adds it). A dtype added so that
+    was measured on a busy machine that is now much quieter is measured again."""
     from flexh2o.planning import measure as profiler
     name = profile_file(device)
     prof = machine.read_cached(name)
@@ -55,7 +56,13 @@ def auto_profile(device: str, compute, offload_dir: Optional[str], may_measure: 
               f"(now {machine.load_now():.1f}): measuring it again", file=sys.stderr)
         prof = None
     if prof:
-        missing = [c for c in _names(compute) if c not in prof.get("matmul_flops", {})]
+        busy = prof.get("dtype_load_at_measure", {})
+        stale = [c for c in _names(compute) if may_measure and machine.stale_by_load(busy.get(c))]
+        if stale:
+            print(f"note: the cached {', '.join(stale)} rates of this machine were measured at load "
+                  f"{max(busy[c] for c in stale):.1f} (now {machine.load_now():.1f}): measuring them again",
+                  file=sys.stderr)
+        missing = [c for c in _names(compute) if c not in prof.get("matmul_flops", {}) or c in stale]
         if not (missing and may_measure):
             return prof
         with _bar(2 * len(missing), f"profiling {', '.join(missing)} on this machine (once, cached)") as bar:
