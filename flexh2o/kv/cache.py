@@ -49,10 +49,16 @@ class KVBlock:
         """Merge values as a policy's merge_plan says (target, mass: see merged_values), in place: a compressed block
         re-quantizes each merged slot; the merged slot (one per row at most, in decode) is stored home with the
         appended one."""
-        values, changed = merged_values(expand(self.v, torch.float32), target, mass)
-        bi, hi, si = changed.nonzero(as_tuple=True)
-        if len(bi):
-            assign(self.v, (bi, hi, si), values[bi, hi, si])
+        rows = (target >= 0).flatten(1).any(-1).nonzero().flatten()  # only rows that merge something are read
+        sub = self.v.map(lambda t: t.index_select(0, rows)) if isinstance(self.v, CompressedTensor) else \
+            self.v.index_select(0, rows)
+        values, part = merged_values(expand(sub, torch.float32), target.index_select(0, rows),
+                                     mass.index_select(0, rows))
+        ri, hi, si = part.nonzero(as_tuple=True)
+        if len(ri):
+            assign(self.v, (rows[ri], hi, si), values[ri, hi, si])
+        changed = torch.zeros_like(target, dtype=torch.bool)
+        changed[rows] = part
         if self.written is not None:
             merged = torch.where(changed.any(-1), changed.to(torch.int8).argmax(-1), self.written)  # (b, kv)
             self.written = torch.stack([self.written, merged], -1)  # (b, kv, 2)
