@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from flexh2o.config import ModelConfig
-from flexh2o.eval.common import EvalModel, forced_run, lanes_run
+from flexh2o.eval.common import EvalModel, forced_run, lanes_run, spec_of
 from flexh2o.eval.ppl import lane_passes
 from flexh2o.kv.policies import Budget
-from flexh2o.kv.spec import make_policy
+from flexh2o.kv.spec import KVSpec, make_policy
 from flexh2o.kv.policies.lanes import LanePolicy
 
 CFG = ModelConfig("tiny-llama", "llama", hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn=128, vocab=1000,
@@ -67,8 +67,7 @@ def test_lane_policy_needs_its_whole_batch():
 def test_prompt_copies_prefill_once_and_match_a_full_prefill(data):
     """RunConfig.prompt_copies: the batch's prompts prefilled once for every copy give the figures of prefilling
     every row (each copy under its own lane); a batch that is not copies is refused in one line."""
-    from flexh2o.eval.common import _forced, spec_of
-    from flexh2o.kv.spec import KVSpec
+    from flexh2o.eval.common import _forced
     prompts, targets = data
     model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32, num_sinks=2, hh_decay=0.9)
     lanes = [("a2sf", 6), ("h2o", 6), ("merge", 7)]
@@ -81,3 +80,23 @@ def test_prompt_copies_prefill_once_and_match_a_full_prefill(data):
     with pytest.raises(ValueError, match="not 3 copies of the same prompts"):
         _forced(model, spec, prompts[::-1] + prompts * 2, targets.repeat(3, 1), None, 1,
                 prefill_batch=3 * len(prompts), copies=3)
+
+
+def test_lanes_one_stride_apart_read_as_views_equal_separate_runs(data):
+    """One row per lane, budget-major (lane_passes' order): each policy's rows are evenly spaced, so LanePolicy
+    reads them as strided views; the figures still equal separate runs."""
+    prompts, targets = data
+    model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32, num_sinks=2, hh_decay=0.9,
+                      pyramid_ratio=0.25, head_cap=1.5)
+    pols = ("h2o", "tova", "a2sf", "vatp", "mean_vnorm", "pyramid", "adakv", "merge", "streaming")
+    lanes = [(p, b) for b in (6, 9, 13) for p in pols] + [("full", None)]
+    assert lane_passes(model, lanes, 9, STEPS, 1, mem=1e12) == [lanes]
+    spec = KVSpec.of_lanes([(1, spec_of(model, p, b)) for p, b in lanes])
+    policy = spec.make(CFG.num_layers)
+    groups = policy._state("cpu").groups
+    assert all(g.view is not None and g.view.step == len(pols) for g in groups)
+    together = lanes_run(model, lanes, prompts[:1], targets[:1])
+    for (policy_name, tokens), (logprob, correct) in zip(lanes, together):
+        alone = forced_run(model, policy_name, tokens, prompts[:1], targets[:1])
+        torch.testing.assert_close(logprob, alone.logprob, atol=1e-6, rtol=0, msg=policy_name)
+        assert torch.equal(correct, alone.correct), policy_name

@@ -143,19 +143,22 @@ def lanes_run(model: EvalModel, lanes: list, prompts: list, targets: torch.Tenso
 
 def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows: int, mem: float,
                 separate: bool = False) -> list:
-    """Lanes grouped into engine passes: sorted by cache slots, a pass grows while its KV cache (every lane's rows
-    at the pass's largest slot count) stays within `mem` bytes. separate: one lane per pass."""
+    """Lanes grouped into engine passes: in order of budget (full last; one budget's lanes in the order given), a
+    pass grows while its KV cache (every lane's rows at the pass's largest slot count) stays within `mem` bytes.
+    Lanes of one budget sit side by side (attention's row segments), and a policy's lanes one stride apart, which
+    LanePolicy reads as strided views instead of copies. separate: one lane per pass."""
     if separate:
         return [[lane] for lane in lanes]
     cfg = model.cfg
     per_slot = rows * cfg.num_layers * cfg.kv_heads * (2 * cfg.head_dim * model.dtype.itemsize + 12)
     slots = {lane: spec_of(model, *lane).slots(prompt_len, steps, cfg.num_layers) for lane in lanes}
-    passes, cur = [], []
-    for lane in sorted(lanes, key=lambda x: slots[x]):
-        if cur and (len(cur) + 1) * slots[lane] * per_slot > mem:
+    passes, cur, top = [], [], 0
+    for lane in sorted(lanes, key=lambda x: (x[1] is None, x[1] or 0)):
+        if cur and (len(cur) + 1) * max(top, slots[lane]) * per_slot > mem:
             passes.append(cur)
-            cur = []
+            cur, top = [], 0
         cur.append(lane)
+        top = max(top, slots[lane])
     return passes + [cur]
 
 

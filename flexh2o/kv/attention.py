@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.compress.codec import assign, expand
-from flexh2o.kv.cache import KVBlock, merged_values
+from flexh2o.kv.cache import KVBlock, merged_values, row_extents
 from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.tensors import moved
 
@@ -151,8 +151,7 @@ def used_segments(pos: torch.Tensor) -> list:
     b, slots = pos.shape[0], pos.shape[-1]
     if pos.device.type != "cpu":
         return [(0, b, slots)]
-    idx = torch.arange(1, slots + 1, device=pos.device)
-    used = torch.where(pos >= 0, idx, 0).amax(-1).amax(-1).tolist()  # (b,) slots in use up to the last used one
+    used = row_extents(pos)  # (b,) slots in use up to the last used one
     runs = []
     for row, u in enumerate(used):
         if runs and runs[-1][2] == u:

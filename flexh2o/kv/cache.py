@@ -49,19 +49,47 @@ class KVBlock:
         """Merge values as a policy's merge_plan says (target, mass: see merged_values), in place: a compressed block
         re-quantizes each merged slot; the merged slot (one per row at most, in decode) is stored home with the
         appended one."""
-        rows = (target >= 0).flatten(1).any(-1).nonzero().flatten()  # only rows that merge something are read
-        sub = self.v.map(lambda t: t.index_select(0, rows)) if isinstance(self.v, CompressedTensor) else \
-            self.v.index_select(0, rows)
-        values, part = merged_values(expand(sub, torch.float32), target.index_select(0, rows),
-                                     mass.index_select(0, rows))
+        if not isinstance(self.v, CompressedTensor) and int((target >= 0).sum(-1).max()) <= 1:
+            changed = self._merge_single(target, mass)  # decode: one evicted slot per row and head at most
+        else:
+            changed = self._merge_many(target, mass)
+        if self.written is not None:
+            merged = torch.where(changed.any(-1), changed.to(torch.int8).argmax(-1), self.written)  # (b, kv)
+            self.written = torch.stack([self.written, merged], -1)  # (b, kv, 2)
+
+    def _merge_single(self, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """merge when every row and head has at most one slot with a target: (m_t v_t + m_e v_e) / (m_t + m_e)
+        written into its target t, the values of nothing else read (merged_values' arithmetic, in its order)."""
+        src = target >= 0
+        e = src.to(torch.int8).argmax(-1, keepdim=True)  # (b, h, 1) the merged slot
+        t = target.gather(-1, e).clamp(min=0)  # (b, h, 1) its target
+        me, mt = torch.where(src.any(-1, keepdim=True), mass.gather(-1, e), 0.0), mass.gather(-1, t)
+        total = mt + me
+        ok = src.any(-1, keepdim=True) & (total > 0)  # (b, h, 1)
+        d = self.v.shape[-1]
+        ve, vt = (self.v.gather(2, i[..., None].expand(-1, -1, -1, d)).float() for i in (e, t))  # (b, h, 1, d)
+        new = (vt * mt[..., None] + ve * me[..., None]) / torch.where(ok, total, 1.0)[..., None]
+        bi, hi, _ = ok.nonzero(as_tuple=True)
+        if len(bi):
+            assign(self.v, (bi, hi, t[bi, hi, 0]), new[bi, hi, 0])
+        return torch.zeros_like(src).scatter_(-1, t, ok)
+
+    def _merge_many(self, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """merge in general (prefill, or a compressed block), reading only the rows that merge something, up to the
+        last slot they use."""
+        rows = (target >= 0).flatten(1).any(-1).nonzero().flatten()
+        n = used_extent(self.pos.index_select(0, rows))
+
+        def cut(t):
+            return t.index_select(0, rows)[:, :, :n]
+        sub = self.v.map(cut) if isinstance(self.v, CompressedTensor) else cut(self.v)
+        values, part = merged_values(expand(sub, torch.float32), cut(target), cut(mass))
         ri, hi, si = part.nonzero(as_tuple=True)
         if len(ri):
             assign(self.v, (rows[ri], hi, si), values[ri, hi, si])
         changed = torch.zeros_like(target, dtype=torch.bool)
-        changed[rows] = part
-        if self.written is not None:
-            merged = torch.where(changed.any(-1), changed.to(torch.int8).argmax(-1), self.written)  # (b, kv)
-            self.written = torch.stack([self.written, merged], -1)  # (b, kv, 2)
+        changed[rows, :, :n] = part
+        return changed
 
     def evict(self, mask: Optional[torch.Tensor]) -> None:
         """Free the slots marked in `mask` (b, kv, slots); None evicts nothing."""
@@ -93,6 +121,25 @@ class KVBlock:
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
         return (self.pos >= 0).sum(-1)
+
+
+def row_extents(pos: torch.Tensor) -> list:
+    """pos (b, h, s) -> per row, its slots up to the last one any of its heads uses (the whole width off the CPU:
+    reading it would make the host wait for the device)."""
+    b, s = pos.shape[0], pos.shape[-1]
+    if pos.device.type != "cpu":
+        return [s] * b
+    idx = torch.arange(1, s + 1, device=pos.device)
+    return torch.where(pos >= 0, idx, 0).amax(-1).amax(-1).tolist()
+
+
+def used_extent(pos: torch.Tensor) -> int:
+    """Slots (the last dimension of pos) up to the last one any row uses; the whole width off the CPU (reading it
+    would make the host wait for the device)."""
+    if pos.device.type != "cpu":
+        return pos.shape[-1]
+    used = (pos >= 0).flatten(0, -2).any(0).nonzero()
+    return int(used[-1]) + 1 if len(used) else 0
 
 
 def merged_values(v: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> tuple:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 import torch
 
+from flexh2o.kv.cache import row_extents, used_extent
 from flexh2o.kv.policies.base import KVPolicy, lowest_unprotected, protected_rows
 
 UNBOUNDED = torch.iinfo(torch.int64).max  # the total of a lane without a budget: it never evicts
@@ -34,11 +35,25 @@ class RowBudget:
 
 @dataclass(frozen=True)
 class _Group:
-    """Every lane of one policy class and parameters: their rows (index (rows,)) and that policy over those rows,
-    each with its own budget (a RowBudget)."""
+    """Every lane of one policy class and parameters: their rows (index (rows,), and as a list) and that policy over
+    those rows, each with its own budget (a RowBudget)."""
 
     index: torch.Tensor
     policy: KVPolicy
+    rows: tuple
+    view: Optional[slice]  # the rows as one strided slice, when they are evenly spaced
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of x: a strided view when they are evenly spaced, else a copy."""
+        return x[self.view] if self.view is not None else x.index_select(0, self.index)
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor, n: Optional[int] = None) -> None:
+        """dst[the group's rows, :, :n] = src, in place (n None: every slot)."""
+        rows = self.view if self.view is not None else self.index
+        if n is None:
+            dst[rows] = src
+        else:
+            dst[rows, :, :n] = src
 
 
 @dataclass(frozen=True)
@@ -106,22 +121,24 @@ class LanePolicy(KVPolicy):
         prot = protected_rows(pos, cur_pos, rows.recent, rows.sinks)  # every class of the generic rule
         for g in rows.groups:
             if type(g.policy).protected is not KVPolicy.protected:
-                i = g.index
-                prot.index_copy_(0, i, g.policy.protected(pos.index_select(0, i), cur_pos.index_select(0, i)))
+                g.put(prot, g.policy.protected(g.take(pos), g.take(cur_pos)))
         return prot
 
-    def priority(self, pos, score, layer, cur_pos, v):
-        """Each row's lane's priority (rows of lanes without a budget get their score: they never evict)."""
+    def priority(self, pos, score, layer, cur_pos, v, extents: Optional[list] = None):
+        """Each row's lane's priority (rows of lanes without a budget get their score: they never evict). A class
+        computes it over its rows' slots up to their last used one; the slots past it are empty (never read).
+        extents: per row, its slots up to its last used one (row_extents), when the caller has them."""
         prio = score
+        extents = row_extents(pos) if extents is None else extents
         for g in self._state(pos.device).groups:
-            i = g.index
-            sc = score.index_select(0, i)
-            vi = v.index_select(0, i) if g.policy.needs_values and v is not None else None
-            own = g.policy.priority(pos.index_select(0, i), sc, layer, cur_pos.index_select(0, i), vi).float()
+            n = max(extents[r] for r in g.rows)
+            sc = g.take(score[:, :, :n])
+            vi = g.take(v[:, :, :n]) if g.policy.needs_values and v is not None else None
+            own = g.policy.priority(g.take(pos[:, :, :n]), sc, layer, g.take(cur_pos), vi).float()
             if own is sc:  # a class whose priority is the score itself: its rows stay as they are
                 continue
             prio = prio.clone() if prio is score else prio  # never write into the scores
-            prio.index_copy_(0, i, own)
+            g.put(prio, own, n)
         return prio
 
     def decode_evict(self, pos, score, layer, cur_pos, v=None):
@@ -129,15 +146,17 @@ class LanePolicy(KVPolicy):
         rows = self._state(pos.device)
         if not rows.groups:
             return None
-        prio = self.priority(pos, score, layer, cur_pos, v).float()
+        extents = row_extents(pos)
+        prio = self.priority(pos, score, layer, cur_pos, v, extents).float()
         evict = lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self._total(pos.device, layer))
         for g in rows.groups:  # a class with its own eviction rule (adakv's heads share a budget) decides its rows
             if type(g.policy).decode_evict is not KVPolicy.decode_evict:
-                i = g.index
-                vi = v.index_select(0, i) if v is not None else None
-                own = g.policy.decode_evict(pos.index_select(0, i), score.index_select(0, i), layer,
-                                            cur_pos.index_select(0, i), vi)
-                evict.index_copy_(0, i, own)
+                n = max(extents[r] for r in g.rows)
+                vi = g.take(v[:, :, :n]) if v is not None else None
+                own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos),
+                                            vi)
+                g.put(evict, False)
+                g.put(evict, own, n)
         return evict
 
     def merge_plan(self, pos, score, keys, evict) -> tuple:
@@ -146,7 +165,9 @@ class LanePolicy(KVPolicy):
         target = torch.full_like(pos, -1)
         for p, sl in zip(self.lanes, self.slices):
             if p.merges:
-                target[sl] = p.merge_plan(pos[sl], score[sl], keys[sl], evict[sl])[0]
+                n = used_extent(pos[sl])  # the lane's slots up to its last used one: no kept token lies past it
+                target[sl, :, :n] = p.merge_plan(pos[sl, :, :n], score[sl, :, :n], keys[sl, :, :n],
+                                                 evict[sl, :, :n])[0]
         return target, score
 
     def _total(self, device, layer: int) -> torch.Tensor:
@@ -189,7 +210,9 @@ class LanePolicy(KVPolicy):
 
     def _group(self, key, slices: list, budget: RowBudget, device) -> _Group:
         cls, options, _ = key
-        index = torch.tensor([r for sl in slices for r in range(sl.start, sl.stop)], dtype=torch.int64,
-                             device=device)
+        rows = tuple(r for sl in slices for r in range(sl.start, sl.stop))
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
         own = RowBudget(budget.heavy.index_select(0, index), budget.recent.index_select(0, index))
-        return _Group(index, cls(own, **dict(options)))
+        steps = {b - a for a, b in zip(rows, rows[1:])}
+        view = slice(rows[0], rows[-1] + 1, steps.pop() if steps else 1) if len(steps) <= 1 else None
+        return _Group(index, cls(own, **dict(options)), rows, view)
