@@ -129,8 +129,9 @@ def row_extents(pos: torch.Tensor) -> list:
     b, s = pos.shape[0], pos.shape[-1]
     if pos.device.type != "cpu":
         return [s] * b
-    idx = torch.arange(1, s + 1, device=pos.device)
-    return torch.where(pos >= 0, idx, 0).amax(-1).amax(-1).tolist()
+    used = (pos >= 0).any(1)  # (b, s)
+    last = s - used.flip(-1).to(torch.int8).argmax(-1)  # one past the last used slot (s when none is used)
+    return torch.where(used.any(-1), last, 0).tolist()
 
 
 def used_extent(pos: torch.Tensor) -> int:
