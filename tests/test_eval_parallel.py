@@ -68,3 +68,21 @@ def test_lane_memory_defaults_to_a_share_of_the_available_memory(texts, monkeypa
     given = PplSettings(texts=texts[:1], context=48, windows=1, prefix=4, budgets=("8",), policies=("h2o",),
                         lane_mem=1e6)
     assert run_ppl(model, given, progress=False).settings.lane_mem == 1e6
+
+
+def test_lane_split_covers_every_lane_once_in_cache_size_order(texts):
+    """--procs splits the lanes, not the texts: contiguous ranges in cache-size order that together hold every lane
+    once; the small-budget process takes more lanes than the one with full and the large budgets."""
+    from flexh2o.eval.parallel import lane_split
+    from flexh2o.eval.ppl import _jobs, _lanes
+    from flexh2o.eval.common import spec_of
+    model = EvalModel("_DUMMY_", CFG, ByteTokens(), dtype=torch.float32, num_sinks=2)
+    s = PplSettings(texts=texts, context=200, windows=1, prefix=4, budgets=("8", "16", "100"),
+                    policies=("h2o", "tova", "streaming", "a2sf"))
+    groups = lane_split(model, s, 2)
+    lanes = _lanes(_jobs(s))
+    assert len(groups) == 2 and sorted(sum(groups, [])) == sorted(lanes)
+    slots = lambda lane: spec_of(model, *lane).slots(4, 196, CFG.num_layers)  # noqa: E731
+    assert max(map(slots, groups[0])) <= min(map(slots, groups[1]))
+    assert len(groups[0]) > len(groups[1]) and ("full", None) in groups[1]
+    assert len(lane_split(model, s, 100)) == len(lanes)

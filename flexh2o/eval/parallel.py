@@ -1,34 +1,38 @@
-"""`flexh2o-eval ppl --procs N`: the texts split between N processes, each with its share of the torch threads.
+"""`flexh2o-eval ppl --procs N`: the lanes split between N processes, each with its share of the torch threads.
 
 One process with 2 threads keeps both cores busy only inside torch's parallel regions: between ops (the Python of a
 decode step: ~30 layers of attention and policy work per token) the second core idles, and every region wakes the
-passive OpenMP thread. N single-threaded processes on N cores have no such gaps. A text's windows are rows of their
-own in a batch, so its figures do not depend on which other texts share the batch; the parent merges the rows back
-into the order of one process's result.
+passive OpenMP thread. N single-threaded processes on N cores have no such gaps. Each process runs every text's
+windows for a contiguous range of the lanes in cache-size order (`lane_split`): a process of small budgets then
+attends and runs its policies over few slots, and the ranges are cut so that the processes' estimated work is
+even. A lane's rows do not depend on which other lanes share its batch; the parent merges the rows back into the
+order of one process's result.
 
-Children are started with `spawn` (never fork a process whose OpenMP runtime is live); each sends its progress and
-then its rows (or its error) through one queue.
+Children are started with `spawn` (never fork a process whose OpenMP runtime is live); each sends its progress (at
+most once a second) and then its rows (or its error) through one queue.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import traceback
 from dataclasses import replace
 
 import torch
 
-from flexh2o.eval.common import EvalModel, EvalResult, machine, progress_bar
+from flexh2o.eval.common import EvalModel, EvalResult, machine, progress_bar, spec_of
+from flexh2o.models import layer_specs
 
 
 def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalResult:
-    """run_ppl of settings `s` with its texts dealt round-robin to min(procs, texts) processes."""
+    """run_ppl of settings `s` with its lanes split between min(procs, lanes) processes (lane_split)."""
     from flexh2o.eval.ppl import _total_tokens
-    groups = [s.texts[i::procs] for i in range(min(procs, len(s.texts)))]
+    groups = lane_split(model, s, procs)
     threads = max(1, torch.get_num_threads() // len(groups))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    children = [ctx.Process(target=_child, args=(i, model, replace(s, texts=tuple(g)), threads, queue), daemon=True)
-                for i, g in enumerate(groups)]
+    children = [ctx.Process(target=_child, args=(i, model, replace(s, only_lanes=tuple(g)), threads, queue),
+                            daemon=True) for i, g in enumerate(groups)]
     bar = progress_bar(_total_tokens(model, s), f"ppl ({len(groups)} processes)", progress)
     parts = {}
     try:
@@ -39,7 +43,7 @@ def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalRes
             if kind == "tick":
                 bar.update(payload)
             elif kind == "error":
-                raise RuntimeError(f"ppl process {index} ({', '.join(groups[index])}) failed: {payload}")
+                raise RuntimeError(f"ppl process {index} ({len(groups[index])} lanes) failed: {payload}")
             else:
                 parts[index] = payload
     finally:
@@ -51,11 +55,52 @@ def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalRes
     return _merged(s, [parts[i] for i in range(len(groups))])
 
 
+SLOT_WEIGHT = 47.0  # weight FLOPs per token that one cached slot of one row costs as much as, per layer, KV head
+# and head dim (decode attention and the policies' elementwise passes; measured once on the SmolLM2-135M table of
+# issue 11: a 67-row step spent about as long on 1000 slots per row as on its matmuls). It only balances lane_split.
+
+
+def lane_split(model: EvalModel, s, procs: int) -> list:
+    """The table's distinct lanes in cache-size order, cut into min(procs, lanes) contiguous groups whose largest
+    estimated work is least: a group costs (its lanes) x (W + its largest slot count), W being the weights' work
+    per row-step in slot units (SLOT_WEIGHT), since attention and the policy run over the pass's used slots."""
+    from flexh2o.eval.ppl import _jobs, _lanes
+    cfg = model.cfg
+    steps = s.context - s.prefix
+    slots = {lane: spec_of(model, *lane).slots(s.prefix, steps, cfg.num_layers) for lane in _lanes(_jobs(s))}
+    order = sorted(slots, key=lambda lane: slots[lane])
+    params = sum(w.numel for specs in layer_specs(cfg)[1:] for w in specs)  # every matmul's (not the lookup's)
+    weight = 2 * params / (SLOT_WEIGHT * cfg.num_layers * cfg.kv_heads * cfg.head_dim)
+    n = min(procs, len(order))
+
+    def cost(i: int, j: int) -> float:  # lanes order[i:j]
+        return (j - i) * (weight + slots[order[j - 1]])
+    best = {(0, 0): (0.0, [])}  # (groups, lanes used) -> (largest group cost, cut points)
+    for g in range(1, n + 1):
+        for j in range(g, len(order) - (n - g) + 1):
+            best[g, j] = min(((max(best[g - 1, i][0], cost(i, j)), best[g - 1, i][1] + [j])
+                              for i in range(g - 1, j) if (g - 1, i) in best), key=lambda x: x[0])
+    cuts = [0] + best[n, len(order)][1]
+    return [order[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+TICK_S = 1.0  # a child reports its progress at most this often (each report wakes the parent)
+
+
 def _child(index: int, model: EvalModel, s, threads: int, queue) -> None:
     from flexh2o.eval.ppl import ppl_rows
+    pending, last = [0], [time.monotonic()]
+
+    def tick(n: int) -> None:
+        pending[0] += n
+        if time.monotonic() - last[0] >= TICK_S:
+            queue.put(("tick", index, pending[0]))
+            pending[0], last[0] = 0, time.monotonic()
     try:
         torch.set_num_threads(threads)
-        rows = ppl_rows(model, s, lambda n: queue.put(("tick", index, n))).rows
+        rows = ppl_rows(model, s, tick).rows
+        if pending[0]:
+            queue.put(("tick", index, pending[0]))
         queue.put(("rows", index, rows))
     except BaseException as e:  # the parent names the failure in one line
         last = traceback.format_exception_only(type(e), e)[-1].strip()
@@ -63,10 +108,11 @@ def _child(index: int, model: EvalModel, s, threads: int, queue) -> None:
 
 
 def _merged(s, parts: list) -> EvalResult:
-    """One result from the processes' rows, ordered as one process orders them (lanes, then texts)."""
+    """One result from the processes' rows, ordered as one process orders them (table cells, then texts)."""
+    from flexh2o.eval.ppl import _jobs
     rows = [r for part in parts for r in part]
-    lanes = list(dict.fromkeys((r["policy"], r["budget"]) for r in parts[0]))
-    rows.sort(key=lambda r: (lanes.index((r["policy"], r["budget"])), s.texts.index(r["text"])))
+    cells = [(p, spec or "all") for p, spec, _ in _jobs(s)]
+    rows.sort(key=lambda r: (cells.index((r["policy"], r["budget"])), s.texts.index(r["text"])))
     result = EvalResult("ppl", s, machine=machine())
     result.rows = rows
     return result

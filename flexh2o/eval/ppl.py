@@ -35,6 +35,7 @@ class PplSettings:
     policies: tuple = EVICTING
     lane_mem: Optional[float] = None  # bytes of KV cache per engine pass of lanes; None: auto_lane_mem
     separate: bool = False  # one engine pass per (policy, budget), as before lanes
+    only_lanes: Optional[tuple] = None  # the (policy, budget tokens) lanes one process of --procs runs; None: all
 
     def __post_init__(self):
         if not 1 <= self.prefix < self.context:
@@ -64,9 +65,9 @@ def text_windows(tokens: list, context: int, count: int) -> list:
 
 def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int = 1) -> EvalResult:
     """Every policy at every budget, plus full, over the same windows: lanes of equal cache size share a pass.
-    procs > 1: the texts are split between that many processes (eval/parallel.py), each with its share of the
-    torch threads; a text's figures do not depend on which other texts share its batch."""
-    procs = min(procs, len(s.texts))
+    procs > 1: the lanes are split between that many processes (eval/parallel.py), each with its share of the
+    torch threads; a lane's figures do not depend on which other lanes share its batch."""
+    procs = min(procs, len(_lanes(_jobs(s))))
     if s.lane_mem is None:
         s = replace(s, lane_mem=auto_lane_mem(procs))
     if procs > 1:
@@ -104,7 +105,7 @@ def ppl_rows(model: EvalModel, s: PplSettings, tick=lambda n: None, note=lambda 
             windows.append(w)
     ids = torch.tensor(windows)  # (n, context)
     prompts, targets = ids[:, :s.prefix].tolist(), ids[:, s.prefix:]
-    jobs = _jobs(s)
+    jobs = [j for j in _jobs(s) if s.only_lanes is None or (j[0], j[2]) in s.only_lanes]
     lanes = _lanes(jobs)
     mem = s.lane_mem if s.lane_mem is not None else auto_lane_mem()
     passes = lane_passes(model, lanes, s.prefix, targets.shape[1], len(windows), mem, s.separate)
