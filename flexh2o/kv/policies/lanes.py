@@ -109,11 +109,13 @@ class LanePolicy(KVPolicy):
         return torch.cat([p.prefill_keep(ps, s, layer, c, vv) for p, ps, s, c, vv in parts])
 
     def accumulate(self, score, att) -> None:
-        """score <- decay * score + att, each row with its lane's decay (rows of decay 1 are multiplied by 1)."""
+        """score <- decay * score + att, each row with its lane's decay (only the rows of a decay other than 1 are
+        multiplied)."""
         self._check(score)
-        decay = self._state(score.device).decay
-        if decay is not None:
-            score.mul_(decay)
+        for g in self._state(score.device).groups:
+            if g.policy.decay != 1.0:
+                rows = g.view if g.view is not None else g.index
+                score[rows] *= g.policy.decay
         score.add_(att)
 
     def protected(self, pos, cur_pos):
