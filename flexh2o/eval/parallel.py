@@ -55,10 +55,9 @@ def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalRes
     return _merged(s, [parts[i] for i in range(len(groups))])
 
 
-SLOT_WEIGHT = 100.0  # weight FLOPs per token that one cached slot of one row costs as much as, per layer, KV head
-# and head dim (decode attention and the policies' elementwise passes). From the SmolLM2-135M table of issue 11: at
-# 47 (a 67-row step spent about as long on 1000 slots per row as on its matmuls) the process with the large budgets
-# finished last. It only balances lane_split.
+SLOT_WEIGHT = 47.0  # weight FLOPs per token that one cached slot of one row costs as much as, per layer, KV head
+# and head dim (decode attention and the policies' elementwise passes; measured once on the SmolLM2-135M table of
+# issue 11: a 67-row step spent about as long on 1000 slots per row as on its matmuls). It only balances lane_split.
 
 
 def lane_split(model: EvalModel, s, procs: int) -> list:

@@ -7,7 +7,8 @@ piece (RunConfig.prefill_batch = rows).
 
 Decode work is batched over the lanes, whatever their number: the score update, the protection (each row's own
 recent window and sinks as (rows, 1, 1) tensors) and the eviction choice run once over the whole batch; the priority
-runs once per policy class (and parameters) over that class's rows. Prefill (once per layer) asks each lane.
+runs once per policy class (and parameters) over that class's rows, up to the last slot they use, read as a strided
+view when the rows are evenly spaced (lane_passes orders lanes so). Prefill (once per layer) asks each lane.
 """
 from __future__ import annotations
 
@@ -109,13 +110,11 @@ class LanePolicy(KVPolicy):
         return torch.cat([p.prefill_keep(ps, s, layer, c, vv) for p, ps, s, c, vv in parts])
 
     def accumulate(self, score, att) -> None:
-        """score <- decay * score + att, each row with its lane's decay (only the rows of a decay other than 1 are
-        multiplied)."""
+        """score <- decay * score + att, each row with its lane's decay (rows of decay 1 are multiplied by 1)."""
         self._check(score)
-        for g in self._state(score.device).groups:
-            if g.policy.decay != 1.0:
-                rows = g.view if g.view is not None else g.index
-                score[rows] *= g.policy.decay
+        decay = self._state(score.device).decay
+        if decay is not None:
+            score.mul_(decay)
         score.add_(att)
 
     def protected(self, pos, cur_pos):
