@@ -1,16 +1,14 @@
 """One batch job: build the engine, warm up, generate with a progress bar, write outputs and the report."""
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 from tqdm import tqdm
 
 from flexh2o.engine import Engine
+from flexh2o.jsonfile import write_json
 from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings
 from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
@@ -113,12 +111,4 @@ def write_outputs(path: str, tokens: list, tokenizer=None) -> None:
     if tokenizer is not None:
         for r in rows:
             r["text"] = tokenizer.decode(r["tokens"])
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".flexh2o-out-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(rows, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_json(path, rows)

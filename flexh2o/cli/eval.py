@@ -3,7 +3,6 @@ JSON (and a plot). Every user error is one line on stderr and exit status 2."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -14,6 +13,7 @@ from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags
 from flexh2o.eval.common import EVICTING, TEXTS
+from flexh2o.jsonfile import write_json
 
 
 def _csv(text: str) -> tuple:
@@ -99,8 +99,7 @@ def _run(args, argv: list) -> int:
                compress_group_size=args.compress_group_size, weight_kernel=args.weight_kernel,
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
     path = args.out or f"eval-{args.task}.json"
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+    write_json(path, out, indent=1)  # never half-written
     print(text)
     procs = min(getattr(args, "procs", 1), len(getattr(args, "texts", ())) or 1)
     how = f"{procs} processes x {max(1, torch.get_num_threads() // procs)}" if procs > 1 else \
