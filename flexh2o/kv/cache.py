@@ -78,7 +78,7 @@ class KVBlock:
         """merge in general (prefill, or a compressed block), reading only the rows that merge something, up to the
         last slot they use."""
         rows = (target >= 0).flatten(1).any(-1).nonzero().flatten()
-        n = used_extent(self.pos.index_select(0, rows))
+        n = max(row_extents(self.pos.index_select(0, rows)), default=0)
 
         def cut(t):
             return t.index_select(0, rows)[:, :, :n]
@@ -132,15 +132,6 @@ def row_extents(pos: torch.Tensor) -> list:
     used = (pos >= 0).any(1)  # (b, s)
     last = s - used.flip(-1).to(torch.int8).argmax(-1)  # one past the last used slot (s when none is used)
     return torch.where(used.any(-1), last, 0).tolist()
-
-
-def used_extent(pos: torch.Tensor) -> int:
-    """Slots (the last dimension of pos) up to the last one any row uses; the whole width off the CPU (reading it
-    would make the host wait for the device)."""
-    if pos.device.type != "cpu":
-        return pos.shape[-1]
-    used = (pos >= 0).flatten(0, -2).any(0).nonzero()
-    return int(used[-1]) + 1 if len(used) else 0
 
 
 def merged_values(v: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> tuple:

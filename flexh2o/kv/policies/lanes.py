@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 import torch
 
-from flexh2o.kv.cache import row_extents, used_extent
+from flexh2o.kv.cache import row_extents
 from flexh2o.kv.policies.base import KVPolicy, lowest_unprotected, protected_rows
 
 UNBOUNDED = torch.iinfo(torch.int64).max  # the total of a lane without a budget: it never evicts
@@ -166,7 +166,7 @@ class LanePolicy(KVPolicy):
         target = torch.full_like(pos, -1)
         for p, sl in zip(self.lanes, self.slices):
             if p.merges:
-                n = used_extent(pos[sl])  # the lane's slots up to its last used one: no kept token lies past it
+                n = max(row_extents(pos[sl]))  # the lane's slots up to its last used one: no kept token past it
                 target[sl, :, :n] = p.merge_plan(pos[sl, :, :n], score[sl, :, :n], keys[sl, :, :n],
                                                  evict[sl, :, :n])[0]
         return target, score
