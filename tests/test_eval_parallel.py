@@ -40,6 +40,7 @@ def test_procs_equal_one_process(texts):
     key = [(r["policy"], r["budget"], r["text"]) for r in one.rows]
     assert key == [(r["policy"], r["budget"], r["text"]) for r in split.rows]
     assert len(key) == 3 * (1 + 3 * 2)
+    assert split.machine["procs"] == 2 and "procs" not in one.machine  # the processes that ran
     for a, b in zip(one.rows, split.rows):
         assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-6) and a["ppl_late"] == pytest.approx(b["ppl_late"], rel=1e-6)
         assert a["tokens"] == b["tokens"]

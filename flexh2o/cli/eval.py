@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "similar cache size share a pass and its weight reads (default: half the memory available, "
                      "split between --procs)")
     ppl.add_argument("--separate", action="store_true", help="one engine pass per (policy, budget), no lanes")
-    ppl.add_argument("--procs", type=int, default=1, help="processes the texts are split between, each with "
-                     "--threads / procs torch threads (default 1; e.g. 2 on 2 cores: no core idles between ops)")
+    ppl.add_argument("--procs", type=int, default=1, help="processes the lanes are split between (by cache size), "
+                     "each with --threads / procs torch threads (default 1; e.g. 2 on 2 cores: no core idles "
+                     "between ops)")
     rec = sub.add_parser("recall", parents=[common], help="passkey / key-value recall, exact match")
     rec.add_argument("--tasks", type=_csv, default=("passkey", "kv"), help="passkey,kv (default both)")
     rec.add_argument("--samples", type=int, default=16, help="samples per task (default 16)")
@@ -101,7 +102,7 @@ def _run(args, argv: list) -> int:
     path = args.out or f"eval-{args.task}.json"
     write_json(path, out, indent=1)  # never half-written
     print(text)
-    procs = min(getattr(args, "procs", 1), len(getattr(args, "texts", ())) or 1)
+    procs = result.machine.get("procs", 1)  # the processes that ran (at most one per lane)
     how = f"{procs} processes x {max(1, torch.get_num_threads() // procs)}" if procs > 1 else \
         f"{torch.get_num_threads()}"
     print(f"{args.task}: {seconds:.0f} s with {how} torch threads; wrote {path}")

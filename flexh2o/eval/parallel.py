@@ -113,6 +113,6 @@ def _merged(s, parts: list) -> EvalResult:
     rows = [r for part in parts for r in part]
     cells = [(p, spec or "all") for p, spec, _ in _jobs(s)]
     rows.sort(key=lambda r: (cells.index((r["policy"], r["budget"])), s.texts.index(r["text"])))
-    result = EvalResult("ppl", s, machine=machine())
+    result = EvalResult("ppl", s, machine={**machine(), "procs": len(parts)})
     result.rows = rows
     return result
