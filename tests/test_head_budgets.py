@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexh2o.cli import eval as eval_cli
-from flexh2o.cli import run as cli
 from flexh2o.kv.policies import Budget
 from flexh2o.kv.spec import KVSpec, make_policy
 from reference_kv import History, RefPolicy
-from test_validation import _fails
+from test_validation import _fails, policy_flag_entries
 
 KV, SINKS, BUDGET = 3, 2, Budget(6, 3)  # 9 per head on average, 5 of them protected (3 recent, 2 sinks)
 LENS = [9, 4, 1, 7, 5, 12]  # left-padded prompts, shorter and longer than the budget
@@ -124,11 +122,7 @@ def test_spec_slots_and_bad_cap():
         KVSpec("adakv", BUDGET, SINKS, head_cap=0.5)
 
 
-@pytest.mark.parametrize("main, argv, prog", [
-    (cli.main, ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dry-run", "--kv-policy", "adakv",
-                "--kv-budget", "16"], "flexh2o-run"),
-    (eval_cli.main, ["recall", "--policies", "adakv"], "flexh2o-eval"),
-])
+@pytest.mark.parametrize("main, argv, prog", policy_flag_entries("adakv", "recall"))
 @pytest.mark.parametrize("cap", ["0.5", "inf", "nan"])
 def test_bad_head_cap_is_one_line(main, argv, prog, cap, capsys):
     err = _fails(capsys, main, argv + ["--head-cap", cap], prog=prog)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from flexh2o.cli import eval as eval_cli
 from flexh2o.cli import run as cli
 from flexh2o.config import from_name
 from flexh2o.kv.policies import Budget
@@ -16,7 +15,7 @@ from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.run_config import RunConfig
 from reference_kv import RefPolicy
-from test_validation import _fails
+from test_validation import _fails, policy_flag_entries
 
 GRID = [(Budget(h, r), layers, ratio, sinks) for h, r in ((3, 2), (32, 32), (60, 4), (4, 0), (0, 7))
         for layers in (1, 2, 3, 30) for ratio in (0.0, 0.25, 0.5, 1 / 3, 1.0) for sinks in (0, 2, 4)
@@ -67,11 +66,7 @@ def test_dry_run_shows_the_largest_layer_slots(capsys):
     assert f"cache slots {largest + 1}" in out, out
 
 
-@pytest.mark.parametrize("main, argv, prog", [
-    (cli.main, ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dry-run", "--kv-policy", "pyramid",
-                "--kv-budget", "16"], "flexh2o-run"),
-    (eval_cli.main, ["ppl", "--policies", "pyramid"], "flexh2o-eval"),
-])
+@pytest.mark.parametrize("main, argv, prog", policy_flag_entries("pyramid", "ppl"))
 @pytest.mark.parametrize("ratio", ["1.5", "-0.1", "nan"])
 def test_bad_pyramid_ratio_is_one_line(main, argv, prog, ratio, capsys):
     err = _fails(capsys, main, argv + ["--pyramid-ratio", ratio], prog=prog)

@@ -28,6 +28,15 @@ def _fails(capsys, main, argv, *needles, prog="flexh2o-run"):
     return err
 
 
+def policy_flag_entries(policy: str, task: str) -> list:
+    """(main, argv, prog) of the two commands that read a policy's own flag: flexh2o-run --dry-run with `policy` at
+    a 16-token budget, and flexh2o-eval `task` with `policy`."""
+    from flexh2o.cli import eval as eval_cli
+    return [(cli.main, ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dry-run", "--kv-policy",
+                        policy, "--kv-budget", "16"], "flexh2o-run"),
+            (eval_cli.main, [task, "--policies", policy], "flexh2o-eval")]
+
+
 @pytest.mark.parametrize("extra,needles", [
     (["--gpu-mem", "inf"], ["'inf'", "finite"]),
     (["--gpu-mem", "1e400"], ["'1e400'", "finite"]),
