@@ -64,6 +64,30 @@ def test_lane_policy_needs_its_whole_batch():
         lanes.decode_evict(pos, torch.rand(2, 1, 6), 0, torch.tensor([5, 5]))
 
 
+def test_lanes_within_budget_are_skipped_and_the_others_decide_as_alone():
+    """decode_evict runs the policies only over the lanes up to the last one holding more tokens than its budget
+    (cur_pos + 1 > total), up to their last used slot: each row's eviction is still its own policy's alone, and a
+    step at which no lane is over budget evicts nothing."""
+    g = torch.Generator().manual_seed(7)
+    lanes = [(2, make_policy("h2o", Budget(2, 2))), (1, make_policy("adakv", Budget(2, 1), num_sinks=1)),
+             (2, make_policy("tova", Budget(0, 9))), (1, make_policy("full", None))]  # tova: 9 > the 6 tokens held
+    policy = LanePolicy(lanes)
+    pos = torch.full((6, 2, 12), -1)
+    pos[:, :, :6] = torch.stack([torch.randperm(6, generator=g) for _ in range(12)]).view(6, 2, 6)
+    score, cur = torch.rand(6, 2, 12, generator=g), torch.full((6,), 5)
+    assert policy._evicting(cur, 0) == 2
+    evict = policy.decode_evict(pos, score, 0, cur)
+    start = 0
+    for rows, p in lanes:
+        sl = slice(start, start + rows)
+        alone = p.decode_evict(pos[sl], score[sl], 0, cur[sl])
+        assert torch.equal(evict[sl], alone if alone is not None else torch.zeros_like(evict[sl])), p.name
+        start += rows
+    assert evict[:3].any() and not evict[3:].any()
+    first3 = torch.where(pos < 3, pos, -1)  # the step after the prompt's 3 tokens: every lane within budget
+    assert policy.decode_evict(first3, score, 0, torch.full((6,), 2)) is None
+
+
 def test_prompt_copies_prefill_once_and_match_a_full_prefill(data):
     """RunConfig.prompt_copies: the batch's prompts prefilled once for every copy give the figures of prefilling
     every row (each copy under its own lane); a batch that is not copies is refused in one line."""

@@ -5,6 +5,8 @@ the query heads of its group, in fp32.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -112,7 +114,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     kv = blk.pos.shape[1]
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
     qg = q.view(b, kv, n // kv, d)
-    segments = used_segments(blk.pos)
+    extents = row_extents(blk.pos)  # per row, its slots up to the last used one (once per step: the policy too)
+    segments = used_segments(blk.pos, extents)
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
     front = blk.front(top)  # all the step reads and the policy sees
     keys, values = expand(front.k, q.dtype), expand(front.v, q.dtype)
@@ -134,24 +137,25 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     if policy.needs_scores:
         policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
     values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
-    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values)
+    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values, extents=extents)
     if policy.merges and evict is not None:
-        front.merge(*policy.merge_plan(front.pos, front.score, expand(front.k, torch.float32), evict))
+        keys32 = expand(front.k, torch.float32)
+        front.merge(*policy.merge_plan(front.pos, front.score, keys32, evict, extents=extents))
         blk.written = front.written
     front.evict(evict)
     return moved(out.reshape(b, n, 1, d), home)
 
 
-def used_segments(pos: torch.Tensor) -> list:
+def used_segments(pos: torch.Tensor, extents: Optional[list] = None) -> list:
     """pos (b, kv, slots) -> [(first row, end row, slots used)]: runs of consecutive rows whose last used slot (over
     their KV heads) is the same, so attention reads no slot past it. More than MAX_SEGMENTS runs: neighbouring runs
     are merged (a merged run reads up to the larger of their extents), each time the pair whose merge adds the
     fewest slot reads (`merged_runs`). Off the CPU: one run over the whole block (reading the extents would make
-    the host wait for the device)."""
+    the host wait for the device). extents: row_extents(pos), when the caller has them."""
     b, slots = pos.shape[0], pos.shape[-1]
     if pos.device.type != "cpu":
         return [(0, b, slots)]
-    used = row_extents(pos)  # (b,) slots in use up to the last used one
+    used = row_extents(pos) if extents is None else extents  # (b,) slots in use up to the last used one
     runs = []
     for row, u in enumerate(used):
         if runs and runs[-1][2] == u:

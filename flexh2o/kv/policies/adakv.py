@@ -56,7 +56,7 @@ class AdaKVPolicy(MeanAttentionPolicy):
         room = total - prot.sum((1, 2), keepdim=True)  # (b, 1, 1)
         return prot | (fits & (in_layer < room))
 
-    def decode_evict(self, pos, score, layer, cur_pos, v=None):
+    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents=None):
         b, h, s = pos.shape
         total, cap = self._limits(h)
         prio = self.priority(pos, score, layer, cur_pos, v).float()

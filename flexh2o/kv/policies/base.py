@@ -88,9 +88,10 @@ class KVPolicy:
                  v: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def merge_plan(self, pos, score, keys, evict) -> tuple:
+    def merge_plan(self, pos, score, keys, evict, extents: Optional[list] = None) -> tuple:
         """When `merges`: (target (b, h, s) int64, the slot that absorbs each evicted slot's value, -1 elsewhere;
-        mass (b, h, s) fp32, each slot's weight in the mean). kv/cache.merged_values computes the new values."""
+        mass (b, h, s) fp32, each slot's weight in the mean). kv/cache.merged_values computes the new values.
+        extents: as in decode_evict."""
         raise NotImplementedError
 
     def protected(self, pos: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
@@ -131,8 +132,10 @@ class KVPolicy:
         return valid & (rank < self.layer_budget(layer).total)
 
     def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None):
-        """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None."""
+                     v: Optional[torch.Tensor] = None, extents: Optional[list] = None):
+        """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None.
+        extents: per row, its slots up to the last one used (kv/cache.row_extents of pos), when the caller has
+        them (a policy reading only the used slots then need not compute them again)."""
         if self.budget is None:
             return None
         prio = self.priority(pos, score, layer, cur_pos, v).float()

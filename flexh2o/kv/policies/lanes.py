@@ -5,10 +5,14 @@ the largest lane's slot count; the extra slots stay empty and attention masks th
 that many lanes share each weight read. It needs to see the whole batch at once: one GPU batch, prefilled in one
 piece (RunConfig.prefill_batch = rows).
 
-Decode work is batched over the lanes, whatever their number: the score update, the protection (each row's own
-recent window and sinks as (rows, 1, 1) tensors) and the eviction choice run once over the whole batch; the priority
-runs once per policy class (and parameters) over that class's rows, up to the last slot they use, read as a strided
-view when the rows are evenly spaced (lane_passes orders lanes so). Prefill (once per layer) asks each lane.
+Decode work is batched over the lanes, whatever their number: the score update runs once over the whole batch; the
+protection (each row's own recent window and sinks as (rows, 1, 1) tensors) and the eviction choice once over the
+rows that may evict: the lanes up to the last one whose sequence holds more tokens than its budget (a lane within
+its budget evicts nothing: in a table of budgets up to 50%, the larger budgets' lanes skip the policy work of their
+first steps), up to the last slot the generic rule's rows use (a class with its own rule, adakv, decides its rows
+over its own slots). The priority runs once per policy class (and parameters) over that class's rows, up to the last
+slot they use, read as a strided view when the rows are evenly spaced (lane_passes orders lanes so). Prefill (once
+per layer) asks each lane.
 """
 from __future__ import annotations
 
@@ -85,6 +89,8 @@ class LanePolicy(KVPolicy):
         self.merges = any(p.merges for p in self.lanes)
         self._device_state = {}  # device name -> _Rows, built on first use
         self._layer_totals = {}  # (device name, layer) -> per-row totals, when some lane's budget is per layer
+        self._lane_totals = {}  # layer -> per lane, its total budget there (None: unbounded)
+        self._heads = {}  # k -> the first k lanes as a LanePolicy (decode_evict of the lanes that may evict)
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return max(p.slots(prompt_len, gen_len) for p in self.lanes)
@@ -125,13 +131,14 @@ class LanePolicy(KVPolicy):
                 g.put(prot, g.policy.protected(g.take(pos), g.take(cur_pos)))
         return prot
 
-    def priority(self, pos, score, layer, cur_pos, v, extents: Optional[list] = None):
+    def priority(self, pos, score, layer, cur_pos, v, extents: Optional[list] = None, groups: Optional[list] = None):
         """Each row's lane's priority (rows of lanes without a budget get their score: they never evict). A class
         computes it over its rows' slots up to their last used one; the slots past it are empty (never read).
-        extents: per row, its slots up to its last used one (row_extents), when the caller has them."""
+        extents: per row, its slots up to its last used one (row_extents), when the caller has them; groups: the
+        classes to compute (default: all; the other rows get their score)."""
         prio = score
         extents = row_extents(pos) if extents is None else extents
-        for g in self._state(pos.device).groups:
+        for g in self._state(pos.device).groups if groups is None else groups:
             n = max(extents[r] for r in g.rows)
             sc = g.take(score[:, :, :n])
             vi = g.take(v[:, :, :n]) if g.policy.needs_values and v is not None else None
@@ -142,34 +149,80 @@ class LanePolicy(KVPolicy):
             g.put(prio, own, n)
         return prio
 
-    def decode_evict(self, pos, score, layer, cur_pos, v=None):
+    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents: Optional[list] = None):
+        """As KVPolicy.decode_evict, over the rows that may evict only: the lanes up to the last one holding more
+        tokens than its budget (`_evicting`), up to the last slot they use; the other rows evict nothing."""
         self._check(pos)
         rows = self._state(pos.device)
         if not rows.groups:
             return None
-        extents = row_extents(pos)
-        prio = self.priority(pos, score, layer, cur_pos, v, extents).float()
-        evict = lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self._total(pos.device, layer))
-        for g in rows.groups:  # a class with its own eviction rule (adakv's heads share a budget) decides its rows
-            if type(g.policy).decode_evict is not KVPolicy.decode_evict:
-                n = max(extents[r] for r in g.rows)
-                vi = g.take(v[:, :, :n]) if v is not None else None
-                own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos),
-                                            vi)
-                g.put(evict, False)
-                g.put(evict, own, n)
+        extents = row_extents(pos) if extents is None else extents
+        k = self._evicting(cur_pos, layer)
+        if k == 0:
+            return None
+        if k < len(self.lanes):
+            r = self.slices[k - 1].stop
+            cut = (slice(0, r), slice(None), slice(0, max(extents[:r])))
+            head = self._head(k).decode_evict(pos[cut], score[cut], layer, cur_pos[:r],
+                                              None if v is None else v[cut], extents[:r])
+            evict = torch.zeros_like(pos, dtype=torch.bool)
+            if head is not None:
+                evict[cut] = head
+            return evict
+        # the classes of the generic rule (lowest unprotected priority) run together up to the last slot their rows
+        # use; a class with its own eviction rule (adakv's heads share a budget) decides its rows over its own
+        evict = torch.zeros_like(pos, dtype=torch.bool)
+        own_rule = [g for g in rows.groups if type(g.policy).decode_evict is not KVPolicy.decode_evict]
+        generic = [g for g in rows.groups if type(g.policy).decode_evict is KVPolicy.decode_evict]
+        n = max((extents[r] for g in generic for r in g.rows), default=0)
+        if n:
+            cut = (slice(None), slice(None), slice(0, n))
+            prio = self.priority(pos[cut], score[cut], layer, cur_pos, None if v is None else v[cut], extents,
+                                 generic).float()
+            evict[cut] = lowest_unprotected(pos[cut], prio, self.protected(pos[cut], cur_pos),
+                                            self._total(pos.device, layer))
+        for g in own_rule:
+            n = max(extents[r] for r in g.rows)
+            vi = g.take(v[:, :, :n]) if v is not None else None
+            own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos), vi)
+            g.put(evict, False)
+            g.put(evict, own, n)
         return evict
 
-    def merge_plan(self, pos, score, keys, evict) -> tuple:
-        """The merging lanes' plans on their rows; the other rows merge nothing."""
+    def merge_plan(self, pos, score, keys, evict, extents: Optional[list] = None) -> tuple:
+        """The merging lanes' plans on their rows; the other rows (and lanes that evict nothing) merge nothing."""
         self._check(pos)
+        extents = row_extents(pos) if extents is None else extents
         target = torch.full_like(pos, -1)
+        on_cpu = pos.device.type == "cpu"  # off the CPU, asking whether a lane evicted would make the host wait
         for p, sl in zip(self.lanes, self.slices):
-            if p.merges:
-                n = max(row_extents(pos[sl]))  # the lane's slots up to its last used one: no kept token past it
+            if p.merges and (not on_cpu or bool(evict[sl].any())):
+                n = max(extents[sl])  # the lane's slots up to its last used one: no kept token past it
                 target[sl, :, :n] = p.merge_plan(pos[sl, :, :n], score[sl, :, :n], keys[sl, :, :n],
                                                  evict[sl, :, :n])[0]
         return target, score
+
+    def _evicting(self, cur_pos: torch.Tensor, layer: int) -> int:
+        """The lanes up to the last one that may evict this step, as a count: a row evicts only when its sequence
+        holds more tokens (cur_pos + 1) than its budget in `layer`. Off the CPU: every lane (reading cur_pos would
+        make the host wait for the device)."""
+        if cur_pos.device.type != "cpu":
+            return len(self.lanes)
+        if layer not in self._lane_totals:
+            self._lane_totals[layer] = [None if p.layer_budget(layer) is None else p.layer_budget(layer).total
+                                        for p in self.lanes]
+        seen = cur_pos.tolist()
+        k = 0
+        for i, (sl, total) in enumerate(zip(self.slices, self._lane_totals[layer])):
+            if total is not None and max(seen[sl]) + 1 > total:
+                k = i + 1
+        return k
+
+    def _head(self, k: int) -> "LanePolicy":
+        """The lanes' first k lanes as a LanePolicy of their own (built once per k)."""
+        if k not in self._heads:
+            self._heads[k] = LanePolicy([(sl.stop - sl.start, p) for p, sl in zip(self.lanes[:k], self.slices)])
+        return self._heads[k]
 
     def _total(self, device, layer: int) -> torch.Tensor:
         """(rows, 1, 1) int64: each row's budget in `layer` (its lane's layer_budget)."""

@@ -32,7 +32,7 @@ class MergePolicy(MeanAttentionPolicy):
     uses_sinks = True
     merges = True
 
-    def merge_plan(self, pos, score, keys, evict) -> tuple:
+    def merge_plan(self, pos, score, keys, evict, extents=None) -> tuple:
         """pos/score (b, h, s), keys (b, h, s, d) fp32, evict bool (b, h, s) -> (target (b, h, s) int64: the slot
         absorbing each evicted slot's value, -1 elsewhere; mass (b, h, s) fp32: each slot's weight)."""
         return most_similar_kept(pos, keys, evict), score
