@@ -48,47 +48,55 @@ class KVBlock:
     def merge(self, target: torch.Tensor, mass: torch.Tensor) -> None:
         """Merge values as a policy's merge_plan says (target, mass: see merged_values), in place: a compressed block
         re-quantizes each merged slot; the merged slot (one per row at most, in decode) is stored home with the
-        appended one."""
+        appended one. Only the rows that merge something are read."""
+        rows = (target >= 0).flatten(1).any(-1).nonzero().flatten()
+        if not len(rows):
+            return
+        target, mass = target.index_select(0, rows), mass.index_select(0, rows)  # (r, kv, s): those rows
         if not isinstance(self.v, CompressedTensor) and int((target >= 0).sum(-1).max()) <= 1:
-            changed = self._merge_single(target, mass)  # decode: one evicted slot per row and head at most
+            changed = self._merge_single(rows, target, mass)  # decode: one evicted slot per row and head at most
         else:
-            changed = self._merge_many(target, mass)
+            changed = self._merge_many(rows, target, mass)
         if self.written is not None:
-            merged = torch.where(changed.any(-1), changed.to(torch.int8).argmax(-1), self.written)  # (b, kv)
+            merged = self.written.clone()
+            merged[rows] = torch.where(changed.any(-1), changed.to(torch.int8).argmax(-1), self.written[rows])
             self.written = torch.stack([self.written, merged], -1)  # (b, kv, 2)
 
-    def _merge_single(self, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-        """merge when every row and head has at most one slot with a target: (m_t v_t + m_e v_e) / (m_t + m_e)
-        written into its target t, the values of nothing else read (merged_values' arithmetic, in its order)."""
+    def _merge_single(self, rows: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """merge when every row and head has at most one slot with a target (target, mass: of the block's `rows`):
+        (m_t v_t + m_e v_e) / (m_t + m_e) written into its target t, the values of nothing else read (merged_values'
+        arithmetic, in its order). -> changed (r, kv, s)."""
         src = target >= 0
-        e = src.to(torch.int8).argmax(-1, keepdim=True)  # (b, h, 1) the merged slot
-        t = target.gather(-1, e).clamp(min=0)  # (b, h, 1) its target
-        me, mt = torch.where(src.any(-1, keepdim=True), mass.gather(-1, e), 0.0), mass.gather(-1, t)
+        has = src.any(-1, keepdim=True)
+        e = src.to(torch.int8).argmax(-1, keepdim=True)  # (r, h, 1) the merged slot
+        t = target.gather(-1, e).clamp(min=0)  # (r, h, 1) its target
+        me, mt = torch.where(has, mass.gather(-1, e), 0.0), mass.gather(-1, t)
         total = mt + me
-        ok = src.any(-1, keepdim=True) & (total > 0)  # (b, h, 1)
-        d = self.v.shape[-1]
-        ve, vt = (self.v.gather(2, i[..., None].expand(-1, -1, -1, d)).float() for i in (e, t))  # (b, h, 1, d)
+        ok = has & (total > 0)  # (r, h, 1)
+        r, h = target.shape[:2]
+        ri = rows.view(-1, 1).expand(r, h)
+        hi = torch.arange(h, device=rows.device).view(1, -1).expand(r, h)
+        ve, vt = (self.v[ri, hi, i[..., 0]].float()[:, :, None] for i in (e, t))  # (r, h, 1, d)
         new = (vt * mt[..., None] + ve * me[..., None]) / torch.where(ok, total, 1.0)[..., None]
-        bi, hi, _ = ok.nonzero(as_tuple=True)
+        bi, hj, _ = ok.nonzero(as_tuple=True)
         if len(bi):
-            assign(self.v, (bi, hi, t[bi, hi, 0]), new[bi, hi, 0])
+            assign(self.v, (rows[bi], hj, t[bi, hj, 0]), new[bi, hj, 0])
         return torch.zeros_like(src).scatter_(-1, t, ok)
 
-    def _merge_many(self, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-        """merge in general (prefill, or a compressed block), reading only the rows that merge something, up to the
-        last slot they use."""
-        rows = (target >= 0).flatten(1).any(-1).nonzero().flatten()
+    def _merge_many(self, rows: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """merge in general (prefill, or a compressed block) on the block's `rows` (target, mass: theirs), up to the
+        last slot they use. -> changed (r, kv, s)."""
         n = max(row_extents(self.pos.index_select(0, rows)), default=0)
 
         def cut(t):
             return t.index_select(0, rows)[:, :, :n]
         sub = self.v.map(cut) if isinstance(self.v, CompressedTensor) else cut(self.v)
-        values, part = merged_values(expand(sub, torch.float32), cut(target), cut(mass))
+        values, part = merged_values(expand(sub, torch.float32), target[:, :, :n], mass[:, :, :n])
         ri, hi, si = part.nonzero(as_tuple=True)
         if len(ri):
             assign(self.v, (rows[ri], hi, si), values[ri, hi, si])
         changed = torch.zeros_like(target, dtype=torch.bool)
-        changed[rows, :, :n] = part
+        changed[:, :, :n] = part
         return changed
 
     def evict(self, mask: Optional[torch.Tensor]) -> None:
