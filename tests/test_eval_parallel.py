@@ -7,6 +7,7 @@ import torch
 
 from flexh2o.config import ModelConfig
 from flexh2o.eval.common import EvalModel
+from flexh2o.eval.parallel import lane_split
 from flexh2o.eval.ppl import PplSettings, run_ppl
 
 CFG = ModelConfig("tiny-llama", "llama", hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn=128, vocab=1000,
@@ -41,6 +42,9 @@ def test_procs_equal_one_process(texts):
     assert key == [(r["policy"], r["budget"], r["text"]) for r in split.rows]
     assert len(key) == 3 * (1 + 3 * 2)
     assert split.machine["procs"] == 2 and "procs" not in one.machine  # the processes that ran
+    assert [x["lanes"] for x in split.machine["split"]] == [len(g) for g in lane_split(model, s, 2)]
+    assert sum(x["lanes"] for x in split.machine["split"]) == 1 + 3 * 2 and all(
+        x["seconds"] > 0 for x in split.machine["split"])
     for a, b in zip(one.rows, split.rows):
         assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-6) and a["ppl_late"] == pytest.approx(b["ppl_late"], rel=1e-6)
         assert a["tokens"] == b["tokens"]

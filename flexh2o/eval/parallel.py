@@ -52,18 +52,28 @@ def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalRes
             if c.is_alive():
                 c.terminate()
             c.join()
-    return _merged(s, [parts[i] for i in range(len(groups))])
+    return _merged(s, [parts[i] for i in range(len(groups))], groups)
 
 
-SLOT_WEIGHT = 47.0  # weight FLOPs per token that one cached slot of one row costs as much as, per layer, KV head
-# and head dim (decode attention and the policies' elementwise passes; measured once on the SmolLM2-135M table of
-# issue 11: a 67-row step spent about as long on 1000 slots per row as on its matmuls). It only balances lane_split.
+# lane_split's cost model, in units of one cached slot of one row read by decode attention (per layer, KV head and
+# head dim), fitted to a py-spy profile of the SmolLM2-135M table of issue 11 (session 7: matmuls and the rest of the
+# model 49% of the samples, attention 24%, the policies 22% before the work on them that followed, counted at 70%):
+SLOT_WEIGHT = 110.0  # weight FLOPs per token that cost as much as one slot of attention
+POLICY_WEIGHT = 0.75  # a slot in the policy's work at a step where its lane evicts, in attention slots
+
+
+def lane_cost(slots: int, budget, prefix: int, steps: int, weight: float) -> float:
+    """One lane's decode work in slot units: `weight` per step (the matmuls), attention over the tokens it holds
+    (growing to `slots`), and the policy over its slots at every step where it holds more than `budget` tokens
+    (LanePolicy skips the lanes within their budget; budget None never evicts)."""
+    attention = sum(min(prefix + t + 1, slots) for t in range(steps))
+    evicting = 0 if budget is None else min(steps, max(0, steps - (budget - prefix)))
+    return steps * weight + attention + POLICY_WEIGHT * evicting * slots
 
 
 def lane_split(model: EvalModel, s, procs: int) -> list:
     """The table's distinct lanes in cache-size order, cut into min(procs, lanes) contiguous groups whose largest
-    estimated work is least: a group costs (its lanes) x (W + its largest slot count), W being the weights' work
-    per row-step in slot units (SLOT_WEIGHT), since attention and the policy run over the pass's used slots."""
+    estimated work (the sum of its lanes' lane_cost) is least."""
     from flexh2o.eval.ppl import _jobs, _lanes
     cfg = model.cfg
     steps = s.context - s.prefix
@@ -71,14 +81,15 @@ def lane_split(model: EvalModel, s, procs: int) -> list:
     order = sorted(slots, key=lambda lane: slots[lane])
     params = sum(w.numel for specs in layer_specs(cfg)[1:] for w in specs)  # every matmul's (not the lookup's)
     weight = 2 * params / (SLOT_WEIGHT * cfg.num_layers * cfg.kv_heads * cfg.head_dim)
+    costs = [lane_cost(slots[lane], lane[1], s.prefix, steps, weight) for lane in order]
+    ends = [0]
+    for c in costs:
+        ends.append(ends[-1] + c)
     n = min(procs, len(order))
-
-    def cost(i: int, j: int) -> float:  # lanes order[i:j]
-        return (j - i) * (weight + slots[order[j - 1]])
     best = {(0, 0): (0.0, [])}  # (groups, lanes used) -> (largest group cost, cut points)
     for g in range(1, n + 1):
         for j in range(g, len(order) - (n - g) + 1):
-            best[g, j] = min(((max(best[g - 1, i][0], cost(i, j)), best[g - 1, i][1] + [j])
+            best[g, j] = min(((max(best[g - 1, i][0], ends[j] - ends[i]), best[g - 1, i][1] + [j])
                               for i in range(g - 1, j) if (g - 1, i) in best), key=lambda x: x[0])
     cuts = [0] + best[n, len(order)][1]
     return [order[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -98,21 +109,24 @@ def _child(index: int, model: EvalModel, s, threads: int, queue) -> None:
             pending[0], last[0] = 0, time.monotonic()
     try:
         torch.set_num_threads(threads)
+        start = time.monotonic()
         rows = ppl_rows(model, s, tick).rows
         if pending[0]:
             queue.put(("tick", index, pending[0]))
-        queue.put(("rows", index, rows))
+        queue.put(("rows", index, (rows, time.monotonic() - start)))
     except BaseException as e:  # the parent names the failure in one line
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         queue.put(("error", index, last))
 
 
-def _merged(s, parts: list) -> EvalResult:
-    """One result from the processes' rows, ordered as one process orders them (table cells, then texts)."""
+def _merged(s, parts: list, groups: list) -> EvalResult:
+    """One result from the processes' (rows, seconds), ordered as one process orders them (table cells, then
+    texts); the machine record says how many processes ran, each one's lanes and seconds (how even the split was)."""
     from flexh2o.eval.ppl import _jobs
-    rows = [r for part in parts for r in part]
+    rows = [r for part, _ in parts for r in part]
     cells = [(p, spec or "all") for p, spec, _ in _jobs(s)]
     rows.sort(key=lambda r: (cells.index((r["policy"], r["budget"])), s.texts.index(r["text"])))
-    result = EvalResult("ppl", s, machine={**machine(), "procs": len(parts)})
+    split = [{"lanes": len(g), "seconds": round(sec, 3)} for g, (_, sec) in zip(groups, parts)]
+    result = EvalResult("ppl", s, machine={**machine(), "procs": len(parts), "split": split})
     result.rows = rows
     return result
