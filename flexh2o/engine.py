@@ -132,8 +132,20 @@ class _Run:
         self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
         evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
         self.copies = self._prompt_copies(pipe)
+        self.followers = self._followers()
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
+
+    def _followers(self):
+        """Followers (generation/followers.py) for a batch of lanes over copies of the same prompts, in one GPU
+        batch with an uncompressed cache; None otherwise."""
+        from flexh2o.generation.followers import Followers
+        from flexh2o.kv.policies.lanes import LanePolicy
+        rc = self.rc
+        if (self.copies == 1 or not isinstance(self.eng.policy, LanePolicy) or rc.num_gpu_batches != 1
+                or rc.compress_cache is not None):
+            return None
+        return Followers(self.eng.policy, self.cfg.num_layers, self.copies)
 
     def _prompt_copies(self, pipe) -> int:
         """RunConfig.prompt_copies, checked: every GPU batch must really be that many copies of its first rows."""
@@ -178,16 +190,39 @@ class _Run:
         copies = self.copies if step == 0 else 1
         if copies > 1:  # prefill runs one copy of the prompts
             ids, pos = ids[:len(ids) // copies], pos[:len(pos) // copies]
+        active, woken = len(ids), []
+        if step > 0 and self.followers is not None:  # dormant lanes' rows are not computed (generation/followers.py)
+            active, woken = self.followers.advance(step, ids[:, 0].cpu(), pos[:, 0].cpu())
+            ids, pos = ids[:active], pos[:active]
         w = bufs.weights_of(layer)
         if layer == 0:
             bufs.a[batch] = self.layers.embed(w, ids, pos)
         elif op.cache_layer < 0:
-            self._emit(step, batch, self.layers.head(w, bufs.a.pop(batch), copies))
+            logits = self.layers.head(w, bufs.a.pop(batch), copies)
+            if step > 0 and self.followers is not None:
+                logits = logits.index_select(0, self.followers.alias(logits.device))
+            self._emit(step, batch, logits)
         elif step == 0:
             bufs.a[batch], blk = self.layers.prefill(w, op.cache_layer, bufs.a[batch], pos, copies)
             bufs.put_block(layer, batch, blk)
+        elif active < self.rc.gpu_batch_size or woken:
+            bufs.a[batch] = self._decode_rows(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch),
+                                              active, woken)
         else:
             bufs.a[batch] = self.layers.decode(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch))
+
+    def _decode_rows(self, w, cache_layer: int, x, pos, blk, active: int, woken: list):
+        """A decode step of the block's first `active` rows (the followers' plan), the woken lanes' rows first
+        copied from the leader's; the block remembers what to store home (every slot when a lane woke)."""
+        self.followers.wake(blk, woken)
+        part = blk.rows(slice(0, active))
+        x = self.layers.decode(w, cache_layer, x, pos, part, self.eng.policy.first_rows(active))
+        if woken or part.written is None:
+            blk.written = None  # rows were rewritten whole: the block goes home whole
+        else:
+            rest = part.written.new_zeros((blk.pos.shape[0] - active, *part.written.shape[1:]))
+            blk.written = torch.cat([part.written, rest])  # dormant rows rewrite their slot 0, unchanged
+        return x
 
     # ---- a pipeline stage's messages: the hidden states of its last layer, or the head's tokens --------------
     def recv(self, op: Op) -> None:

@@ -132,13 +132,19 @@ def lanes_run(model: EvalModel, lanes: list, prompts: list, targets: torch.Tenso
               on_step: Optional[Callable] = None) -> list:
     """Several (policy, budget tokens) lanes in ONE engine pass over the same `prompts` and `targets` (n, steps):
     each lane gets its own n rows of one batch, with its own policy and budget (KVSpec.of_lanes), so each weight
-    read serves every lane; the prompts are prefilled once for all lanes (RunConfig.prompt_copies).
+    read serves every lane; the prompts are prefilled once for all lanes (RunConfig.prompt_copies). The rows are
+    in follow_order, so that the lanes that have not evicted yet are not computed (generation/followers.py).
     -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
-    n = targets.shape[0]
-    spec = KVSpec.of_lanes([(n, spec_of(model, policy, tokens)) for policy, tokens in lanes])
+    from flexh2o.generation.followers import follow_order
+    n, layers = targets.shape[0], model.cfg.num_layers
+    specs = [spec_of(model, policy, tokens) for policy, tokens in lanes]
+    order = follow_order([x.make(layers) for x in specs], layers)
+    spec = KVSpec.of_lanes([(n, specs[i]) for i in order])
     scorer = _forced(model, spec, list(prompts) * len(lanes), targets.repeat(len(lanes), 1), on_step, 1,
                      prefill_batch=n * len(lanes), copies=len(lanes))
-    return [(scorer.logprob[i * n:(i + 1) * n], scorer.correct[i * n:(i + 1) * n]) for i in range(len(lanes))]
+    row = {lane: at for at, lane in enumerate(order)}  # lane -> its place in the batch
+    return [(scorer.logprob[row[i] * n:(row[i] + 1) * n], scorer.correct[row[i] * n:(row[i] + 1) * n])
+            for i in range(len(lanes))]
 
 
 def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows: int, mem: float,

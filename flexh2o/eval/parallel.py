@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from flexh2o.eval.common import EvalModel, EvalResult, machine, progress_bar, spec_of
+from flexh2o.generation.followers import first_eviction
 from flexh2o.models import layer_specs
 
 
@@ -62,13 +63,14 @@ SLOT_WEIGHT = 110.0  # weight FLOPs per token that cost as much as one slot of a
 POLICY_WEIGHT = 0.75  # a slot in the policy's work at a step where its lane evicts, in attention slots
 
 
-def lane_cost(slots: int, budget, prefix: int, steps: int, weight: float) -> float:
+def lane_cost(slots: int, budget, prefix: int, steps: int, weight: float, dormant: int = 0) -> float:
     """One lane's decode work in slot units: `weight` per step (the matmuls), attention over the tokens it holds
     (growing to `slots`), and the policy over its slots at every step where it holds more than `budget` tokens
-    (LanePolicy skips the lanes within their budget; budget None never evicts)."""
-    attention = sum(min(prefix + t + 1, slots) for t in range(steps))
+    (LanePolicy skips the lanes within their budget; budget None never evicts); none of it in its first `dormant`
+    steps (a follower that has not evicted yet, generation/followers.py)."""
+    attention = sum(min(prefix + t + 1, slots) for t in range(dormant, steps))
     evicting = 0 if budget is None else min(steps, max(0, steps - (budget - prefix)))
-    return steps * weight + attention + POLICY_WEIGHT * evicting * slots
+    return (steps - dormant) * weight + attention + POLICY_WEIGHT * evicting * slots
 
 
 def lane_split(model: EvalModel, s, procs: int) -> list:
@@ -81,7 +83,12 @@ def lane_split(model: EvalModel, s, procs: int) -> list:
     order = sorted(slots, key=lambda lane: slots[lane])
     params = sum(w.numel for specs in layer_specs(cfg)[1:] for w in specs)  # every matmul's (not the lookup's)
     weight = 2 * params / (SLOT_WEIGHT * cfg.num_layers * cfg.kv_heads * cfg.head_dim)
-    costs = [lane_cost(slots[lane], lane[1], s.prefix, steps, weight) for lane in order]
+    costs = []
+    for lane in order:
+        policy = spec_of(model, *lane).make(cfg.num_layers)
+        first = first_eviction(policy, cfg.num_layers)
+        dormant = min(steps, max(0, int(first) - s.prefix)) if policy.decay == 1.0 and lane[1] is not None else 0
+        costs.append(lane_cost(slots[lane], lane[1], s.prefix, steps, weight, dormant))
     ends = [0]
     for c in costs:
         ends.append(ends[-1] + c)

@@ -2,6 +2,8 @@
 copies of the same prompts, or one decode step with the cache attended in place), or the head."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from flexh2o.kv import attention
@@ -25,10 +27,14 @@ class LayerCompute:
         logits = self.family.head(self.cfg, w, x[:, -1:])[:, 0]
         return logits.repeat(copies, 1) if copies > 1 else logits
 
-    def decode(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, blk: KVBlock) -> torch.Tensor:
-        """One token per row: x (b, 1, h), pos (b, 1); the block gets the new K/V and loses at most one token."""
+    def decode(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, blk: KVBlock,
+               policy: Optional[KVPolicy] = None) -> torch.Tensor:
+        """One token per row: x (b, 1, h), pos (b, 1); the block gets the new K/V and loses at most one token.
+        policy: the policy of these rows when they are not the whole batch (LanePolicy.first_rows)."""
+        policy = self.policy if policy is None else policy
+
         def attend(q, k, v):
-            return attention.decode(q, k, v, pos[:, 0], blk, self.policy, cache_layer)
+            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer)
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int = 1) -> tuple:

@@ -218,6 +218,13 @@ class LanePolicy(KVPolicy):
                 k = i + 1
         return k
 
+    def first_rows(self, rows: int) -> "LanePolicy":
+        """The lanes covering the first `rows` rows (a lane boundary) as a LanePolicy of their own."""
+        k = next((i + 1 for i, sl in enumerate(self.slices) if sl.stop == rows), None)
+        if k is None:
+            raise ValueError(f"{rows} rows end no lane of {[sl.stop for sl in self.slices]}")
+        return self if k == len(self.lanes) else self._head(k)
+
     def _head(self, k: int) -> "LanePolicy":
         """The lanes' first k lanes as a LanePolicy of their own (built once per k)."""
         if k not in self._heads:
