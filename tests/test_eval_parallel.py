@@ -91,3 +91,12 @@ def test_lane_split_covers_every_lane_once_in_cache_size_order(texts):
     assert max(map(slots, groups[0])) <= min(map(slots, groups[1]))
     assert len(groups[0]) > len(groups[1]) and ("full", None) in groups[1]
     assert len(lane_split(model, s, 100)) == len(lanes)
+
+
+def test_lane_cost_counts_matmuls_held_tokens_and_evicting_steps_only():
+    """lane_cost: weight per computed step, attention over the tokens held (up to the slots), the policy's slots only
+    at steps past the budget, nothing in a follower's dormant steps."""
+    from flexh2o.eval.parallel import POLICY_WEIGHT, lane_cost
+    assert lane_cost(10, None, 2, 5, 1.0) == 5 + (3 + 4 + 5 + 6 + 7)  # full: held tokens grow, never evicts
+    assert lane_cost(5, 4, 2, 5, 1.0) == 5 + (3 + 4 + 5 + 5 + 5) + POLICY_WEIGHT * 3 * 5  # evicts from step 2 on
+    assert lane_cost(10, None, 2, 5, 1.0, dormant=2) == 3 + (5 + 6 + 7)
