@@ -174,4 +174,6 @@ def test_eval_cli_smoke(ckpts, gguf_path, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| h2o |" in text and "passkey" in text
     assert main(["ppl", *base, "--budgets", "0%"]) == 2
+    assert "not a share of the context" in capsys.readouterr().err
+    assert main(["ppl", *base, "--context", "64", "--budgets", "1%"]) == 2  # 0.64 tokens
     assert "keeps no tokens" in capsys.readouterr().err
