@@ -138,14 +138,15 @@ class _Run:
 
     def _followers(self):
         """Followers (generation/followers.py) for a batch of lanes over copies of the same prompts, in one GPU
-        batch with an uncompressed cache; None otherwise."""
+        batch with an uncompressed cache and some lane that can follow another; None otherwise."""
         from flexh2o.generation.followers import Followers
         from flexh2o.kv.policies.lanes import LanePolicy
         rc = self.rc
         if (self.copies == 1 or not isinstance(self.eng.policy, LanePolicy) or rc.num_gpu_batches != 1
                 or rc.compress_cache is not None):
             return None
-        return Followers(self.eng.policy, self.cfg.num_layers, self.copies)
+        followers = Followers(self.eng.policy, self.cfg.num_layers, self.copies)
+        return followers if followers.able else None
 
     def _prompt_copies(self, pipe) -> int:
         """RunConfig.prompt_copies, checked: every GPU batch must really be that many copies of its first rows."""
@@ -199,8 +200,9 @@ class _Run:
             bufs.a[batch] = self.layers.embed(w, ids, pos)
         elif op.cache_layer < 0:
             logits = self.layers.head(w, bufs.a.pop(batch), copies)
-            if step > 0 and self.followers is not None:
-                logits = logits.index_select(0, self.followers.alias(logits.device))
+            alias = self.followers.alias(logits.device) if step > 0 and self.followers is not None else None
+            if alias is not None:  # the dormant rows take the leader's logits
+                logits = logits.index_select(0, alias)
             self._emit(step, batch, logits)
         elif step == 0:
             bufs.a[batch], blk = self.layers.prefill(w, op.cache_layer, bufs.a[batch], pos, copies)
@@ -217,7 +219,7 @@ class _Run:
         self.followers.wake(blk, woken)
         part = blk.rows(slice(0, active))
         x = self.layers.decode(w, cache_layer, x, pos, part, self.eng.policy.first_rows(active))
-        if woken or part.written is None:
+        if woken:
             blk.written = None  # rows were rewritten whole: the block goes home whole
         else:
             rest = part.written.new_zeros((blk.pos.shape[0] - active, *part.written.shape[1:]))

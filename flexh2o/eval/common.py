@@ -151,8 +151,7 @@ def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows
                 separate: bool = False) -> list:
     """Lanes grouped into engine passes: in order of budget (full last; one budget's lanes in the order given), a
     pass grows while its KV cache (every lane's rows at the pass's largest slot count) stays within `mem` bytes.
-    Lanes of one budget sit side by side (attention's row segments), and a policy's lanes one stride apart, which
-    LanePolicy reads as strided views instead of copies. separate: one lane per pass."""
+    (lanes_run then orders a pass's rows for its followers.) separate: one lane per pass."""
     if separate:
         return [[lane] for lane in lanes]
     cfg = model.cfg

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from flexh2o.eval.common import EvalModel, EvalResult, machine, progress_bar, spec_of
-from flexh2o.generation.followers import first_eviction
+from flexh2o.generation.followers import can_follow, first_eviction
 from flexh2o.models import layer_specs
 
 
@@ -79,15 +79,16 @@ def lane_split(model: EvalModel, s, procs: int) -> list:
     from flexh2o.eval.ppl import _jobs, _lanes
     cfg = model.cfg
     steps = s.context - s.prefix
-    slots = {lane: spec_of(model, *lane).slots(s.prefix, steps, cfg.num_layers) for lane in _lanes(_jobs(s))}
+    policies = {lane: spec_of(model, *lane).make(cfg.num_layers) for lane in _lanes(_jobs(s))}
+    slots = {lane: p.slots(s.prefix, steps) for lane, p in policies.items()}
     order = sorted(slots, key=lambda lane: slots[lane])
     params = sum(w.numel for specs in layer_specs(cfg)[1:] for w in specs)  # every matmul's (not the lookup's)
     weight = 2 * params / (SLOT_WEIGHT * cfg.num_layers * cfg.kv_heads * cfg.head_dim)
     costs = []
-    for lane in order:
-        policy = spec_of(model, *lane).make(cfg.num_layers)
+    for lane in order:  # a pass's leader is counted as a follower too (one lane of many: an approximation)
+        policy = policies[lane]
         first = first_eviction(policy, cfg.num_layers)
-        dormant = min(steps, max(0, int(first) - s.prefix)) if policy.decay == 1.0 and lane[1] is not None else 0
+        dormant = min(steps, max(0, int(first) - s.prefix)) if can_follow(policy) and lane[1] is not None else 0
         costs.append(lane_cost(slots[lane], lane[1], s.prefix, steps, weight, dormant))
     ends = [0]
     for c in costs:

@@ -29,11 +29,17 @@ def first_eviction(policy, num_layers: int) -> float:
                for layer in range(num_layers))
 
 
+def can_follow(policy) -> bool:
+    """Whether a lane of `policy` equals the leader until it first evicts: its scores are the plain sum (decay 1),
+    as the leader's are; tova (decay 0) and a2sf (another decay) weigh the same attention otherwise."""
+    return policy.decay == 1.0
+
+
 def follow_order(policies: list, num_layers: int) -> list:
     """Row order of lanes (their policies) that lets followers be dormant: the lanes that cannot follow (decay not
     1), then the leader (the largest first eviction), then the followers by first eviction (the dormant ones are
     then the last lanes, and the first to wake leaves them first). -> indices into `policies`."""
-    able = [i for i, p in enumerate(policies) if p.decay == 1.0]
+    able = [i for i, p in enumerate(policies) if can_follow(p)]
     first = [first_eviction(p, num_layers) for p in policies]
     leader = max(able, key=lambda i: first[i], default=None)
     rest = sorted((i for i in able if i != leader), key=lambda i: first[i])
@@ -49,7 +55,7 @@ class Followers:
         rows = policy.rows // copies  # each lane is one copy of the prompts
         self.first = [first_eviction(p, num_layers) for p in policy.lanes]
         able = [i for i, (p, sl) in enumerate(zip(policy.lanes, self.slices))
-                if p.decay == 1.0 and sl.stop - sl.start == rows]
+                if can_follow(p) and sl.stop - sl.start == rows]
         self.leader = max(able, key=lambda i: self.first[i], default=None)
         self.able = [i for i in able if i != self.leader]
         self.dormant: set = set()  # after the last planned step
@@ -60,9 +66,6 @@ class Followers:
         """The plan of decode step `step` (once per step): tokens (rows,) fed this step, cur_pos (rows,) their
         positions -> (active rows, [lanes woken at this step])."""
         if step == self.step:
-            return self.plan
-        if self.leader is None:
-            self.step, self.plan = step, (self.policy.rows, [])
             return self.plan
         lead = self.slices[self.leader]
         seen = cur_pos.tolist()
@@ -90,10 +93,13 @@ class Followers:
             for name in ("k", "v", "pos", "score"):
                 getattr(blk, name)[dst] = getattr(blk, name)[lead]
 
-    def alias(self, device) -> torch.Tensor:
-        """(policy.rows,) int64: each row's row among the computed ones (a dormant row: the leader's)."""
+    def alias(self, device):
+        """(policy.rows,) int64: each row's row among the computed ones (a dormant row: the leader's); None when
+        no lane is dormant (every row is its own)."""
+        if not self.dormant:
+            return None
         index = torch.arange(self.policy.rows, device=device)
-        lead = self.slices[self.leader] if self.leader is not None else None
+        lead = self.slices[self.leader]
         for i in self.dormant:
             sl = self.slices[i]
             index[sl] = torch.arange(lead.start, lead.stop, device=device)

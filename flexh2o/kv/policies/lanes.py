@@ -11,8 +11,8 @@ rows that may evict: the lanes up to the last one whose sequence holds more toke
 its budget evicts nothing: in a table of budgets up to 50%, the larger budgets' lanes skip the policy work of their
 first steps), up to the last slot the generic rule's rows use (a class with its own rule, adakv, decides its rows
 over its own slots). The priority runs once per policy class (and parameters) over that class's rows, up to the last
-slot they use, read as a strided view when the rows are evenly spaced (lane_passes orders lanes so). Prefill (once
-per layer) asks each lane.
+slot they use, read as a strided view when the rows are evenly spaced (else copied). Prefill (once per layer) asks
+each lane.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class LanePolicy(KVPolicy):
         self.merges = any(p.merges for p in self.lanes)
         self._device_state = {}  # device name -> _Rows, built on first use
         self._layer_totals = {}  # (device name, layer) -> per-row totals, when some lane's budget is per layer
-        self._lane_totals = {}  # layer -> per lane, its total budget there (None: unbounded)
+        self._lane_total = {}  # layer -> per lane, its total budget there (None: unbounded): _lane_totals
         self._heads = {}  # k -> the first k lanes as a LanePolicy (decode_evict of the lanes that may evict)
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
@@ -208,12 +208,9 @@ class LanePolicy(KVPolicy):
         make the host wait for the device)."""
         if cur_pos.device.type != "cpu":
             return len(self.lanes)
-        if layer not in self._lane_totals:
-            self._lane_totals[layer] = [None if p.layer_budget(layer) is None else p.layer_budget(layer).total
-                                        for p in self.lanes]
         seen = cur_pos.tolist()
         k = 0
-        for i, (sl, total) in enumerate(zip(self.slices, self._lane_totals[layer])):
+        for i, (sl, total) in enumerate(zip(self.slices, self._lane_totals(layer))):
             if total is not None and max(seen[sl]) + 1 > total:
                 k = i + 1
         return k
@@ -238,11 +235,17 @@ class LanePolicy(KVPolicy):
         key = (str(device), layer)
         if key not in self._layer_totals:
             totals = []
-            for p, sl in zip(self.lanes, self.slices):
-                b = p.layer_budget(layer)
-                totals += [UNBOUNDED if b is None else b.total] * (sl.stop - sl.start)
+            for total, sl in zip(self._lane_totals(layer), self.slices):
+                totals += [UNBOUNDED if total is None else total] * (sl.stop - sl.start)
             self._layer_totals[key] = torch.tensor(totals, dtype=torch.int64, device=device).view(-1, 1, 1)
         return self._layer_totals[key]
+
+    def _lane_totals(self, layer: int) -> list:
+        """Per lane, its total budget in `layer` (its layer_budget; None: unbounded), built once per layer."""
+        if layer not in self._lane_total:
+            self._lane_total[layer] = [None if p.layer_budget(layer) is None else p.layer_budget(layer).total
+                                       for p in self.lanes]
+        return self._lane_total[layer]
 
     def _state(self, device) -> _Rows:
         key = str(device)
