@@ -38,14 +38,28 @@ def step_seconds(shapes: list, rows: int, dtype: torch.dtype, repeats: int = 10)
     return total
 
 
+def _rows(text: str) -> tuple:
+    """--rows: positive integers, comma-separated (argparse turns the error into one line and exit 2)."""
+    try:
+        rows = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        rows = ()
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive row counts: use e.g. 50,84,134")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--rows", default="50,84,134")
+    ap.add_argument("--rows", type=_rows, default=(50, 84, 134), help="row counts, comma-separated (default 50,84,134)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = load_model(args.model, args.dtype).cfg
+    try:
+        dtype, cfg = parse_dtype(args.dtype), load_model(args.model, args.dtype).cfg
+    except ValueError as e:  # a model or dtype this machine cannot load: one line, exit 2
+        ap.exit(2, f"matmul_probe.py: {e}\n")
     counts: dict = {}
     for specs in layer_specs(cfg)[1:]:  # every matmul (not the embedding lookup)
         for s in specs:
@@ -53,8 +67,8 @@ def main() -> None:
                 counts[tuple(s.shape)] = counts.get(tuple(s.shape), 0) + 1
     shapes = [(out, inp, n) for (out, inp), n in counts.items()]
     flops = 2 * sum(out * inp * n for out, inp, n in shapes)
-    for rows in (int(r) for r in args.rows.split(",")):
-        sec = step_seconds(shapes, rows, parse_dtype(args.dtype))
+    for rows in args.rows:
+        sec = step_seconds(shapes, rows, dtype)
         print(f"rows {rows}: one decode step's matmuls {sec * 1e3:.0f} ms, {rows * flops / sec / 1e9:.0f} GFLOP/s")
 
 
