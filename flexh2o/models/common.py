@@ -55,6 +55,23 @@ def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
     return w.linear(x, bias) if isinstance(w, PackedWeight) else F.linear(x, w, bias)
 
 
+HEAD_CHUNK_BYTES = 1 << 20  # on a CPU, the head's weight is multiplied this many bytes of rows at a time
+
+
+def head_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """linear(x, w) for the vocabulary projection: on a CPU, in slices of the weight's rows of HEAD_CHUNK_BYTES,
+    whose outputs are joined. Each slice's output stays in the caches: with 10-100 rows it ran 1.5-1.7x faster
+    than one call (SmolLM2's 49152 x 576 fp32 head, one thread, AVX2). Each output is the same dot product, summed
+    in the order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding (bit-equal at
+    the row counts measured but 1, 2, 3 and 7 in fp32). A PackedWeight, or a weight off the CPU, is one call."""
+    if isinstance(w, PackedWeight) or w.device.type != "cpu":
+        return linear(x, w)
+    rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))
+    if w.shape[0] <= rows:
+        return F.linear(x, w)
+    return torch.cat([F.linear(x, part) for part in w.split(rows)], -1)
+
+
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     """F.embedding for a plain table, or a PackedWeight (only the rows looked up are expanded)."""
     return w.rows(ids) if isinstance(w, PackedWeight) else F.embedding(ids, w)

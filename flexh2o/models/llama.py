@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, embedding, linear, merge_heads, rowwise, split_heads
+from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
 
 P = "model."
 
@@ -55,7 +55,7 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
 def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     x = _rms(x, w[P + "norm.weight"], cfg.norm_eps)
     out = w[P + "embed_tokens.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
-    return linear(x, out).float()  # (b, t, vocab)
+    return head_linear(x, out).float()  # (b, t, vocab)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

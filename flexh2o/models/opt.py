@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, embedding, linear, merge_heads, rowwise, split_heads
+from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
 
 POS_OFFSET = 2  # OPT's learned position table starts at index 2
 P = "model.decoder."
@@ -73,7 +73,7 @@ def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         x = _ln(x, (w[P + "final_layer_norm.weight"], w[P + "final_layer_norm.bias"]))
     if cfg.embed_dim != cfg.hidden:
         x = linear(x, w[P + "project_out.weight"])
-    return linear(x, w[P + "embed_tokens.weight"]).float()
+    return head_linear(x, w[P + "embed_tokens.weight"]).float()
 
 
 def _ln(x: torch.Tensor, wb) -> torch.Tensor:
