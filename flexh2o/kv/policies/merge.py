@@ -42,12 +42,14 @@ def most_similar_kept(pos, keys, evict) -> torch.Tensor:
     """(b, h, s) int64: per slot marked in `evict`, the slot among the kept ones (valid, not evicted) of the same row
     with the highest key cosine (ties: the older position); -1 for the others (and where nothing is kept)."""
     kept = (pos >= 0) & ~evict  # (b, h, s)
-    unit = keys / keys.norm(dim=-1, keepdim=True).clamp(min=EPS)  # (b, h, s, d)
-    if int(evict.sum(-1).max()) <= 1:  # decode: at most one evicted slot per row
-        src = (unit * evict[..., None]).sum(2, keepdim=True)  # (b, h, 1, d)
+    norm = keys.norm(dim=-1).clamp(min=EPS)  # (b, h, s)
+    if int(evict.sum(-1).max()) <= 1:  # decode: at most one evicted slot per row: its key against every key
+        e = evict.to(torch.int8).argmax(-1, keepdim=True)  # (b, h, 1); rows evicting nothing get no target below
+        src = keys.gather(2, e[..., None].expand(*e.shape, keys.shape[-1])) / norm.gather(-1, e)[..., None]
+        cos = torch.einsum("bhnd,bhsd->bhns", src, keys) / norm[:, :, None]  # (b, h, 1, s)
     else:
-        src = unit
-    cos = torch.einsum("bhnd,bhsd->bhns", src, unit)  # (b, h, n, s): n = 1 or s sources
+        unit = keys / norm[..., None]  # (b, h, s, d)
+        cos = torch.einsum("bhnd,bhsd->bhns", unit, unit)  # (b, h, s, s)
     cos = cos.masked_fill(~kept[:, :, None], -torch.inf)
     best = cos.amax(-1, keepdim=True)
     tie = kept[:, :, None] & (cos == best)
