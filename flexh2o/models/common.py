@@ -60,10 +60,11 @@ HEAD_CHUNK_BYTES = 1 << 20  # on a CPU, the head's weight is multiplied this man
 
 def head_linear(x: torch.Tensor, w) -> torch.Tensor:
     """linear(x, w) for the vocabulary projection: on a CPU, in slices of the weight's rows of HEAD_CHUNK_BYTES,
-    whose outputs are joined. Each slice's output stays in the caches: with 10-100 rows it ran 1.4-1.7x faster
-    than one call (SmolLM2's 49152 x 576 fp32 head, one thread, AVX2). Each output is the same dot product, summed
-    in the order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding (bit-equal at
-    the row counts measured but 1, 2, 3 and 7 in fp32). A PackedWeight, or a weight off the CPU, is one call."""
+    whose outputs are joined. With 10-100 rows it ran 1.4-1.7x faster than one call (SmolLM2's 49152 x 576 fp32
+    head, one thread, an AVX2 Zen 3; the slice size is not tuned for other CPUs). Each output is the same dot
+    product, summed in the order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding
+    (bit-equal at the row counts measured but 1, 2, 3 and 7 in fp32). A PackedWeight, or a weight off the CPU, is
+    one call."""
     if isinstance(w, PackedWeight) or w.device.type != "cpu":
         return linear(x, w)
     rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))

@@ -54,10 +54,10 @@ class PyramidPolicy(MeanAttentionPolicy):
     def layer_budgets(self) -> tuple:
         if self.num_layers is None:
             raise ValueError("the pyramid policy needs the model's number of layers")
-        key = (self.budget, self.num_layers, self.pyramid_ratio, self.num_sinks)
-        if getattr(self, "_budgets", (None,))[0] != key:  # exact fractions: computed once, asked every step
-            self._budgets = (key, pyramid_budgets(*key))
-        return self._budgets[1]
+        if getattr(self, "_budgets", None) is None:  # exact fractions: computed once (the fields are set once in
+            # KVPolicy.__init__), asked at every step and layer
+            self._budgets = pyramid_budgets(self.budget, self.num_layers, self.pyramid_ratio, self.num_sinks)
+        return self._budgets
 
     def layer_budget(self, layer: int) -> Budget:
         return self.layer_budgets()[layer]
