@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flexh2o.compress import CompressionSpec
+from flexh2o.compress.kernels import KERNEL_ROWS
 from flexh2o.config import from_name
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent
@@ -39,7 +40,7 @@ def _rc(weight_kernel="auto", **kw) -> RunConfig:
 def _kernel_params() -> int:
     """Elements of the weights the kernel multiplies in a decode step: 2-D, a multiple of 32 rows, not a lookup."""
     return sum(s.numel for i, layer in enumerate(layer_specs(MODEL)) for s in layer
-               if len(s.shape) == 2 and s.shape[0] % 32 == 0 and not (i == 0 and "embed" in s.name))
+               if len(s.shape) == 2 and s.shape[0] % KERNEL_ROWS == 0 and not (i == 0 and "embed" in s.name))
 
 
 def test_decode_runs_the_kernel_at_its_rate_and_expands_only_the_rest():

@@ -7,6 +7,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec, dequantize, quantize
 from flexh2o.compress.choice import PHASES, kernel_phases, probe
+from flexh2o.compress import kernels
 from flexh2o.compress.codec import dequantize_into
 from flexh2o.compress.kernels import (PackedWeight, codec_levels, expand_kernel_order, from_kernel_order, int4_linear,
                                       int4pack_from, kernel_available, to_kernel_order)
@@ -52,6 +53,34 @@ def test_kernel_order_is_torchs_packing_and_inverts(shape):
     assert kernel_available("cpu")
 
 
+@pytest.mark.parametrize("block", kernels.ROW_BLOCKS)
+@pytest.mark.parametrize("rows", [32, 64, 96, 160])
+def test_both_cpu_orders_invert_and_expand_exactly(monkeypatch, block, rows):
+    """Each order torch may write (blocks of 32 rows on AVX2, 64 on AVX-512 with a last block of 32 rows in pairs),
+    whichever this CPU has: the permutation inverts, the expansion equals dequantize bit for bit, lookups equal the
+    expanded table (the last, shorter block included), and the packing is the documented one, byte by byte."""
+    monkeypatch.setattr(kernels, "_torch_block", lambda: block)
+    g = torch.Generator().manual_seed(rows + block)
+    ct = quantize(torch.randn(rows, 128, generator=g), CompressionSpec(4, 64, 1))
+    ko = to_kernel_order(ct)
+    assert torch.equal(from_kernel_order(ko).data, ct.data)
+    table = expand_kernel_order(ko, torch.empty(rows, 128))
+    assert torch.equal(table, dequantize(ct, torch.float32))
+    ids = torch.tensor([[rows - 1, 0, min(33, rows - 1)], [rows - 32, 31, rows - 1]])
+    assert torch.equal(PackedWeight.from_stored(ko).rows(ids), torch.nn.functional.embedding(ids, table))
+    levels, data = codec_levels(ct).reshape(rows, 128), ko.data.reshape(-1)
+    whole = rows - rows % block
+    cells = [(0, 0), (1, 5), (block // 2, 3), (whole - 1, 127), (rows - 1, 64), (rows - 2, 1), (whole, 9)]
+    for r, k in [(r, k) for r, k in cells if 0 <= r < rows]:
+        if r < whole:  # a whole block: (K, block / 2) bytes, rows j and j + block / 2 in one
+            b, j = divmod(r, block)
+            byte, high = data[b * block * 64 + k * block // 2 + j % (block // 2)], j >= block // 2
+        else:  # the last block: (K, rows / 2) bytes, two consecutive rows in one
+            j, last = r - whole, rows - whole
+            byte, high = data[whole * 64 + k * last // 2 + j // 2], j % 2 == 1
+        assert int(byte >> 4 if high else byte & 0xF) == int(levels[r, k])
+
+
 @pytest.mark.parametrize("spec,shape", [(CompressionSpec(4, 64, 0), (130, 64)), (CompressionSpec(4, 64, 1), (8, 128)),
                                         (CompressionSpec(8, 32, -1), (3, 2, 5, 64)),
                                         (CompressionSpec(4, 16, 1), (4, 40))])
@@ -82,7 +111,7 @@ def test_packed_weight_expanded_block_by_block_is_the_generic_path(monkeypatch, 
     """A PackedWeight with kernel False (the head where the kernel does not run) expands a few row blocks at a time
     and multiplies them in x's dtype: the generic path's result (fp32: to float rounding of the split matmul)."""
     from flexh2o.compress import kernels
-    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", blocks_at_once * kernels.ROW_BLOCK * 192)
+    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", blocks_at_once * kernels.row_block() * 192)
     g = torch.Generator().manual_seed(blocks_at_once)
     ct = to_kernel_order(quantize(torch.randn(160, 192, generator=g) * 0.05, CompressionSpec(4, 64, 1)))
     x, bias = torch.randn(2, 7, 192, generator=g).to(dtype), torch.randn(160, generator=g).to(dtype)
@@ -107,10 +136,11 @@ def test_packed_weight_rows_equal_the_expanded_table(monkeypatch, blocks_at_once
     """Embedding lookups from a PackedWeight expand only the row blocks they need, a few blocks at a time (the
     buffer the memory plan reserves), exactly as the generic path."""
     from flexh2o.compress import kernels
-    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", blocks_at_once * kernels.ROW_BLOCK * 64)
+    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", blocks_at_once * kernels.row_block() * 64)
     g = torch.Generator().manual_seed(5)
     ct = to_kernel_order(quantize(torch.randn(128, 64, generator=g), CompressionSpec(4, 64, 1)))
     ids = torch.tensor([[3, 100, 3], [127, 0, 64]])
     table = expand_kernel_order(ct, torch.empty(128, 64))
     assert torch.equal(PackedWeight.from_stored(ct).rows(ids), torch.nn.functional.embedding(ids, table))
-    assert kernels.rows_buffer_bytes((128, 64)) == min(4, blocks_at_once) * kernels.ROW_BLOCK * 64 * 4
+    block = kernels.row_block()
+    assert kernels.rows_buffer_bytes((128, 64)) == min(128 // block, blocks_at_once) * block * 64 * 4

@@ -3,13 +3,19 @@
 The kernel's groups run along the input dimension (K) of a (N, K) weight and its dequantization is
 (q - 8) * scale + zero, so a 4-bit CompressedTensor grouped along dimension 1 converts exactly:
 zero = minimum + 8 * scale. Its packed weight is the same N * K / 2 bytes as the codec's data in another order
-(blocks of 32 output rows, two rows 16 apart a byte, four inputs in a row): `to_kernel_order` / `from_kernel_order`
-convert by permutation alone, so a weight is stored in the kernel's order at load time (the same bytes in its tier)
-and either fed to the kernel or expanded back for the generic path. `kernel_available` checks the order against
-torch's own converter before the kernel is used.
+(`to_kernel_order` / `from_kernel_order` convert by permutation alone), so a weight is stored in the kernel's order
+at load time (the same bytes in its tier) and either fed to the kernel or expanded back for the generic path.
+
+The order depends on the CPU torch runs on: blocks of `row_block()` output rows, 32 where torch's kernel is built
+for AVX2, 64 for AVX-512, each block (K, block / 2) bytes holding rows j and j + block / 2 of input k in one byte
+(low, high nibble); a last block of fewer rows (32 rows at the end of an AVX-512 weight) holds two consecutive
+rows a byte, (K, rows / 2). `row_block` finds the order torch's own converter writes, once per process;
+`kernel_available` is false when it is neither. A weight needs a multiple of KERNEL_ROWS rows on every CPU, so the
+same weights take the kernel's form wherever the plan is made.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,14 +24,15 @@ import torch
 from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, stored_bytes
 
 KERNEL_GROUPS = (32, 64, 128, 256)
-ROW_BLOCK = 32  # output rows per block of the kernel's packed order
+KERNEL_ROWS = 32  # a weight in the kernel's form has a multiple of this many output rows
+ROW_BLOCKS = (32, 64)  # output rows per block of torch's packed order: AVX2 (and the fallback order here), AVX-512
 ROWS_ELEMENTS = 1 << 20  # a lookup expands its row blocks this many fp32 elements at a time (4 MiB)
 
 
 def kernel_shape_ok(shape: tuple, spec: Optional[CompressionSpec]) -> bool:
     """Whether a weight of `shape` stored under `spec` can be held in the int4 kernel's order."""
     return (spec is not None and spec.bits == 4 and len(shape) == 2 and spec.dim(2) == 1
-            and spec.group_size in KERNEL_GROUPS and shape[0] % ROW_BLOCK == 0 and shape[1] % spec.group_size == 0)
+            and spec.group_size in KERNEL_GROUPS and shape[0] % KERNEL_ROWS == 0 and shape[1] % spec.group_size == 0)
 
 
 def packed_bytes(shape: tuple, dtype: torch.dtype, spec: CompressionSpec) -> int:
@@ -38,39 +45,79 @@ def packed_bytes(shape: tuple, dtype: torch.dtype, spec: CompressionSpec) -> int
 def rows_buffer_bytes(shape: tuple) -> int:
     """Bytes of the fp32 buffer a lookup in a (N, K) PackedWeight expands its row blocks into (PackedWeight.rows)."""
     n, k = shape
-    return min(n, _rows_chunk(k) * ROW_BLOCK) * k * 4
+    return min(n, _rows_chunk(k) * row_block()) * k * 4
 
 
 def _rows_chunk(k: int) -> int:
     """Row blocks of a K-wide table expanded at once by a lookup."""
-    return max(1, ROWS_ELEMENTS // (ROW_BLOCK * k))
+    return max(1, ROWS_ELEMENTS // (row_block() * k))
 
 
-def kernel_available(device) -> bool:
-    """The CPU int4 kernel exists in this torch and its packed order is the one `to_kernel_order` writes."""
-    if torch.device(device).type != "cpu" or not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
-        return False
-    q = (torch.arange(64 * 128, dtype=torch.int32) * 7 % 16).view(64, 128)
+@functools.lru_cache(maxsize=None)
+def _torch_block() -> Optional[int]:
+    """The block of ROW_BLOCKS whose order torch's converter writes on this CPU (None: no kernel, or another order).
+    A 96-row probe: three whole blocks of 32, or one of 64 and a last block of 32."""
+    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        return None
+    q = (torch.arange(96 * 128, dtype=torch.int32) * 7 % 16).view(96, 128)
     try:
         torch_order = torch._convert_weight_to_int4pack_for_cpu(q, 1)
     except RuntimeError:
-        return False
-    return torch.equal(torch_order, _pack_levels(q.to(torch.uint8)))
+        return None
+    return next((b for b in ROW_BLOCKS if torch.equal(torch_order, _pack_levels(q.to(torch.uint8), b))), None)
 
 
-def _pack_levels(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) levels 0..15 uint8 -> (N, K / 2) bytes in the kernel's order."""
+def row_block() -> int:
+    """Output rows per block of the kernel's order on this CPU (32 where torch's kernel is missing)."""
+    return _torch_block() or ROW_BLOCKS[0]
+
+
+def kernel_available(device) -> bool:
+    """The CPU int4 kernel exists in this torch and its packed order is one `to_kernel_order` writes."""
+    return torch.device(device).type == "cpu" and _torch_block() is not None
+
+
+def _split(n: int, block: int) -> tuple:
+    """Rows in whole blocks, rows in the last, shorter block."""
+    return n - n % block, n % block
+
+
+def _pack_levels(q: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
+    """(N, K) levels 0..15 uint8 -> (N, K / 2) bytes in the kernel's order (blocks of `block` rows, default
+    row_block())."""
+    block = block or row_block()
     n, k = q.shape
-    x = q.view(n // ROW_BLOCK, 2, 16, k // 4, 4).permute(0, 3, 4, 2, 1)  # (row block, k / 4, 4, 16, 2)
-    return (x[..., 0] | (x[..., 1] << 4)).reshape(n, k // 2)
+    whole, last = _split(n, block)
+    x = q[:whole].view(whole // block, 2, block // 2, k).permute(0, 3, 2, 1)  # (block, k, rows j, j + block / 2)
+    parts = [(x[..., 0] | (x[..., 1] << 4)).reshape(whole, k // 2)]
+    if last:
+        y = q[whole:].view(last // 2, 2, k).permute(2, 0, 1)  # (k, rows 2i, 2i + 1)
+        parts.append((y[..., 0] | (y[..., 1] << 4)).reshape(last, k // 2))
+    return torch.cat(parts) if last else parts[0]
 
 
-def _unpack_levels(packed: torch.Tensor) -> torch.Tensor:
+def _unpack_levels(packed: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
     """(N, K / 2) bytes in the kernel's order -> (N, K) levels 0..15 uint8."""
+    block = block or row_block()
     n, k = packed.shape[0], packed.shape[1] * 2
-    x = packed.view(n // ROW_BLOCK, k // 4, 4, 16)
-    both = torch.stack([x & 0xF, x >> 4], -1)  # (row block, k / 4, 4, 16, 2)
-    return both.permute(0, 4, 3, 1, 2).reshape(n, k)
+    out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
+    _write_levels(packed, out, block)
+    return out
+
+
+def _write_levels(packed: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """The levels of kernel-order bytes (N, K / 2) written into `out` (N, K) (any dtype) through permuted views."""
+    n, k = out.shape
+    whole, last = _split(n, block)
+    x = packed[:whole].reshape(whole // block, k, block // 2)  # (block, k, rows j) bytes
+    dst = out[:whole].view(whole // block, 2, block // 2, k).permute(0, 3, 2, 1)  # (block, k, rows j, j + block / 2)
+    dst.select(3, 0).copy_(x & 0xF)
+    dst.select(3, 1).copy_(x >> 4)
+    if last:
+        y = packed[whole:].reshape(k, last // 2)  # (k, row pairs) bytes
+        tail = out[whole:].view(last // 2, 2, k).permute(2, 0, 1)  # (k, rows 2i, 2i + 1)
+        tail.select(2, 0).copy_(y & 0xF)
+        tail.select(2, 1).copy_(y >> 4)
 
 
 def codec_levels(ct: CompressedTensor) -> torch.Tensor:
@@ -83,7 +130,7 @@ def to_kernel_order(ct: CompressedTensor) -> CompressedTensor:
     n, k = ct.shape
     if not kernel_shape_ok((n, k), ct.spec):
         raise ValueError(f"the int4 kernel needs 4 bits grouped along the input dimension in groups of "
-                         f"{'/'.join(map(str, KERNEL_GROUPS))} dividing it and {ROW_BLOCK} | rows "
+                         f"{'/'.join(map(str, KERNEL_GROUPS))} dividing it and {KERNEL_ROWS} | rows "
                          f"(got {ct.spec}, shape {ct.shape})")
     return CompressedTensor(_pack_levels(codec_levels(ct)), ct.meta, k, ct.spec)
 
@@ -137,7 +184,7 @@ class PackedWeight:
         n, k = self.meta.shape[0], self.packed.shape[1] * 2
         flat = x.reshape(-1, k)  # (rows, K)
         out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)  # (rows, N)
-        step = _rows_chunk(k) * ROW_BLOCK
+        step = _rows_chunk(k) * row_block()  # whole blocks: each slice's order is its own
         buf = torch.empty(min(n, step), k, device=x.device)  # (rows of a chunk, K) fp32
         for start in range(0, n, step):
             stop = min(n, start + step)
@@ -149,21 +196,32 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) of the expanded weight, (*ids.shape, K) in `dtype`, exactly as the generic path
-        expands them: only the blocks of 32 rows holding them are expanded, a few at a time (rows_buffer_bytes)."""
+        expands them: only the row blocks holding them are expanded, a few at a time (rows_buffer_bytes); the last,
+        shorter block (its order differs) on its own."""
         n, k = self.meta.shape[0], self.packed.shape[1] * 2
+        block = row_block()
+        whole, last = _split(n, block)
         flat = ids.reshape(-1)
-        blocks, inverse = torch.unique(flat // ROW_BLOCK, return_inverse=True)
-        data, meta = self.packed.view(n // ROW_BLOCK, -1), self.meta.view(n // ROW_BLOCK, -1)
+        blocks, inverse = torch.unique(flat // block, return_inverse=True)
+        data = self.packed[:whole].view(whole // block, block * k // 2)
+        meta = self.meta[:whole].view(whole // block, block * self.meta[0].numel())
         out = torch.empty(flat.numel(), k, dtype=self.dtype, device=ids.device)  # (ids, K)
         step = _rows_chunk(k)
-        buf = torch.empty(min(len(blocks), step) * ROW_BLOCK, k, device=ids.device)  # (rows of the chunk, K) fp32
+        buf = torch.empty(min(len(blocks), step) * block, k, device=ids.device)  # (rows of the chunk, K) fp32
         for start in range(0, len(blocks), step):
             part = blocks[start:start + step]
-            sub = CompressedTensor(data[part].view(-1, k // 2), meta[part].view(-1, *self.meta.shape[1:]), k,
-                                   self.spec)  # (len(part) * 32, K / 2)
-            table = expand_kernel_order(sub, buf[:len(part) * ROW_BLOCK])
+            tail = bool(last) and int(part[-1]) == whole // block  # the chunk ends with the last, shorter block
+            full = part[:-1] if tail else part
+            sub = CompressedTensor(data[full].view(-1, k // 2), meta[full].view(-1, *self.meta.shape[1:]), k,
+                                   self.spec)  # (len(full) * block, K / 2)
+            rows = len(full) * block
+            expand_kernel_order(sub, buf[:rows])
+            if tail:  # after the whole blocks, in the buffer's room for one more block
+                expand_kernel_order(CompressedTensor(self.packed[whole:], self.meta[whole:], k, self.spec),
+                                    buf[rows:rows + last])
+            table = buf[:rows + (last if tail else 0)]
             pick = ((inverse >= start) & (inverse < start + len(part))).nonzero().squeeze(1)
-            local = (inverse[pick] - start) * ROW_BLOCK + flat[pick] % ROW_BLOCK
+            local = (inverse[pick] - start) * block + flat[pick] % block
             out[pick] = table[local].to(self.dtype)
         return out.view(*ids.shape, k)
 
@@ -186,10 +244,7 @@ def expand_kernel_order(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor
     n, k = ct.data.shape[0], ct.data.shape[1] * 2
     if out.dtype != torch.float32 or not out.is_contiguous():
         return out.copy_(dequantize(from_kernel_order(ct), out.dtype))
-    x = ct.data.view(n // ROW_BLOCK, k // 4, 4, 16)  # (row block, k / 4, 4, 16) bytes
-    dst = out.view(n // ROW_BLOCK, 2, 16, k // 4, 4).permute(0, 3, 4, 2, 1)  # (row block, k / 4, 4, 16, 2)
-    dst.select(4, 0).copy_(x & 0xF)
-    dst.select(4, 1).copy_(x >> 4)
+    _write_levels(ct.data, out, row_block())
     g = out.view(n, k // ct.spec.group_size, ct.spec.group_size)  # (N, groups, size)
     g.mul_(ct.meta[..., 0].unsqueeze(-1)).add_(ct.meta[..., 1].unsqueeze(-1))
     return out

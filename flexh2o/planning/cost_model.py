@@ -24,7 +24,7 @@ import torch
 
 from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
 from flexh2o.compress import stored_bytes, stored_parts
-from flexh2o.compress.kernels import ROW_BLOCK
+from flexh2o.compress.kernels import row_block
 from flexh2o.planning.hardware import GRAIN, Rates
 from flexh2o.run_config import RunConfig
 from flexh2o.planning.kernel_cost import EXPAND_PASSES, kernel_choice
@@ -168,7 +168,7 @@ class _Model:
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
         if self.packed[layer]:  # compressed weights are expanded into the compute dtype where they are used
             kern, lookups = self.kernel_parts[layer]
-            rows = self.rc.gpu_batch_size * t * ROW_BLOCK  # at most a row block a token looked up
+            rows = self.rc.gpu_batch_size * t * row_block()  # at most a row block a token looked up
             n = self.packed[layer] - (kern if self.kernel_on(layer, prefill) else 0) - sum(e for e, _ in lookups)
             nb = self.rc.num_gpu_batches
             n += nb * sum(min(e, rows * k) for e, k in lookups)
