@@ -18,13 +18,18 @@ def fake_measure(calls: list):
     return measure
 
 
+def first_measure() -> list:
+    """The calls a first profile of a float32 run makes: float32, and bfloat16 too on a CPU with bf16 units."""
+    return [tuple(profile_cache.wanted_dtypes("cpu", "float32"))]
+
+
 def test_cached_profile_is_reused_without_measuring_again(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
     calls = []
     assert profile_cache.auto_profile("cpu", "float32", None, may_measure=False, measure=fake_measure(calls)) is None
     first = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
     again = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
-    assert calls == [("float32",)] and first["fingerprint"] == again["fingerprint"] == machine.fingerprint("cpu")
+    assert calls == first_measure() and first["fingerprint"] == again["fingerprint"] == machine.fingerprint("cpu")
     assert os.path.exists(tmp_path / profile_cache.profile_file("cpu"))
     assert "float16" not in profile_cache.auto_profile("cpu", "float16", None, may_measure=False)["matmul_flops"]
     assert len(calls) == 1  # without may_measure a dtype the cached profile lacks is not measured
@@ -42,7 +47,7 @@ def test_a_dtype_the_cached_profile_lacks_is_added_once_when_planning(tmp_path, 
     profile_cache.auto_profile("cpu", ["float32"], None, may_measure=True, measure=fake_measure(calls))
     got = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
     again = profile_cache.auto_profile("cpu", ["float32", "float16"], None, may_measure=True, add=fake_add)
-    assert calls == [("float32",)] and added == [("float16",)]
+    assert calls == first_measure() and added == [("float16",)]
     assert got["matmul_flops"]["float16"] == again["matmul_flops"]["float16"] == 1e9
     assert "profiling float16 on this machine" in capsys.readouterr().err
 
@@ -111,7 +116,7 @@ def test_profile_measured_on_a_busy_machine_is_measured_again_once_quiet(tmp_pat
     assert calls == [] and kept["load_at_measure"] == 5.0 * cores
     monkeypatch.setattr(machine, "load_now", lambda: 0.1)
     again = profile_cache.auto_profile("cpu", "float32", None, may_measure=True, measure=fake_measure(calls))
-    assert calls == [("float32",)] and again.get("load_at_measure") != 5.0 * cores
+    assert calls == first_measure() and again.get("load_at_measure") != 5.0 * cores
     assert "measured at load" in capsys.readouterr().err
     assert machine.read_cached(profile_cache.profile_file("cpu")).get("load_at_measure") != 5.0 * cores
 
@@ -139,3 +144,13 @@ def test_a_dtype_added_on_a_busy_machine_is_measured_again_when_quiet(tmp_path, 
     assert busy["matmul_flops"]["float16"] == 9.0
     assert quiet["matmul_flops"]["float16"] == again["matmul_flops"]["float16"] == 0.5
     assert "float16 rates of this machine were measured at load 9.0 (now 0.5)" in capsys.readouterr().err
+
+
+def test_cpu_record_reads_the_first_processor_of_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    first = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f f16c\n"
+    info.write_text(first + "\nprocessor\t: 1\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: Other\nflags\t\t: amx_tile\n")
+    assert machine.cpu_record(str(info)) == {"cpu_model": "AMD EPYC", "cpu_family": "25", "cpu_model_number": "17",
+                                            "cpu_flags": ["avx2", "avx512f", "f16c"]}
+    missing = machine.cpu_record(str(tmp_path / "absent"))
+    assert missing["cpu_family"] is None and missing["cpu_flags"] == [] and missing["cpu_model"]

@@ -21,6 +21,7 @@ from flexh2o.config import ModelConfig, load_converted_config
 from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
+from flexh2o.planning.machine import cpu_record
 from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import TeacherForcer
@@ -193,9 +194,9 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
 
 
 def machine() -> dict:
-    """What the numbers were measured on."""
+    """What the numbers were measured on (the CPU as planning.machine.cpu_record gives it)."""
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "processor": platform.processor(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), **cpu_record(),
             "platform": platform.platform()}
 
 

@@ -28,21 +28,35 @@ def cache_dir() -> str:
     return os.path.join(base, "flexh2o")
 
 
-def _cpuinfo() -> tuple:
-    """(model name, set of flags) from /proc/cpuinfo; platform's answer where there is none."""
-    model, flags = None, set()
+def _cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict:
+    """The first CPU's fields in /proc/cpuinfo (empty where there is none)."""
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(path) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model is None:
-                    model = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
+                if not key.strip():
+                    break  # the first processor's block ends at its blank line
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model or platform.processor() or platform.machine(), flags
+    return fields
+
+
+def _cpuinfo() -> tuple:
+    """(model name, set of flags) from /proc/cpuinfo; platform's answer where there is none."""
+    fields = _cpuinfo_fields()
+    return fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
+
+
+def cpu_record(path: str = "/proc/cpuinfo") -> dict:
+    """The CPU for a table's record: model name, family and model numbers (one model name covers several
+    generations: "AMD EPYC" was a Zen 3 in one session and a Zen 4 in the next) and the flags of FLAGS it has."""
+    fields = _cpuinfo_fields(path)
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": model, "cpu_family": fields.get("cpu family"), "cpu_model_number": fields.get("model"),
+            "cpu_flags": sorted(f for f in FLAGS if f in flags)}
 
 
 def fingerprint(device: str = "cpu") -> dict:
