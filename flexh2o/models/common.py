@@ -55,17 +55,17 @@ def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
     return w.linear(x, bias) if isinstance(w, PackedWeight) else F.linear(x, w, bias)
 
 
-HEAD_CHUNK_BYTES = 1 << 20  # on a CPU, the head's weight is multiplied this many bytes of rows at a time
+HEAD_CHUNK_BYTES = 1 << 20  # on a CPU, an fp32 head's weight is multiplied this many bytes of rows at a time
 
 
 def head_linear(x: torch.Tensor, w) -> torch.Tensor:
-    """linear(x, w) for the vocabulary projection: on a CPU, in slices of the weight's rows of HEAD_CHUNK_BYTES,
-    whose outputs are joined. With 10-100 rows it ran 1.4-1.7x faster than one call (SmolLM2's 49152 x 576 fp32
-    head, one thread, an AVX2 Zen 3; the slice size is not tuned for other CPUs). Each output is the same dot
-    product, summed in the order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding
-    (bit-equal at the row counts measured but 1, 2, 3 and 7 in fp32). A PackedWeight, or a weight off the CPU, is
-    one call."""
-    if isinstance(w, PackedWeight) or w.device.type != "cpu":
+    """linear(x, w) for the vocabulary projection: for an fp32 weight on a CPU, in slices of the weight's rows of
+    HEAD_CHUNK_BYTES, whose outputs are joined. SmolLM2's 49152 x 576 head, one thread, 10 / 34 / 67 / 100 rows:
+    1.4-1.7x faster than one call on an AVX2 Zen 3, 1.04-1.24x on an AVX-512 Zen 4; a bf16 head there ran
+    1.1-1.25x slower in slices, so other dtypes are one call. Each output is the same dot product, summed in the
+    order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding (bit-equal at the row
+    counts measured but 1, 2, 3 and 7). A PackedWeight, or a weight off the CPU, is one call."""
+    if isinstance(w, PackedWeight) or w.device.type != "cpu" or w.dtype != torch.float32:
         return linear(x, w)
     rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))
     if w.shape[0] <= rows:
