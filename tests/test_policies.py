@@ -315,3 +315,24 @@ def test_random_key_is_a_pure_function_of_seed_layer_head_position():
     shuffled = pos[..., torch.randperm(40)]
     assert torch.equal(random_key(7, 2, shuffled), key.gather(-1, shuffled))  # independent of the slot
     assert not torch.equal(random_key(8, 2, pos), key) and not torch.equal(random_key(7, 3, pos), key)
+
+
+def test_priority_is_score_only_for_the_rules_that_return_the_score():
+    """LanePolicy skips the priority of the classes marked priority_is_score (their rows keep their score): the mark
+    holds exactly where priority returns its score argument, and a subclass with a rule of its own loses it."""
+    from flexh2o.kv.policies import POLICIES
+    from flexh2o.kv.policies.base import Budget
+    from flexh2o.kv.policies.h2o import H2OPolicy
+    pos = torch.arange(6).view(1, 1, 6)
+    score = torch.rand(1, 1, 6)
+    v = torch.rand(1, 1, 6, 4)
+    for name, cls in POLICIES.items():
+        p = cls(Budget(2, 2), num_layers=2)
+        if cls.priority_is_score:
+            assert p.priority(pos, score, 0, torch.tensor([5]), v) is score, name
+    assert {n for n, c in POLICIES.items() if c.priority_is_score} == {"h2o", "tova", "a2sf", "h2o_sinks"}
+
+    class Halved(H2OPolicy):
+        def priority(self, pos, score, layer, cur_pos, v):
+            return score / 2
+    assert H2OPolicy.priority_is_score and not Halved.priority_is_score

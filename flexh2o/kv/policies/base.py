@@ -55,7 +55,13 @@ class KVPolicy:
     layered = False  # the budget differs from layer to layer (layer_budget)
     shares_heads = False  # the KV heads of a layer share one budget (adakv): decisions couple the heads
     merges = False  # evicted values are merged into kept tokens: merge_plan says where, kv/cache.py writes them
+    priority_is_score = False  # priority returns the score itself (a class that defines priority again is not)
     decay = 1.0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "priority" in vars(cls) and "priority_is_score" not in vars(cls):
+            cls.priority_is_score = False  # an inherited True never covers a new rule
 
     def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0, *,
                  num_layers: Optional[int] = None, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO,

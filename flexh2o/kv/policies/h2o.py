@@ -9,6 +9,7 @@ from flexh2o.kv.policies.base import KVPolicy
 class H2OPolicy(KVPolicy):
     name = "h2o"
     needs_scores = True
+    priority_is_score = True
     windowed = True
 
     def priority(self, pos, score, layer, cur_pos, v):

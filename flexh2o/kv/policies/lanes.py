@@ -139,6 +139,8 @@ class LanePolicy(KVPolicy):
         prio = score
         extents = row_extents(pos) if extents is None else extents
         for g in self._state(pos.device).groups if groups is None else groups:
+            if g.policy.priority_is_score:  # its rows' priority is their score, as prio already holds
+                continue
             n = max(extents[r] for r in g.rows)
             sc = g.take(score[:, :, :n])
             vi = g.take(v[:, :, :n]) if g.policy.needs_values and v is not None else None

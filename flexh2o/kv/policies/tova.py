@@ -12,6 +12,7 @@ from flexh2o.kv.policies.base import KVPolicy
 class TOVAPolicy(KVPolicy):
     name = "tova"
     needs_scores = True
+    priority_is_score = True
     decay = 0.0
 
     def priority(self, pos, score, layer, cur_pos, v):
