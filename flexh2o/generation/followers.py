@@ -25,8 +25,8 @@ from flexh2o.kv.policies.lanes import LanePolicy
 def first_eviction(policy, num_layers: int) -> float:
     """The most tokens a row of `policy` holds before it first evicts in some layer (its smallest layer budget;
     inf without a budget)."""
-    return min(math.inf if policy.layer_budget(layer) is None else policy.layer_budget(layer).total
-               for layer in range(num_layers))
+    totals = (policy.layer_total(layer) for layer in range(num_layers))
+    return min(math.inf if total is None else total for total in totals)
 
 
 def can_follow(policy) -> bool:

@@ -83,6 +83,11 @@ class KVPolicy:
         """The budget of one layer (the same for every layer here; see pyramid)."""
         return self.budget
 
+    def layer_total(self, layer: int) -> Optional[int]:
+        """The total budget of one layer (None: unbounded)."""
+        budget = self.layer_budget(layer)
+        return None if budget is None else budget.total
+
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return cache_slots(self.budget, prompt_len, gen_len)
 

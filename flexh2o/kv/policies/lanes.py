@@ -245,8 +245,7 @@ class LanePolicy(KVPolicy):
     def _lane_totals(self, layer: int) -> list:
         """Per lane, its total budget in `layer` (its layer_budget; None: unbounded), built once per layer."""
         if layer not in self._lane_total:
-            self._lane_total[layer] = [None if p.layer_budget(layer) is None else p.layer_budget(layer).total
-                                       for p in self.lanes]
+            self._lane_total[layer] = [p.layer_total(layer) for p in self.lanes]
         return self._lane_total[layer]
 
     def _state(self, device) -> _Rows:
