@@ -28,8 +28,8 @@ COMPRESS = ["--compress-weight", "--compress-cache"]
 
 
 def base_argv(args, policy: str) -> list:
-    argv = ["--model", args.model, "--percent", "0", "0", "100", "0", "--dtype", "bfloat16", "--compute-dtype",
-            "float32", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--gpu-batch-size",
+    argv = ["--model", args.model, "--percent", "0", "0", "100", "0", "--dtype", args.dtype, "--compute-dtype",
+            args.compute_dtype, "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--gpu-batch-size",
             "auto", "--gpu-mem", args.gpu_mem, "--cpu-mem", args.cpu_mem, "--offload-dir", args.offload_dir]
     if policy == "h2o":
         argv += ["--hh-ratio", str(args.hh_ratio)]
@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policies", default="full,h2o", help="comma-separated: full, h2o (default both)")
     p.add_argument("--hh-ratio", type=float, default=0.2, help="h2o: heavy = recent = ratio * prompt (20%% total)")
     p.add_argument("--model", default="opt-125m")
+    p.add_argument("--dtype", default="auto", help="storage dtype of every run (flexh2o-run's --dtype; default auto)")
+    p.add_argument("--compute-dtype", default="auto", help="compute dtype of every run (default auto: this CPU's "
+                   "fastest; RESULTS.md's session-5 figures used --dtype bfloat16 --compute-dtype float32)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--gpu-mem", default="360MB")
