@@ -29,8 +29,8 @@ COMPRESS = ["--compress-weight", "--compress-cache"]
 
 def base_argv(args, policy: str) -> list:
     argv = ["--model", args.model, "--percent", "0", "0", "100", "0", "--dtype", args.dtype, "--compute-dtype",
-            args.compute_dtype, "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--gpu-batch-size",
-            "auto", "--gpu-mem", args.gpu_mem, "--cpu-mem", args.cpu_mem, "--offload-dir", args.offload_dir]
+            args.compute_dtype, "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+            "--gpu-batch-size", "auto", "--gpu-mem", args.gpu_mem, "--cpu-mem", args.cpu_mem, "--offload-dir", args.offload_dir]
     if policy == "h2o":
         argv += ["--hh-ratio", str(args.hh_ratio)]
     return argv

@@ -43,26 +43,26 @@ def _cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict:
     return fields
 
 
-def _cpuinfo() -> tuple:
-    """(model name, set of flags) from /proc/cpuinfo; platform's answer where there is none."""
-    fields = _cpuinfo_fields()
-    return fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
+def _cpuinfo(fields: dict) -> tuple:
+    """(model name, the flags of FLAGS it has, sorted) from _cpuinfo_fields; platform's name where there is none."""
+    flags = set(fields.get("flags", "").split())
+    return (fields.get("model name") or platform.processor() or platform.machine(),
+            sorted(f for f in FLAGS if f in flags))
 
 
 def cpu_record(path: str = "/proc/cpuinfo") -> dict:
     """The CPU for a table's record: model name, family and model numbers (one model name covers several
     generations: "AMD EPYC" was a Zen 3 in one session and a Zen 4 in the next) and the flags of FLAGS it has."""
     fields = _cpuinfo_fields(path)
-    model = fields.get("model name") or platform.processor() or platform.machine()
-    flags = set(fields.get("flags", "").split())
+    model, flags = _cpuinfo(fields)
     return {"cpu_model": model, "cpu_family": fields.get("cpu family"), "cpu_model_number": fields.get("model"),
-            "cpu_flags": sorted(f for f in FLAGS if f in flags)}
+            "cpu_flags": flags}
 
 
 def fingerprint(device: str = "cpu") -> dict:
     """What a measurement of this machine depends on (see the module docstring)."""
-    model, flags = _cpuinfo()
-    fp = {"cpu_model": model, "cpu_flags": sorted(f for f in FLAGS if f in flags), "cores": os.cpu_count(),
+    model, flags = _cpuinfo(_cpuinfo_fields())
+    fp = {"cpu_model": model, "cpu_flags": flags, "cores": os.cpu_count(),
           "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(), "gpu": None, "gpu_mem": None}
     if device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(device)

@@ -145,8 +145,6 @@ class LanePolicy(KVPolicy):
             sc = g.take(score[:, :, :n])
             vi = g.take(v[:, :, :n]) if g.policy.needs_values and v is not None else None
             own = g.policy.priority(g.take(pos[:, :, :n]), sc, layer, g.take(cur_pos), vi).float()
-            if own is sc:  # a class whose priority is the score itself: its rows stay as they are
-                continue
             prio = prio.clone() if prio is score else prio  # never write into the scores
             g.put(prio, own, n)
         return prio
