@@ -108,7 +108,7 @@ class Engine:
                  on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None) -> Generation:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
         (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
-        pipe: when this engine is one pipeline stage (dist/pipe.py), the stage's schedule and its messages."""
+        pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages."""
         run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe)
         return run.execute(kept_stats)
 

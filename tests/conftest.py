@@ -51,8 +51,9 @@ def _fixture_profiles(cache: str) -> None:
     profile's figures under this machine's fingerprint, for the thread counts tests run with; and a fixed dtype
     probe under the same fingerprints (tests that test the probe itself monkeypatch it or use their own dir)."""
     import json
-    from flexh2o.planning import machine, profile_cache
-    from flexh2o.planning.hardware import load_profile
+    from flexh2o.planning import machine
+    from flexh2o.tuning import profile_cache
+    from flexh2o.tuning.hardware import load_profile
     prof = load_profile("cpu_measured")
     for key, by_dtype in list(prof.items()):  # every candidate dtype, so a dry run never measures one (--hardware
         if isinstance(by_dtype, dict) and "bfloat16" in by_dtype:  # auto adds a missing compute dtype's rates)

@@ -11,9 +11,9 @@ from flexh2o.compress.kernels import KERNEL_ROWS
 from flexh2o.config import from_name
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent
-from flexh2o.planning.cost_model import predict
-from flexh2o.planning.kernel_cost import kernel_choice
-from flexh2o.planning.hardware import Rates, load_profile
+from flexh2o.tuning.cost_model import predict
+from flexh2o.tuning.kernel_cost import kernel_choice
+from flexh2o.tuning.hardware import Rates, load_profile
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.run_config import RunConfig
 

@@ -82,8 +82,8 @@ def test_mission_dry_run_reports_the_larger_batch(capsys):
 def test_cost_model_reads_compressed_weights_from_disk():
     """Disk-streamed weights: the predicted disk read per decode step shrinks to the compressed bytes, and the
     expansion is charged to compute."""
-    from flexh2o.planning.cost_model import predict
-    from flexh2o.planning.hardware import load_profile
+    from flexh2o.tuning.cost_model import predict
+    from flexh2o.tuning.hardware import load_profile
     hw = load_profile("cpu_measured")
     rc = _rc(percent=(0, 0, 100, 0), dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
     plain, packed = predict(rc, hw), predict(rc.with_(compress_weight=W4), hw)
@@ -101,7 +101,7 @@ def test_plan_searches_compressed_and_its_command_line_runs_the_same(flags, caps
     that reads back to the same compression."""
     from flexh2o.cli import plan as plan_cli
     from flexh2o.cli import run as run_cli
-    from flexh2o.planning.search import command_line
+    from flexh2o.tuning.search import command_line
     argv = ["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "4", "--hardware", "cpu_measured", "--gpu-mem",
             "1GB", "--cpu-mem", "2GB", "--disk-mem", "4GB", "--step", "50", "--max-num-gpu-batches", "1", "--top", "1"]
     rc, _ = plan_cli.plan_from_args(plan_cli.build_parser().parse_args(argv + flags))

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from flexh2o.config import ModelConfig
-from flexh2o.planning.cost_model import OPS, contended, predict
+from flexh2o.tuning.cost_model import OPS, contended, predict
 from flexh2o.kv.policies import Budget
 from flexh2o.kv.spec import KVSpec
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.placement import Percent
-from flexh2o.planning.hardware import Rates
+from flexh2o.tuning.hardware import Rates
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.plan import main as plan_main
-from flexh2o.planning.search import command_line, search
+from flexh2o.tuning.search import command_line, search
 
 HW_DIR = os.path.join(os.path.dirname(__file__), "..", "flexh2o", "configs", "hardware")
 FAST = 1e18  # a rate that makes its term vanish

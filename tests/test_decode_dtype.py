@@ -10,8 +10,8 @@ from flexh2o.config import ModelConfig
 from flexh2o.engine import Engine
 from flexh2o.placement import Percent
 from flexh2o.planning import dtype_choice
-from flexh2o.planning.cost_model import predict
-from flexh2o.planning.hardware import load_profile
+from flexh2o.tuning.cost_model import predict
+from flexh2o.tuning.hardware import load_profile
 from flexh2o.run_config import RunConfig
 from flexh2o.weights.store import WeightStore
 from test_dtype_choice import rc_for

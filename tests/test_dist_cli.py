@@ -85,9 +85,9 @@ def test_a_refusal_on_one_rank_stops_both_with_one_line(tiny, offload_dir):
 def _between_stage_needs(d) -> tuple:
     """(a --gpu-mem between the two stages' gpu-tier needs, the rank of the larger)."""
     from flexh2o import config
-    from flexh2o.dist.job import stage_memory_plan
-    from flexh2o.dist.pipe import stage_config
-    from flexh2o.dist.split import split_stages
+    from flexh2o.pipeline.job import stage_memory_plan
+    from flexh2o.pipeline.pipe import stage_config
+    from flexh2o.pipeline.split import split_stages
     from flexh2o.run_config import RunConfig
     cfg = config.load_converted_config(str(d / "conv"))
     rc = RunConfig(model=cfg, gpu_batch_size=4, prompt_len=7, gen_len=4, dtype=torch.float32,

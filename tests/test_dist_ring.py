@@ -11,8 +11,8 @@ from dist_util import run_ranks
 
 
 def _exchange(rank, world, timeout_s, die):
-    from flexh2o.dist.group import StageGroup
-    from flexh2o.dist.transport import Ring, StageLost
+    from flexh2o.pipeline.group import StageGroup
+    from flexh2o.pipeline.transport import Ring, StageLost
     group = StageGroup.start("cpu", timeout_s)
     ring = Ring(rank, (rank - 1) % world, (rank + 1) % world, 2, timeout_s, torch.device("cpu"))
     got = []

@@ -47,8 +47,8 @@ def _prompts(rc):
 
 
 def _stage_worker(rank, world, cases, offload_dir):
-    from flexh2o.dist.group import StageGroup
-    from flexh2o.dist.job import preflight, stage_generate
+    from flexh2o.pipeline.group import StageGroup
+    from flexh2o.pipeline.job import preflight, stage_generate
     group = StageGroup.start("cpu", 30.0)
     out = []
     for case in cases:
@@ -94,8 +94,8 @@ def test_stages_equal_the_single_process_engine(staged, world, i, one_thread):
 
 
 def _refusal_worker(rank, world, split):
-    from flexh2o.dist.group import StageGroup
-    from flexh2o.dist.job import Refusal, preflight
+    from flexh2o.pipeline.group import StageGroup
+    from flexh2o.pipeline.job import Refusal, preflight
     group = StageGroup.start("cpu", 30.0)
     try:
         preflight(group, _config(CASES[2][0], world, "/nonexistent"), split)

@@ -6,8 +6,9 @@ import json
 import os
 
 from flexh2o.cli import run as cli
-from flexh2o.planning import machine, profile_cache
-from flexh2o.planning.hardware import load_profile
+from flexh2o.planning import machine
+from flexh2o.tuning import profile_cache
+from flexh2o.tuning.hardware import load_profile
 
 
 def fake_measure(calls: list):
@@ -53,7 +54,7 @@ def test_a_dtype_the_cached_profile_lacks_is_added_once_when_planning(tmp_path, 
 
 
 def test_add_dtypes_merges_measured_rates_into_the_profile(monkeypatch):
-    from flexh2o.planning import measure
+    from flexh2o.tuning import measure
     monkeypatch.setattr(measure, "compute_rates", lambda dtype, dev, quick: {
         "matmul_flops": 2e9, "decode_matmul_flops": 1e9, "attention_flops": 1e9, "decode_attention_flops": 1e9})
     monkeypatch.setattr(measure, "matmul_rows_rates", lambda dtype, dev, quick: {"4": 1e9})
@@ -67,7 +68,7 @@ def test_add_dtypes_merges_measured_rates_into_the_profile(monkeypatch):
 
 
 def test_cli_dry_run_measures_once_then_uses_the_cache(tmp_path, monkeypatch, capsys):
-    from flexh2o.planning import measure
+    from flexh2o.tuning import measure
     monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
     calls = []
     monkeypatch.setattr(measure, "measure", fake_measure(calls))

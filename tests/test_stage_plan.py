@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from flexh2o.config import ModelConfig, from_name
-from flexh2o.dist.split import balanced_counts, layer_bytes, parse_stage_layers, split_stages
+from flexh2o.pipeline.split import balanced_counts, layer_bytes, parse_stage_layers, split_stages
 from flexh2o.schedule.plan import COMPUTE, block_schedule
 from flexh2o.schedule.stage_plan import RECV, SEND, batch_groups, consumer, stage_schedule
 

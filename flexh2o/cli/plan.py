@@ -13,8 +13,8 @@ from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.dtypes import parse_dtype
 from flexh2o.placement import TIERS
-from flexh2o.planning.hardware import load_profile
-from flexh2o.planning.search import command_line, search
+from flexh2o.tuning.hardware import load_profile
+from flexh2o.tuning.search import command_line, search
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes, parse_bytes
 
@@ -53,7 +53,7 @@ def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
 def plan_from_args(args) -> tuple:
     """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
     if args.hardware == "auto":
-        from flexh2o.planning.profile_cache import auto_profile
+        from flexh2o.tuning.profile_cache import auto_profile
         hw = auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, None, True)
     else:
         hw = load_profile(args.hardware)

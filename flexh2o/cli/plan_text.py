@@ -11,7 +11,7 @@ from flexh2o.run_config import RunConfig
 
 def describe_stage_plan(rc: RunConfig, stage_layers: Optional[str]) -> str:
     """One rank's --dry-run under torchrun: its stage's layers and plan (one string: one write per rank)."""
-    from flexh2o.dist.job import dry_run_stage
+    from flexh2o.pipeline.job import dry_run_stage
     stage, src, plan_of = dry_run_stage(rc, stage_layers)
     return (f"rank {stage.index} of {stage.num_stages}, {stage.describe(rc.model.num_layers)} (its own tensors; "
             f"--percent applies within the stage)\n" + describe_plan(src, plan_of))

@@ -11,7 +11,7 @@ import torch
 
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.dtypes import parse_dtype
-from flexh2o.planning.measure import measure, summary
+from flexh2o.tuning.measure import measure, summary
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,8 +21,8 @@ from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
-from flexh2o.dist.group import launched_by_torchrun
-from flexh2o.dist.split import parse_stage_layers, split_stages
+from flexh2o.pipeline.group import launched_by_torchrun
+from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 
 
@@ -117,8 +117,8 @@ def _run(args) -> int:
                   f"{predicted['total_throughput']:.1f} tok/s, decode {predicted['decode_throughput']:.1f} tok/s")
         return 0
     check_output_path(opts.log_file, "--log-file")
-    from flexh2o.planning.refusal import check_fits
-    if not launched_by_torchrun():  # under torchrun each stage plans its own layers (dist/job.py)
+    from flexh2o.tuning.refusal import check_fits
+    if not launched_by_torchrun():  # under torchrun each stage plans its own layers (pipeline/job.py)
         check_fits(rc, hw)  # before anything is built from the sizes (the prompts included)
     if prompts is not None and len(prompts) > rc.num_seqs:  # every prompt runs: job.py runs them in rounds
         print(f"flexh2o-run: {len(prompts)} prompts run in {-(-len(prompts) // rc.num_seqs)} rounds of {rc.num_seqs} "
@@ -141,7 +141,7 @@ def _run(args) -> int:
 
 def _run_stages(args, rc: RunConfig, job) -> int:
     """This rank's stage of a job torchrun launched; the summary comes from the rank holding the head."""
-    from flexh2o.dist.job import Refusal, refusal_exit, run_stages
+    from flexh2o.pipeline.job import Refusal, refusal_exit, run_stages
     if args.stage_timeout <= 0:
         raise ValueError(f"--stage-timeout {args.stage_timeout}: give a positive number of seconds")
     if job.measured_steps:
@@ -225,8 +225,8 @@ def _note(args) -> None:
 
 
 def _hardware(args, rc: RunConfig) -> tuple:
-    """(profile or None, label) for --hardware (planning/profile_cache.py); warnings and hints go to stderr."""
-    from flexh2o.planning.profile_cache import resolve
+    """(profile or None, label) for --hardware (tuning/profile_cache.py); warnings and hints go to stderr."""
+    from flexh2o.tuning.profile_cache import resolve
     need = args.dry_run or args.policy == "auto"
     compute = [rc.compute, rc.decode_compute] if hasattr(args, "dtype_choice") else None  # --policy auto: later
     if compute is None and args.compute_dtype not in (None, "auto"):
@@ -243,7 +243,7 @@ def _hardware(args, rc: RunConfig) -> tuple:
 def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
     if hw is None:
         return None
-    from flexh2o.planning.cost_model import predict
+    from flexh2o.tuning.cost_model import predict
     try:
         return predict(rc, hw).as_dict()
     except (ValueError, KeyError) as e:  # predictions are advisory: a profile without this dtype only warns
@@ -253,7 +253,7 @@ def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
 
 def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list]) -> RunConfig:
     """The searched placement and batch; the dtypes are the fastest pair for which the search finds a fit."""
-    from flexh2o.planning.search import command_line, search
+    from flexh2o.tuning.search import command_line, search
     if hw is None:
         raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")
     tried = {}

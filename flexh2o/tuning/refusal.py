@@ -21,9 +21,9 @@ def check_fits(rc, hw: Optional[dict]) -> None:
 
 def suggestion(rc, hw: Optional[dict]) -> str:
     """'fits here: --percent ... --gpu-batch-size B --num-gpu-batches N (predicted X tok/s)', or what to raise."""
-    from flexh2o.planning.search import search
+    from flexh2o.tuning.search import search
     if hw is None:
-        from flexh2o.planning.hardware import load_profile
+        from flexh2o.tuning.hardware import load_profile
         hw = load_profile("cpu_measured" if rc.device == "cpu" else "t4_paper")  # ranking only
     try:
         found = search(rc, hw, limit=1)

@@ -2,7 +2,7 @@
 
 Run it on a quiet machine: set OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads then sleep instead of spinning, which
 matters when the engine's I/O threads share the cores), and the same OMP_NUM_THREADS as the runs it predicts.
-The keys it writes are described in flexh2o.planning.hardware.
+The keys it writes are described in flexh2o.tuning.hardware.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.dtypes import dtype_name, parse_dtype
-from flexh2o.planning.hardware import GRAIN
+from flexh2o.tuning.hardware import GRAIN
 from flexh2o.planning.machine import fingerprint, load_now
 
 
@@ -157,7 +157,7 @@ def op_overhead(device: torch.device) -> float:
     thread wake-up (~50 us on a 2-core VM) that the engine's back-to-back ops mostly do not. (The tiny model's own
     matmuls and memory passes are counted in too; they are a few percent of it.)"""
     from flexh2o.config import ModelConfig
-    from flexh2o.planning.cost_model import OPS
+    from flexh2o.tuning.cost_model import OPS
     from flexh2o.engine import Engine
     from flexh2o.placement import Percent
     from flexh2o.prompts import synthetic_prompts

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from flexh2o.dtypes import dtype_name
 from flexh2o.planning import machine
-from flexh2o.planning.hardware import load_profile
+from flexh2o.tuning.hardware import load_profile
 
 AUTO = "auto"
 FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs where bfloat16 is worth profiling by default
@@ -48,7 +48,7 @@ def auto_profile(device: str, compute, offload_dir: Optional[str], may_measure: 
     rates measured now and cached too when may_measure (a few seconds, with a progress bar); otherwise it is returned
     as it is (the prediction then warns and names the flexh2o-profile command that adds it). A dtype added so that
     was measured on a busy machine that is now much quieter is measured again."""
-    from flexh2o.planning import measure as profiler
+    from flexh2o.tuning import measure as profiler
     name = profile_file(device)
     prof = machine.read_cached(name)
     if prof and may_measure and machine.stale_by_load(prof.get("load_at_measure")):

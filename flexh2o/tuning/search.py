@@ -13,9 +13,9 @@ from typing import Optional
 from flexh2o.kv.policies import POLICIES
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
-from flexh2o.planning.cost_model import predict_with
+from flexh2o.tuning.cost_model import predict_with
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
-from flexh2o.planning.hardware import Rates
+from flexh2o.tuning.hardware import Rates
 from flexh2o.run_config import RunConfig
 
 

@@ -7,10 +7,10 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.console import one_line
-from flexh2o.dist.group import StageGroup, env_rank, local_rank, rank_device, terminate_as_interrupt
-from flexh2o.dist.pipe import StagePipe, stage_config
-from flexh2o.dist.split import Stage, parse_stage_layers, split_stages
-from flexh2o.dist.transport import Ring
+from flexh2o.pipeline.group import StageGroup, env_rank, local_rank, rank_device, terminate_as_interrupt
+from flexh2o.pipeline.pipe import StagePipe, stage_config
+from flexh2o.pipeline.split import Stage, parse_stage_layers, split_stages
+from flexh2o.pipeline.transport import Ring
 from flexh2o.engine import Engine
 from flexh2o.job import Job, policy_flags, write_outputs
 from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import torch
 
-from flexh2o.dist.split import Stage
-from flexh2o.dist.group import ignore_stop_signals
-from flexh2o.dist.transport import Ring, StageLost
+from flexh2o.pipeline.split import Stage
+from flexh2o.pipeline.group import ignore_stop_signals
+from flexh2o.pipeline.transport import Ring, StageLost
 from flexh2o.models import layer_specs
 from flexh2o.placement import Placement, WeightHomes, block_homes
 from flexh2o.run_config import RunConfig

@@ -25,9 +25,9 @@ import torch
 from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
 from flexh2o.compress import stored_bytes, stored_parts
 from flexh2o.compress.kernels import row_block
-from flexh2o.planning.hardware import GRAIN, Rates
+from flexh2o.tuning.hardware import GRAIN, Rates
 from flexh2o.run_config import RunConfig
-from flexh2o.planning.kernel_cost import EXPAND_PASSES, kernel_choice
+from flexh2o.tuning.kernel_cost import EXPAND_PASSES, kernel_choice
 from flexh2o.planning.weight_layout import layout_of
 from flexh2o.units import padded
 from flexh2o.weights.forms import PHASES
