@@ -162,7 +162,7 @@ def _engine_name(cfg: ModelConfig, key: str) -> Optional[str]:
         return None if cfg.tie_embeddings else key
     if cfg.family == "opt" and key.startswith("decoder."):  # saved from OPTModel
         return "model." + key
-    if cfg.family == "llama" and not key.startswith("model."):  # saved from LlamaModel
+    if cfg.family != "opt" and not key.startswith("model."):  # saved from LlamaModel (or another base model)
         return "model." + key
     return key
 
