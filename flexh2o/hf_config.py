@@ -62,6 +62,8 @@ def _opt(d: dict, name: str) -> ModelConfig:
 def _rope_params(d: dict) -> dict:
     """transformers 5 writes rope_parameters ({rope_type, rope_theta, ...}); older files rope_scaling + rope_theta."""
     params = d.get("rope_parameters")
+    if params is not None and d.get("rope_scaling"):
+        raise ValueError(f"rope_scaling = {d['rope_scaling']!r} beside rope_parameters: keep one of them")
     if params is None:
         params = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 10000.0)}
     if not isinstance(params, dict):

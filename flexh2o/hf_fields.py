@@ -26,14 +26,14 @@ INERT = {  # field: why it changes no logit of a decoder run
 
 REQUIRE = {  # field: values that change nothing (any other is refused)
     "is_encoder_decoder": (False,), "mlp_bias": (False,), "hidden_act": ("silu",),
-    "use_bidirectional_attention": (None, False), "quantization_config": (None,), "rope_scaling": (None,),
+    "use_bidirectional_attention": (None, False), "quantization_config": (None,),
     "partial_rotary_factor": (1.0, 1), "cross_attention_hidden_size": (None,), "add_cross_attention": (False,),
     "tie_encoder_decoder": (False,), "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),
     "attention_bias": (False,),
 }
 
 BASE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "head_dim")
+        "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling", "head_dim")
 WINDOWED = ("sliding_window", "layer_types")
 GEMMA = BASE + WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "final_logit_softcapping",
                            "attn_logit_softcapping", "rope_local_base_freq")
