@@ -33,9 +33,10 @@ REQUIRE = {  # field: values that change nothing (any other is refused)
 }
 
 BASE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling", "head_dim")
+        "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+        "head_dim")
 WINDOWED = ("sliding_window", "layer_types")
-GEMMA = BASE + WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "final_logit_softcapping",
+GEMMA = BASE + WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "hidden_act", "final_logit_softcapping",
                            "attn_logit_softcapping", "rope_local_base_freq")
 
 USED = {  # model_type: the fields its conversion reads (flexh2o/hf_config.py)

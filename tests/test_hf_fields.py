@@ -62,6 +62,7 @@ REFUSALS = [  # (model_type, field overrides, text the one-line error must hold)
     ("qwen3", {"attention_bias": True}, "attention_bias = True"),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation = 'gelu'"),
+    ("gemma2", {"hidden_act": "silu"}, "hidden_act = 'silu'"),
     ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention = True"),
 ]
 
