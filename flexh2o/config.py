@@ -186,8 +186,3 @@ def load_converted_config(path: str) -> ModelConfig:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{f} is corrupt ({e}): run flexh2o-convert again") from None
 
-
-def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
-    """Hugging Face config.json -> ModelConfig (flexh2o/hf_config.py: every family and the fields it reads)."""
-    from flexh2o.hf_config import from_hf_config as convert  # it imports this module
-    return convert(d, name)

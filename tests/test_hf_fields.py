@@ -12,8 +12,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from flexh2o.config import from_hf_config  # noqa: E402
-from flexh2o.hf_fields import INERT, REQUIRE, ROPE_KEYS, USED  # noqa: E402
+from flexh2o.weights.hf_config import from_hf_config  # noqa: E402
+from flexh2o.weights.hf_fields import INERT, REQUIRE, ROPE_KEYS, USED  # noqa: E402
 
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}

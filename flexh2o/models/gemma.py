@@ -9,21 +9,21 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models import llama
 from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, rowwise
+from flexh2o.models.llama import P, attention_specs, self_attention
+from flexh2o.models.llama import layer_specs as llama_specs
 
-P = llama.P
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def layer_specs(cfg: ModelConfig) -> list:
     h, f = cfg.hidden, cfg.ffn
-    specs = llama.layer_specs(cfg)
+    specs = llama_specs(cfg)
     blocks = []
     for i in range(cfg.num_layers):
         p = f"{P}layers.{i}."
         blocks.append([WeightSpec(p + n + ".weight", (h,), "zeros") for n in NORMS] +
-                      llama.attention_specs(cfg, p + "self_attn.") +
+                      attention_specs(cfg, p + "self_attn.") +
                       [WeightSpec(p + "mlp.gate_proj.weight", (f, h)), WeightSpec(p + "mlp.up_proj.weight", (f, h)),
                        WeightSpec(p + "mlp.down_proj.weight", (h, f))])
     head = [WeightSpec(P + "norm.weight", (h,), "zeros")] + specs[-1][1:]
@@ -41,7 +41,7 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     norm = {n: w[p + n + ".weight"] for n in NORMS}
     y = rms1(x, norm["input_layernorm"], cfg.norm_eps)
     q, k, v = (linear(y, w[a + f"{n}_proj.weight"]) for n in "qkv")
-    y = llama.self_attention(cfg, w, i, q, k, v, positions, attend, norm=rms1)
+    y = self_attention(cfg, w, i, q, k, v, positions, attend, norm=rms1)
     x = x + rms1(y, norm["post_attention_layernorm"], cfg.norm_eps)
     y = rms1(x, norm["pre_feedforward_layernorm"], cfg.norm_eps)
     gate, up, down = (w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models import rope
+from flexh2o.models.rope import cos_sin, rotate
 from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
 
 P = "model."
@@ -74,8 +74,8 @@ def self_attention(cfg: ModelConfig, w: dict, i: int, q, k, v, positions: torch.
     if cfg.qk_norm:
         norm = norm or rms
         q, k = norm(q, w[a + "q_norm.weight"], cfg.norm_eps), norm(k, w[a + "k_norm.weight"], cfg.norm_eps)
-    cos, sin = rope.cos_sin(cfg, i, positions, q.dtype)  # (b, 1, t, d)
-    q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+    cos, sin = cos_sin(cfg, i, positions, q.dtype)  # (b, 1, t, d)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     if cfg.query_scalar is not None:
         q = q * (cfg.head_dim / cfg.query_scalar) ** 0.5
     return linear(merge_heads(attend(q, k, v)), w[a + "o_proj.weight"])

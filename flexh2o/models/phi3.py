@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models import llama
 from flexh2o.models.common import WeightSpec, linear, rowwise
+from flexh2o.models.llama import P, attention_specs, rms, self_attention
 from flexh2o.models.llama import embed, head  # noqa: F401  (the family's embed and head are Llama's)
+from flexh2o.models.llama import layer_specs as llama_specs
 
-P = llama.P
 
 
 def layer_specs(cfg: ModelConfig) -> list:
-    specs = llama.layer_specs(cfg)
+    specs = llama_specs(cfg)
     return [specs[0]] + [_block_specs(cfg, i) for i in range(cfg.num_layers)] + [specs[-1]]
 
 
@@ -22,7 +22,7 @@ def _block_specs(cfg: ModelConfig, i: int) -> list:
     h, f = cfg.hidden, cfg.ffn
     p = f"{P}layers.{i}."
     return ([WeightSpec(p + "input_layernorm.weight", (h,), "ones")] +
-            llama.attention_specs(cfg, p + "self_attn.", fused=True) +
+            attention_specs(cfg, p + "self_attn.", fused=True) +
             [WeightSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
              WeightSpec(p + "mlp.gate_up_proj.weight", (2 * f, h)),
              WeightSpec(p + "mlp.down_proj.weight", (h, f))])
@@ -30,11 +30,11 @@ def _block_specs(cfg: ModelConfig, i: int) -> list:
 
 def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
     p = f"{P}layers.{i}."
-    y = llama.rms(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
+    y = rms(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     q, k, v = linear(y, w[p + "self_attn.qkv_proj.weight"]).split([q_rows, kv_rows, kv_rows], -1)
-    x = x + llama.self_attention(cfg, w, i, q, k, v, positions, attend)
-    y = llama.rms(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
+    x = x + self_attention(cfg, w, i, q, k, v, positions, attend)
+    y = rms(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
     gate_up, down = w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"]
     return x + rowwise(lambda r: linear(_swiglu(linear(r, gate_up)), down), y, 2 * cfg.ffn)
 

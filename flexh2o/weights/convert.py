@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
-from flexh2o.config import ModelConfig, from_hf_config
+from flexh2o.config import ModelConfig
+from flexh2o.weights.hf_config import from_hf_config
 from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import parse_dtype
 from flexh2o.weights.format import CheckpointWriter

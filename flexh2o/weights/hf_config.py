@@ -1,9 +1,9 @@
 """Hugging Face config.json -> ModelConfig, per model type. Every field is read, or checked to change nothing, or
-listed as inert (flexh2o/hf_fields.py); anything else is refused in one line naming the field and its value."""
+listed as inert (flexh2o/weights/hf_fields.py); anything else is refused in one line naming the field and its value."""
 from __future__ import annotations
 
 from flexh2o.config import ModelConfig
-from flexh2o.hf_fields import USED, check_fields, check_rope
+from flexh2o.weights.hf_fields import USED, check_fields, check_rope
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 FAMILY_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",

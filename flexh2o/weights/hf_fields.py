@@ -39,7 +39,7 @@ WINDOWED = ("sliding_window", "layer_types")
 GEMMA = BASE + WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "hidden_act", "final_logit_softcapping",
                            "attn_logit_softcapping", "rope_local_base_freq")
 
-USED = {  # model_type: the fields its conversion reads (flexh2o/hf_config.py)
+USED = {  # model_type: the fields its conversion reads (flexh2o/weights/hf_config.py)
     "llama": BASE,
     "mistral": BASE + WINDOWED,
     "qwen2": BASE + WINDOWED,
