@@ -105,11 +105,14 @@ class Engine:
         self.close()
 
     def generate(self, prompts: list, gen_len: int, sampler: Optional[Callable] = None, record_logits: bool = False,
-                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None) -> Generation:
+                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None,
+                 stop_when: Optional[Callable] = None) -> Generation:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
         (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
-        pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages."""
+        pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages.
+        stop_when() -> True ends the run after the step that made it true (tokens of later steps stay 0)."""
         run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe)
+        run.stop_when = stop_when
         return run.execute(kept_stats)
 
 
@@ -269,6 +272,8 @@ class _Run:
         L, nb = self.cfg.num_layers, self.rc.num_gpu_batches
         ops = (self.pipe.schedule(self.gen_len, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
                else block_schedule(self.gen_len, L + 2, nb, lambda layer: 1 <= layer <= L))
+        if getattr(self, "stop_when", None) is not None and self.pipe is None:
+            ops = self._until_stopped(ops)
         ex = Executor(handlers, self.rc.overlap, self.rc.io_threads, self.rc.device, self._compute_inputs,
                       inline=(SEND, RECV))
         start = time.perf_counter()
@@ -285,6 +290,17 @@ class _Run:
         return Generation(s.flat(s.tokens), s.flat(s.last_logits), times[0] - start, times[-1] - times[0],
                           [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept, ex.busy_s,
                           ex.decode_busy_s)
+
+    def _until_stopped(self, ops):
+        """The ops up to the end of the step after which stop_when() holds (checked at the next step's first
+        compute; the prefetches issued before it are waited for and freed with the run's buffers)."""
+        step = 0
+        for op in ops:
+            if op.kind == COMPUTE and op.step > step:
+                if self.stop_when():
+                    return
+                step = op.step
+            yield op
 
     def _kept(self) -> dict:
         """Cache layer -> the most tokens any row keeps (reads every block back: for tests and reports only)."""
