@@ -26,6 +26,7 @@ from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, L
                                    STORE_CACHE, Op, block_schedule)
 from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
+from flexh2o.schedule.until import until
 from flexh2o.storage.factory import make_tiers
 from flexh2o.weights.forms import in_kernel_order, kernel_layout, least_kernel
 from flexh2o.weights.store import WeightStore
@@ -110,7 +111,7 @@ class Engine:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
         (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
         pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages.
-        stop_when() -> True ends the run after the step that made it true (tokens of later steps stay 0)."""
+        stop_when() -> True ends the run after that step (schedule/until.py; later steps' tokens stay 0)."""
         run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe)
         run.stop_when = stop_when
         return run.execute(kept_stats)
@@ -123,6 +124,7 @@ class _Run:
         rc, cfg = eng.rc, eng.cfg
         self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
         self.sampler, self.on_step, self.pipe = sampler, on_step, pipe
+        self.stop_when: Optional[Callable] = None  # generate's stop_when
         self.seqs = Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, cfg.pad_token_id, cfg.vocab,
                               record_logits)
         t = self.seqs.t
@@ -272,8 +274,8 @@ class _Run:
         L, nb = self.cfg.num_layers, self.rc.num_gpu_batches
         ops = (self.pipe.schedule(self.gen_len, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
                else block_schedule(self.gen_len, L + 2, nb, lambda layer: 1 <= layer <= L))
-        if getattr(self, "stop_when", None) is not None and self.pipe is None:
-            ops = self._until_stopped(ops)
+        if self.stop_when is not None and self.pipe is None:
+            ops = until(ops, self.stop_when)
         ex = Executor(handlers, self.rc.overlap, self.rc.io_threads, self.rc.device, self._compute_inputs,
                       inline=(SEND, RECV))
         start = time.perf_counter()
@@ -290,17 +292,6 @@ class _Run:
         return Generation(s.flat(s.tokens), s.flat(s.last_logits), times[0] - start, times[-1] - times[0],
                           [s.flat(x) for x in s.step_logits] if s.step_logits else None, kept, ex.busy_s,
                           ex.decode_busy_s)
-
-    def _until_stopped(self, ops):
-        """The ops up to the end of the step after which stop_when() holds (checked at the next step's first
-        compute; the prefetches issued before it are waited for and freed with the run's buffers)."""
-        step = 0
-        for op in ops:
-            if op.kind == COMPUTE and op.step > step:
-                if self.stop_when():
-                    return
-                step = op.step
-            yield op
 
     def _kept(self) -> dict:
         """Cache layer -> the most tokens any row keeps (reads every block back: for tests and reports only)."""
