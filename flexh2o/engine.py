@@ -26,6 +26,7 @@ from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, L
                                    STORE_CACHE, Op, block_schedule)
 from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
+from flexh2o.schedule.until import until
 from flexh2o.storage.factory import make_tiers
 from flexh2o.weights.forms import in_kernel_order, kernel_layout, least_kernel
 from flexh2o.weights.store import WeightStore
@@ -105,21 +106,22 @@ class Engine:
         self.close()
 
     def generate(self, prompts: list, gen_len: int, sampler: Optional[Callable] = None, record_logits: bool = False,
-                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None) -> Generation:
+                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None, stop_when=None) -> Generation:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
         (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
-        pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages."""
-        run = _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe)
-        return run.execute(kept_stats)
+        pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages.
+        stop_when() -> True ends the run after that step (schedule/until.py; later steps' tokens stay 0)."""
+        return _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe,
+                    stop_when).execute(kept_stats)
 
 
 class _Run:
     """One generate() call: the schedule's op handlers over the run's sequences, buffers and layer compute."""
 
-    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step, pipe):
+    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step, pipe, stop_when=None):
         rc, cfg = eng.rc, eng.cfg
         self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
-        self.sampler, self.on_step, self.pipe = sampler, on_step, pipe
+        self.sampler, self.on_step, self.pipe, self.stop_when = sampler, on_step, pipe, stop_when
         self.seqs = Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, cfg.pad_token_id, cfg.vocab,
                               record_logits)
         t = self.seqs.t
@@ -269,6 +271,7 @@ class _Run:
         L, nb = self.cfg.num_layers, self.rc.num_gpu_batches
         ops = (self.pipe.schedule(self.gen_len, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
                else block_schedule(self.gen_len, L + 2, nb, lambda layer: 1 <= layer <= L))
+        ops = until(ops, self.stop_when) if self.stop_when is not None and self.pipe is None else ops
         ex = Executor(handlers, self.rc.overlap, self.rc.io_threads, self.rc.device, self._compute_inputs,
                       inline=(SEND, RECV))
         start = time.perf_counter()

@@ -15,15 +15,15 @@ MAX_LINES = 300
 # Top to bottom: a module may import its own layer or those below it, never one above. A layer is named by the first
 # part of a module's path under flexh2o/ (a folder or a module); `__main__` modules are entry points wherever they are.
 LAYERS = (
-    ("entry points", {"cli", "__main__"}),
+    ("entry points", {"cli", "__main__", "api", ""}),  # "": the package itself (flexh2o.LLM, lazily)
     ("tools that run the engine", {"tuning", "eval"}),
-    ("jobs", {"job", "pipeline"}),
+    ("jobs", {"job", "pipeline", "batch"}),
     ("the engine", {"engine", "generation"}),
     ("the runtime plan", {"planning", "run_config"}),
     ("the run's parts", {"weights", "kv", "models", "placement", "schedule"}),
     ("tiers and codecs", {"storage", "compress"}),
     ("leaves", {"config", "units", "dtypes", "tensors", "jsonfile", "tokenizer", "prompts", "sampling", "metrics",
-                "errors"}),
+                "errors", "requests"}),
 )
 
 

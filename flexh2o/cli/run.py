@@ -24,6 +24,7 @@ from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
+from flexh2o.cli.request_job import add_request_flags, is_request_job, load_request_file, run_request_job
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compression_flags(p)
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
     a("--no-warmup", action="store_true")
+    add_request_flags(p)
     add_flexgen_flags(p)
     a("--stage-layers", help="under torchrun: decoder layers per stage, one count per rank (e.g. 12,12); default: "
       "split by weight bytes")
@@ -98,7 +100,9 @@ def _run(args) -> int:
     cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
            else model_configs.from_name(args.model or "opt-125m"))
     tokenizer = load_tokenizer(args.tokenizer)
-    prompts = load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None
+    reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
+    prompts = ([list(r.prompt_ids) for r in reqs] if reqs is not None
+               else load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None)
     rc = build_run_config(args, cfg, prompts)
     if args.dry_run and launched_by_torchrun():  # each rank: its own stage's plan (no cost-model prediction)
         _note(args)
@@ -125,6 +129,8 @@ def _run(args) -> int:
               "sequences (--gpu-batch-size x --num-gpu-batches)", file=sys.stderr)
     if prompts is None:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
+    if is_request_job(args):
+        return run_request_job(args, rc, cfg, reqs, prompts, tokenizer, opts)
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,
               tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
               dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)

@@ -67,6 +67,8 @@ class Buffers:
         self.spilled[batch] = h
 
     def close(self) -> None:
+        for layer in list(self.w):  # a run stopped early (generate's stop_when) leaves its prefetched weights
+            self.free_weights(layer)
         for batch, h in self.spilled.items():
             self.tiers[self.act_homes[batch]].free(h)
         self.spilled = {}

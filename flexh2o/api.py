@@ -1,0 +1,130 @@
+"""The Python API: `LLM(model, **options).generate(prompts, SamplingParams(...))`.
+
+Options are flexh2o-run's flags as keywords (`percent=(0, 100, 100, 0)`, `kv_policy="h2o"`, `hh_ratio=0.2`,
+`gpu_batch_size=8`, ...): each is turned into its flag and parsed by flexh2o-run's own parser and checks, so the
+names, defaults and refusals are the command line's (cli/run.py declares them once). Prompts become requests
+through the same code as a .jsonl --prompt-file's lines (requests.py), and run like a request job: each row stops at
+EOS (unless ignore_eos), a stop string or max_tokens. Every generate() call builds the engine for its prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+NOT_OPTIONS = ("prompt_file", "output_file", "resume", "dry_run", "policy", "max_seqs", "stage_layers",
+               "stage_timeout", "cut_gen_len", "debug_mode")  # what a file-based or one-off CLI run needs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call generation settings; None takes the LLM's (flexh2o-run's --gen-len, --temperature, ...)."""
+
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+
+
+def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:
+    """Keyword options -> flexh2o-run arguments (ValueError naming an unknown keyword)."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv = []
+    for key, value in options.items():
+        action = actions.get(key)
+        if action is None or key in NOT_OPTIONS:
+            known = ", ".join(sorted(k for k in actions if k not in NOT_OPTIONS and k != "help"))
+            raise ValueError(f"unknown option {key!r}: LLM takes flexh2o-run's flags as keywords ({known})")
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true
+            argv += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif value is not None:
+            argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+class LLM:
+    """A model and its run options; generate() answers a list of prompts (text or token-id lists)."""
+
+    def __init__(self, model: str = "opt-125m", **options):
+        from flexh2o.cli.checks import check_run_flags
+        from flexh2o.cli.flexgen_flags import flexgen_options
+        from flexh2o.cli.run import build_parser
+        from flexh2o.prompts import load_tokenizer
+        path, tokenizer = _model_source(model)
+        if path is not None:
+            options = {"path": path, "tokenizer": tokenizer, **options}
+        else:
+            options = {"model": model, **options}
+        parser = build_parser()
+        self.args = parser.parse_args(option_argv(parser, options))
+        check_run_flags(self.args)
+        self.opts = flexgen_options(self.args)
+        self.cfg = _model_config(self.args)
+        self.tokenizer = load_tokenizer(self.args.tokenizer)
+
+    def generate(self, prompts: Sequence, params: Optional[SamplingParams] = None) -> list:
+        """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order."""
+        from flexh2o.batch.progress import Progress
+        from flexh2o.batch.run import run_requests
+        from flexh2o.cli.request_job import stop_rule
+        from flexh2o.cli.run import build_run_config
+        reqs = self.requests(prompts, params or SamplingParams())
+        args = copy.copy(self.args)
+        args.gen_len = max(r.max_new_tokens for r in reqs)
+        args.ignore_eos = (params or SamplingParams()).ignore_eos
+        rc = build_run_config(args, self.cfg, [list(r.prompt_ids) for r in reqs])
+        with Progress(len(reqs), enabled=self.opts.verbose >= 1) as bar:
+            stats = run_requests(rc, reqs, stop_rule(args, self.cfg, self.tokenizer), progress=bar,
+                                 warmup=not args.no_warmup)
+        order = {r.id: i for i, r in enumerate(reqs)}
+        return sorted(stats.results, key=lambda res: order[res.id])
+
+    def requests(self, prompts: Sequence, params: SamplingParams) -> list:
+        """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are."""
+        from flexh2o.requests import Defaults, request_from
+        if isinstance(prompts, (str, bytes)) or not prompts:
+            raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+        a = self.args
+        defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed)
+        given = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                 "seed": params.seed, "stop": list(params.stop) if params.stop else None}
+        fields = {k: v for k, v in given.items() if v is not None}
+        out = []
+        for i, p in enumerate(prompts):
+            key = "prompt" if isinstance(p, str) else "prompt_ids"
+            try:
+                out.append(request_from({"id": str(i), key: list(p) if key == "prompt_ids" else p, **fields},
+                                        defaults, self.cfg.vocab, self.tokenizer))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return out
+
+
+def _model_source(model: str) -> tuple:
+    """(converted checkpoint path, tokenizer) for 'smollm2', a .gguf file or a checkpoint folder; (None, None) for
+    a model name (seeded dummy weights)."""
+    if model == "smollm2" or model.endswith(".gguf"):
+        from flexh2o.eval.common import _converted, smollm2_gguf
+        import torch
+        src = smollm2_gguf() if model == "smollm2" else model
+        if not os.path.isfile(src):
+            raise ValueError(f"model {src} does not exist")
+        return _converted(src, torch.float32, None), src
+    if os.path.isdir(model):
+        has_tok = os.path.isfile(os.path.join(model, "tokenizer.json"))
+        return model, model if has_tok else None
+    return None, None
+
+
+def _model_config(args):
+    from flexh2o import config as model_configs
+    if args.path != "_DUMMY_":
+        return model_configs.load_converted_config(args.path)
+    return model_configs.from_name(args.model or "opt-125m")

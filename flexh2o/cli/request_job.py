@@ -1,0 +1,112 @@
+"""flexh2o-run's batch jobs over requests (flexh2o/requests.py): flags, loading, resume and the run itself.
+
+A run is a request job when --prompt-file is .jsonl or --output-file is .jsonl. Such a job stops each row at the
+model's EOS token(s) (unless --ignore-eos), at its stop strings or at its max_new_tokens, and appends one JSON line
+per finished request to --output-file as it finishes (--resume skips the ids already there). The older formats with
+a .json or no output file keep FlexGen's fixed-length rows, so its benchmark commands keep their meaning.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from flexh2o.requests import Defaults, load_requests, requests_from_prompts
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--ignore-eos", action="store_true", help="request jobs (.jsonl): generate every row to its max_new_tokens "
+      "(FlexGen's fixed length) instead of stopping at the model's EOS token")
+    a("--eos-id", type=int, nargs="+", default=None, help="request jobs: the EOS token id(s) rows stop at "
+      "(default: the model's config; with dummy weights its family's usual id)")
+    a("--resume", action="store_true", help="request jobs: skip the ids already answered in the .jsonl "
+      "--output-file (a torn last line left by a crash is dropped first)")
+
+
+def is_request_job(args) -> bool:
+    return any(str(getattr(args, f) or "").endswith(".jsonl") for f in ("prompt_file", "output_file"))
+
+
+def defaults_of(args) -> Defaults:
+    return Defaults(args.gen_len, args.temperature, args.top_p, args.seed)
+
+
+def load_request_file(args, cfg, tokenizer) -> Optional[list]:
+    """The requests of a .jsonl --prompt-file (None for other prompt files); --gen-len becomes the longest
+    max_new_tokens so the plan counts it. Checks --resume first, so a refusal comes before anything runs."""
+    check_resume(args)
+    if not str(args.prompt_file or "").endswith(".jsonl"):
+        return None
+    if not os.path.isfile(args.prompt_file):
+        raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
+    reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer)
+    args.gen_len = max(r.max_new_tokens for r in reqs)
+    return reqs
+
+
+def check_resume(args) -> None:
+    out = args.output_file
+    if args.resume and not is_request_job(args):
+        raise ValueError("--resume continues a request job: give a .jsonl --output-file")
+    if args.resume and not out:
+        raise ValueError("--resume needs the .jsonl --output-file of the run to continue")
+    if (out and out.endswith(".jsonl") and not args.resume and os.path.exists(out)
+            and os.path.getsize(out) > 0):
+        raise ValueError(f"--output-file {out} already holds results: pass --resume to continue that job, or "
+                         "move the file away to start over")
+
+
+def stop_rule(args, cfg, tokenizer):
+    from flexh2o.batch.stopping import StopRule
+    if args.ignore_eos:
+        return StopRule(frozenset(), tokenizer)
+    if args.eos_id is not None:
+        bad = [i for i in args.eos_id if not 0 <= i < cfg.vocab]
+        if bad:
+            raise ValueError(f"--eos-id {bad[0]} is outside the vocabulary (0..{cfg.vocab - 1})")
+        return StopRule(frozenset(args.eos_id), tokenizer)
+    ids = {cfg.eos_token_id} | ({tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None
+                                else set())
+    return StopRule(frozenset(i for i in ids if i is not None), tokenizer)
+
+
+def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenizer, opts) -> int:
+    """Answer the requests (or the older formats' prompts as requests '0', '1', ...) not yet in the output."""
+    from flexh2o.batch.progress import Progress
+    from flexh2o.batch.results import ResultWriter, done_ids
+    from flexh2o.batch.run import run_requests
+    from flexh2o.metrics import append_json_line
+    from flexh2o.pipeline.group import launched_by_torchrun
+    if launched_by_torchrun():
+        raise ValueError("request jobs (.jsonl) run in one process: drop torchrun, or use the .json formats")
+    rule = stop_rule(args, cfg, tokenizer)
+    reqs = reqs if reqs is not None else requests_from_prompts(prompts, defaults_of(args))
+    done = done_ids(args.output_file) if args.resume else set()
+    todo = [r for r in reqs if r.id not in done]
+    if not todo:
+        print(f"flexh2o-run: every request is already answered in {args.output_file}", file=sys.stderr)
+        return 0
+    writer = ResultWriter(args.output_file) if args.output_file else None
+    on_result = writer.write if writer else _print_result
+    with Progress(len(reqs), len(reqs) - len(todo), enabled=opts.verbose >= 1) as bar:
+        try:
+            stats = run_requests(rc, todo, rule, on_result, writer.sync if writer else None, bar,
+                                 warmup=not args.no_warmup)
+        finally:
+            if writer is not None:
+                writer.close()
+    if opts.verbose >= 1:
+        print(stats.summary(), file=sys.stdout if writer else sys.stderr)
+    if opts.log_file:
+        from flexh2o.job import policy_flags
+        append_json_line(opts.log_file, {"model": rc.model.name, "policy": policy_flags(rc),
+                                         "requests": stats.requests, "generated_tokens": stats.generated_tokens,
+                                         "seconds": stats.seconds, "useful_throughput": stats.tokens_per_s})
+    return 0
+
+
+def _print_result(result) -> None:
+    import json
+    print(json.dumps(result.record(), ensure_ascii=False), flush=True)

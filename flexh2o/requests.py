@@ -1,0 +1,151 @@
+"""Requests of a batch job: one per line of a `.jsonl` prompt file (or one per prompt of the older formats).
+
+A line is a JSON object: `id` (a unique string), `prompt` (text, encoded with the model's tokenizer) or
+`prompt_ids` (token ids), and optional `max_new_tokens`, `stop` (strings), `temperature`, `top_p`, `seed`. Fields
+left out take the run's values (--gen-len, --temperature, --top-p, --seed). Every line is checked before anything
+runs; a bad one is one ValueError naming the file, the line number and the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "stop", "temperature", "top_p", "seed")
+MAX_SEED = (1 << 63) - 1  # torch.Generator.manual_seed takes a 64-bit value
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The run's values for what a request leaves out."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to answer. prompt_ids: its tokens; text: the prompt as given (None for token ids)."""
+
+    id: str
+    prompt_ids: tuple
+    max_new_tokens: int = 32
+    stop: tuple = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    text: Optional[str] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError("id: give a non-empty string")
+        if not self.prompt_ids or not all(_is_int(t) and t >= 0 for t in self.prompt_ids):
+            raise ValueError("prompt_ids: give a non-empty list of token ids (integers >= 0)")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {self.max_new_tokens!r}: give an integer >= 1")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop: give a list of non-empty strings")
+        if not (_is_num(self.temperature) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature {self.temperature!r}: give a finite number >= 0 (0 is greedy)")
+        if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p {self.top_p!r}: give a number in (0, 1]")
+        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed {self.seed!r}: give an integer in 0..{MAX_SEED}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def request_from(obj: dict, defaults: Defaults, vocab: int, tokenizer=None) -> Request:
+    """A Request from one JSON object; ValueError('FIELD: what is wrong') when it cannot be one."""
+    if not isinstance(obj, dict):
+        raise ValueError("the line is not a JSON object: give {\"id\": ..., \"prompt\": ...}")
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field (fields: {', '.join(FIELDS)})")
+    if "id" not in obj:
+        raise ValueError("id: missing (every request needs a unique string id)")
+    ids, text = _prompt_ids(obj, vocab, tokenizer)
+    stop = obj.get("stop", [])
+    if isinstance(stop, str) or not isinstance(stop, list):
+        raise ValueError("stop: give a list of strings")
+    if stop and tokenizer is None:
+        raise ValueError("stop: stop strings need the model's tokenizer (--tokenizer)")
+    try:
+        return Request(obj["id"], tuple(ids), obj.get("max_new_tokens", defaults.max_new_tokens), tuple(stop),
+                       obj.get("temperature", defaults.temperature), obj.get("top_p", defaults.top_p),
+                       obj.get("seed", defaults.seed), text)
+    except TypeError:
+        raise ValueError("stop: give a list of strings") from None
+
+
+def _prompt_ids(obj: dict, vocab: int, tokenizer) -> tuple:
+    """(token ids, text or None) of a request's prompt."""
+    if ("prompt" in obj) == ("prompt_ids" in obj):
+        raise ValueError("prompt: give exactly one of prompt (text) and prompt_ids (token ids)")
+    if "prompt_ids" in obj:
+        ids = obj["prompt_ids"]
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            raise ValueError("prompt_ids: give a non-empty list of integer token ids")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids, None
+    text = obj["prompt"]
+    if not isinstance(text, str) or not text:
+        raise ValueError("prompt: give a non-empty string")
+    if tokenizer is None:
+        raise ValueError("prompt: text needs the model's tokenizer (--tokenizer), or give prompt_ids")
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("prompt: encodes to no tokens")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt: encodes to token id {bad[0]}, outside the model's vocabulary (0..{vocab - 1}): "
+                         "pass the --tokenizer of this model")
+    return ids, text
+
+
+def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None) -> list:
+    """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text (offset {e.start}): save it as UTF-8") from None
+    out, seen = [], {}
+    for num, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompt-file {path} line {num}: not valid JSON ({e.msg} at column {e.colno})") from None
+        try:
+            req = request_from(obj, defaults, vocab, tokenizer)
+        except ValueError as e:
+            raise ValueError(f"--prompt-file {path} line {num}: {e}") from None
+        if req.id in seen:
+            raise ValueError(f"--prompt-file {path} line {num}: id: {req.id!r} repeats line {seen[req.id]}; "
+                             "ids must be unique")
+        seen[req.id] = num
+        out.append(req)
+    if not out:
+        raise ValueError(f"--prompt-file {path} has no requests (one JSON object per line)")
+    return out
+
+
+def requests_from_prompts(prompts: list, defaults: Defaults) -> list:
+    """The older prompt formats (token-id lists): request ids are the prompts' indices ('0', '1', ...)."""
+    return [Request(str(i), tuple(p), defaults.max_new_tokens, (), defaults.temperature, defaults.top_p,
+                    defaults.seed) for i, p in enumerate(prompts)]

