@@ -3,11 +3,13 @@ in memory at a time, staged beside the destination and renamed into place, so an
 half-written checkpoint) into a cache directory keyed by the source's files (path, size, mtime) and the options, and
 reused by every later run.
 
-Where: <cache_dir()>/models/<source name>-<key> (cache_dir: $FLEXH2O_CACHE_DIR, else $XDG_CACHE_HOME/flexh2o, else
+Where: <cache_dir()>/models/<source name>-<key>, with <...>.lock beside it (held while converting, so runs started
+together convert once) (cache_dir: $FLEXH2O_CACHE_DIR, else $XDG_CACHE_HOME/flexh2o, else
 ~/.cache/flexh2o). A .gguf keeps its Q4_0/Q4_1/Q8_0/Q4_K blocks (weights/blocks.py) and stores everything else in
 float32 (lossless); a Hugging Face folder is stored in the dtype its config.json names (float32 when none)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -40,7 +42,12 @@ def converted(src: str, dtype: Optional[str] = None, keep_blocks: Optional[bool]
     dst = os.path.join(root or os.path.join(cache_dir(), "models"), f"{_stem(src)}-{_key(src, dtype, keep)}")
     if os.path.isfile(os.path.join(dst, CONFIG_FILE)):
         return dst, False
-    convert(src, dst, dtype=dtype, overwrite=True, progress=progress, keep_blocks=keep)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with open(f"{dst}.lock", "a") as lock:  # runs started together (torchrun ranks) convert once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(dst, CONFIG_FILE)):
+            return dst, False
+        convert(src, dst, dtype=dtype, overwrite=True, progress=progress, keep_blocks=keep)
     return dst, True
 
 
