@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexh2o.compress.codec import CompressedTensor, dequantize, stored_bytes, weight_spec
+from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, stored_bytes, weight_spec
 from flexh2o.compress.kept import KeptBlocks, with_kept
 from flexh2o.engine import Engine
 from flexh2o.placement import Percent
@@ -20,6 +20,7 @@ from flexh2o.sampling import TeacherForcer
 from flexh2o.weights import blocks
 from flexh2o.weights.convert import convert
 from flexh2o.weights.format import CheckpointReader
+from flexh2o.weights.kept_run import with_checkpoint
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -116,13 +117,13 @@ def test_run_spec_and_plan_bytes(tiny):
     """The run's weight compression: each kept tensor's own spec (whatever --compress-group-size says), plain
     tensors plain without --compress-weight; the plan counts the checkpoint's bytes."""
     reader = CheckpointReader(tiny["kept"])
-    run = blocks.with_checkpoint(None, tiny["kept"])
+    run = with_checkpoint(None, tiny["kept"])
     assert isinstance(run, KeptBlocks) and not run.others
-    flags = blocks.with_checkpoint(blocks.CompressionSpec(4, 64, 1), tiny["kept"])
+    flags = with_checkpoint(CompressionSpec(4, 64, 1), tiny["kept"])
     for name in reader.names():
         shape = reader.shape(name)
         assert weight_spec(shape, run, name) == weight_spec(shape, flags, name) == reader.kept().get(name)
-    assert blocks.with_checkpoint(None, tiny["fp32"]) is None and with_kept(None, {}) is None
+    assert with_checkpoint(None, tiny["fp32"]) is None and with_kept(None, {}) is None
     rc = _rc(tiny["kept"], "generic")
     homes = rc.placement.weights
     assert sum(homes.bytes_by_tier(rc.dtype, rc.compress_weight).values()) == sum(
@@ -133,7 +134,7 @@ def _rc(path: str, mode: str, prompt_len: int = 24, gen_len: int = 6) -> RunConf
     cfg = CheckpointReader(path).config
     return RunConfig(model=cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=2, prompt_len=prompt_len,
                      gen_len=gen_len, dtype=torch.float32, path=path, gpu_mem=2 << 30,
-                     compress_weight=blocks.with_checkpoint(None, path), weight_kernel=mode)
+                     compress_weight=with_checkpoint(None, path), weight_kernel=mode)
 
 
 def _forced_logits(rc: RunConfig, prompts: list, targets: torch.Tensor) -> tuple:

@@ -54,7 +54,7 @@ def test_converted_once_and_reused(hf_folder, tmp_path, monkeypatch):
     assert CheckpointReader(first).dtype("model.decoder.embed_tokens.weight") == torch.bfloat16  # the config's
     again, fresh = converted(hf_folder, root=root)
     assert (again, fresh) == (first, False) and len(calls) == 1
-    other, fresh = converted(hf_folder, "float32", root=root)  # other options: another entry
+    other, fresh = converted(hf_folder, root, "float32")  # other options: another entry
     assert fresh and other != first
     os.utime(os.path.join(hf_folder, "config.json"), ns=(1, 1))  # the source changed: converted again
     changed, fresh = converted(hf_folder, root=root)

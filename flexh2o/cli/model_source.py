@@ -6,6 +6,7 @@ import os
 import sys
 
 from flexh2o.config import CONFIG_FILE
+from flexh2o.planning.machine import cache_dir
 
 
 def resolve_source(args, prog: str) -> None:
@@ -27,7 +28,7 @@ def resolve_source(args, prog: str) -> None:
         return
     bar = ConvertBar(sys.stderr.isatty())
     try:
-        path, fresh = converted(given, progress=bar)
+        path, fresh = converted(given, os.path.join(cache_dir(), "models"), progress=bar)
     finally:
         bar.close()
     how = "converted once into" if fresh else "already converted:"

@@ -20,7 +20,7 @@ from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.model_source import resolve_source
-from flexh2o.weights.blocks import with_checkpoint
+from flexh2o.weights.kept_run import with_checkpoint
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun

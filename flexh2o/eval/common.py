@@ -26,7 +26,7 @@ from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import TeacherForcer
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
-from flexh2o.weights.blocks import with_checkpoint
+from flexh2o.weights.kept_run import with_checkpoint
 
 EVICTING = tuple(p for p in POLICIES if p != "full")  # every policy but full
 TEXTS = ("hamlet", "macbeth", "julius_caesar")
@@ -87,7 +87,7 @@ def _converted(gguf_path: str, dtype: torch.dtype, cache_dir: Optional[str], kee
     from flexh2o.weights.source_cache import converted
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     root = cache_dir or os.path.join(tempfile.gettempdir(), "flexh2o-eval")
-    return converted(gguf_path, name, keep_blocks, root)[0]
+    return converted(gguf_path, root, name, keep_blocks)[0]
 
 
 def load_text(name: str) -> str:

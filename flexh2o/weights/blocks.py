@@ -14,13 +14,10 @@ A 4-bit byte of a Q4_0/Q4_1 block holds value j (low nibble) and j + 16 (high ni
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 
 from flexh2o.compress.codec import CompressedTensor, CompressionSpec, stored_bytes
-from flexh2o.compress.kept import with_kept
 from flexh2o.dtypes import DTYPES, dtype_name
 
 GROUP = 32  # values per ggml block (and per Q4_K sub-block)
@@ -115,11 +112,3 @@ def keeps(kind: str, shape: tuple) -> bool:
     """Whether a GGUF tensor of block type `kind` and (rows, K) `shape` is kept in its blocks."""
     return kind in KEPT and len(shape) == 2 and shape[1] % (256 if kind == "Q4_K" else GROUP) == 0
 
-
-def with_checkpoint(spec: Optional[CompressionSpec], path: str) -> Optional[CompressionSpec]:
-    """A run's weight compression: --compress-weight's `spec` (or None) joined with the blocks the converted
-    checkpoint at `path` keeps (compress/kept.py); `spec` itself for dummy weights or a checkpoint without blocks."""
-    if path == "_DUMMY_":
-        return spec
-    from flexh2o.weights.format import CheckpointReader
-    return with_kept(spec, CheckpointReader(path).kept())

@@ -23,17 +23,14 @@ import torch
 
 from flexh2o.compress.codec import CompressedTensor, dequantize
 from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
-from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import DTYPES, dtype_name, parse_dtype
 from flexh2o.models import unique_specs
 from flexh2o.storage.base import as_bytes
 from flexh2o.storage.dirlock import LOCK_FILE, make_locked_dir, stale_staging
 from flexh2o.weights import blocks
+from flexh2o.weights.index import FIX, FORMAT_VERSION, INDEX_FILE, load_index, spec_nbytes
 
-FORMAT_VERSION = 1
-INDEX_FILE = "index.json"
 TENSOR_DIR = "tensors"
-FIX = "re-run flexh2o-convert"
 CHUNK = 8 << 20  # bytes hashed per piece, while the piece is still in cache
 
 
@@ -202,7 +199,7 @@ class CheckpointReader:
         _check_byteorder()
         self.path = os.path.abspath(path)
         self.config = load_converted_config(self.path)
-        self.entries = _load_index(os.path.join(self.path, INDEX_FILE))
+        self.entries = load_index(os.path.join(self.path, INDEX_FILE))
         self._validate()
 
     def names(self) -> list:
@@ -287,30 +284,3 @@ class CheckpointReader:
                 raise ValueError(f"{path} is truncated: {size} of {want} bytes; {FIX}")
             if size > want:
                 raise ValueError(f"{path} is too long: {size} bytes, expected {want}; {FIX}")
-
-
-def spec_nbytes(entry: dict) -> int:
-    """Bytes implied by an index entry's shape and dtype (and blocks)."""
-    if "blocks" in entry:
-        return blocks.entry_nbytes(entry)
-    n = 1
-    for d in entry["shape"]:
-        n *= d
-    return n * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
-
-
-def _load_index(index: str) -> dict:
-    """index.json -> {name: entry}, with every entry's fields checked."""
-    if not os.path.isfile(index):
-        raise ValueError(f"{index} is missing; {FIX}")
-    d = read_json(index, FIX)
-    if not isinstance(d, dict) or d.get("format") != FORMAT_VERSION or not isinstance(d.get("tensors"), dict):
-        raise ValueError(f"{index} is not a flexh2o index (format {FORMAT_VERSION}); {FIX}")
-    for name, e in d["tensors"].items():
-        ok = (isinstance(e, dict) and isinstance(e.get("file"), str) and e.get("dtype") in DTYPES
-              and isinstance(e.get("shape"), list) and all(isinstance(x, int) and x >= 0 for x in e["shape"])
-              and isinstance(e.get("nbytes"), int) and os.path.basename(e["file"]) == e["file"]
-              and isinstance(e.get("blake2b", ""), str) and blocks.entry_ok(e))
-        if not ok:
-            raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
-    return d["tensors"]

@@ -3,10 +3,11 @@ in memory at a time, staged beside the destination and renamed into place, so an
 half-written checkpoint) into a cache directory keyed by the source's files (path, size, mtime) and the options, and
 reused by every later run.
 
-Where: <cache_dir()>/models/<source name>-<key>, with <...>.lock beside it (held while converting, so runs started
-together convert once) (cache_dir: $FLEXH2O_CACHE_DIR, else $XDG_CACHE_HOME/flexh2o, else
-~/.cache/flexh2o). A .gguf keeps its Q4_0/Q4_1/Q8_0/Q4_K blocks (weights/blocks.py) and stores everything else in
-float32 (lossless); a Hugging Face folder is stored in the dtype its config.json names (float32 when none)."""
+Where: <root>/<source name>-<key>, with <...>.lock beside it (held while converting, so runs started together
+convert once); flexh2o-run's root is <planning.machine.cache_dir()>/models ($FLEXH2O_CACHE_DIR, else
+$XDG_CACHE_HOME/flexh2o, else ~/.cache/flexh2o). A .gguf keeps its Q4_0/Q4_1/Q8_0/Q4_K blocks (weights/blocks.py)
+and stores everything else in float32 (lossless); a Hugging Face folder is stored in the dtype its config.json
+names (float32 when none)."""
 from __future__ import annotations
 
 import fcntl
@@ -16,8 +17,7 @@ import os
 from typing import Callable, Optional
 
 from flexh2o.config import CONFIG_FILE
-from flexh2o.planning.machine import cache_dir
-from flexh2o.weights.format import FORMAT_VERSION
+from flexh2o.weights.index import FORMAT_VERSION
 
 HF_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -31,15 +31,15 @@ def is_source(path: str) -> bool:
             and not os.path.isfile(os.path.join(path, CONFIG_FILE)))
 
 
-def converted(src: str, dtype: Optional[str] = None, keep_blocks: Optional[bool] = None, root: Optional[str] = None,
+def converted(src: str, root: str, dtype: Optional[str] = None, keep_blocks: Optional[bool] = None,
               progress: Optional[Callable] = None) -> tuple:
-    """(checkpoint directory, whether it was converted now) for the source `src`: the cached conversion when one
-    exists, else a new one. dtype / keep_blocks: None for the defaults in the module docstring."""
+    """(checkpoint directory, whether it was converted now) for the source `src`: the cached conversion under `root`
+    when one exists, else a new one. dtype / keep_blocks: None for the defaults in the module docstring."""
     from flexh2o.weights.convert import convert
     gguf = src.endswith(".gguf")
     dtype = dtype or ("float32" if gguf else _hf_dtype(src))
     keep = gguf if keep_blocks is None else keep_blocks and gguf
-    dst = os.path.join(root or os.path.join(cache_dir(), "models"), f"{_stem(src)}-{_key(src, dtype, keep)}")
+    dst = os.path.join(root, f"{_stem(src)}-{_key(src, dtype, keep)}")
     if os.path.isfile(os.path.join(dst, CONFIG_FILE)):
         return dst, False
     os.makedirs(os.path.dirname(dst), exist_ok=True)
