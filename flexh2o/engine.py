@@ -14,6 +14,7 @@ import torch
 
 from flexh2o import models
 from flexh2o.compress.choice import PHASES, kernel_phases
+from flexh2o.compress.codec import weight_spec
 from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
@@ -86,10 +87,11 @@ class Engine:
         if not names:
             return dict.fromkeys(PHASES, False)
         blocks = [s for layer in layers[1:-1] for s in layer if s in names]  # the blocks' matmuls
-        shape = max((s.shape for s in blocks or names), key=lambda sh: sh[0] * sh[1])
+        probed = max(blocks or names, key=lambda s: s.shape[0] * s.shape[1])
         rows = {"prefill": rc.prefill_rows() * rc.prompt_len, "decode": rc.gpu_batch_size}
         dtypes = {"prefill": rc.compute_at(0), "decode": rc.compute_at(1)}
-        return kernel_phases(rc.weight_kernel, shape, rows, rc.compress_weight, dtypes,
+        spec = weight_spec(probed.shape, rc.compress_weight, probed.name)  # a kept block's own grouping
+        return kernel_phases(rc.weight_kernel, probed.shape, rows, spec, dtypes,
                              lambda kernel: plan_memory(rc, kernel=kernel).overflow() is None)
 
     def close(self) -> None:

@@ -133,7 +133,7 @@ class WeightHomes:
         if key not in self._memo:
             out = dict.fromkeys(TIERS, 0)
             for s in self.unique_specs():
-                out[self.homes[s.name]] += tensor_bytes(s.shape, dtype, weight_spec(s.shape, compress))
+                out[self.homes[s.name]] += tensor_bytes(s.shape, dtype, weight_spec(s.shape, compress, s.name))
             self._memo[key] = out
         return dict(self._memo[key])
 

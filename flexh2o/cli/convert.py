@@ -6,6 +6,7 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.model_source import ConvertBar
 from flexh2o.weights.convert import convert
 from flexh2o.weights.format import DTYPES
 
@@ -18,27 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float16", help="stored dtype (default float16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing flexh2o checkpoint at DST")
+    p.add_argument("--keep-blocks", action="store_true", help="a .gguf's Q4_0/Q4_1/Q8_0/Q4_K tensors stay in their "
+                   "own quantized blocks (runs use them compressed), not expanded into --dtype")
     return p
-
-
-class _Bar:
-    """tqdm bar over tensors, created on the first tensor (when the total is known); only on a tty."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.bar = None
-
-    def __call__(self, name: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="tensor", file=sys.stderr, leave=False)
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -47,9 +30,10 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def _convert(args) -> int:
-    bar = _Bar(sys.stderr.isatty())
+    bar = ConvertBar(sys.stderr.isatty())
     try:
-        result = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=bar)
+        result = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=bar,
+                         keep_blocks=args.keep_blocks)
     finally:
         bar.close()
     print(f"converted {result.config.name} ({result.config.family}): {result.num_tensors} tensors, "

@@ -82,7 +82,8 @@ def _run(args, argv: list) -> int:
     if args.dtype == "auto":
         from flexh2o.planning.dtype_choice import fastest_uniform
         args.dtype = fastest_uniform(1, 512, 1)  # teacher-forced scoring: prefill-shaped
-    model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed)
+    model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed,
+                       keep_blocks=args.compress_weight)  # a GGUF's own blocks, not requantized
     set_run_options(model, args)
     start = time.perf_counter()
     if args.task == "ppl":

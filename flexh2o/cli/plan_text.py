@@ -37,6 +37,9 @@ def _dtype_line(rc: RunConfig) -> str:
 
 
 def _compression_note(rc: RunConfig) -> str:
+    from flexh2o.compress.kept import compresses_others, describe_kept
     parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
-             (("weights", rc.compress_weight), ("cache", rc.compress_cache)) if spec]
+             (("weights", rc.compress_weight if compresses_others(rc.compress_weight) else None),
+              ("cache", rc.compress_cache)) if spec] + [describe_kept(rc.compress_weight)] * bool(
+        describe_kept(rc.compress_weight))
     return f"  compressed {', '.join(parts)}" if parts else ""

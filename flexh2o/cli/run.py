@@ -19,6 +19,8 @@ from flexh2o.run_config import RunConfig
 from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
+from flexh2o.cli.model_source import resolve_source
+from flexh2o.weights.kept_run import with_checkpoint
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
@@ -30,8 +32,10 @@ from flexh2o.cli.request_job import add_request_flags, is_request_job, load_requ
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
     a = p.add_argument
-    a("--model", default=None, help="opt-125m (default) ... opt-175b (facebook/ prefix accepted); not with --path")
-    a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), or _DUMMY_ for seeded weights")
+    a("--model", default=None, help="opt-125m (default) ... opt-175b (facebook/ prefix accepted), or a Hugging Face "
+      "folder or .gguf file (converted once into ~/.cache/flexh2o/models); not with --path")
+    a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), a Hugging Face folder or .gguf "
+      "file (converted once, as --model), or _DUMMY_ for seeded weights")
     a("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
       help="weights-gpu weights-cpu cache-gpu cache-cpu [act-gpu act-cpu]; disk gets the rest")
     a("--gpu-batch-size", default=None, help="sequences per GPU batch, or 'auto' (largest that fits); default: "
@@ -97,6 +101,7 @@ def _run(args) -> int:
 
     opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
     sweep(args.offload_dir)  # stale run dirs of killed runs go first, before free space is measured
+    resolve_source(args, "flexh2o-run")  # a Hugging Face folder or .gguf: its cached conversion
     cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
            else model_configs.from_name(args.model or "opt-125m"))
     tokenizer = load_tokenizer(args.tokenizer)
@@ -187,6 +192,7 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
         raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {given})")
     gbs = 1 if auto else int(given)
     packed = compression_specs(args, device)
+    packed = (with_checkpoint(packed[0], args.path), packed[1])  # a converted GGUF's kept blocks stay as they are
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,

@@ -23,11 +23,13 @@ BITS = (4, 8)
 
 @dataclass(frozen=True)
 class CompressionSpec:
-    """bits (4 or 8) a value, values per group, and the grouped dimension (negative counts from the end)."""
+    """bits (4 or 8) a value, values per group, the grouped dimension (negative counts from the end), and the dtype
+    of the scales and minimums (None: the tensor's storage dtype; a checkpoint's own blocks keep theirs)."""
 
     bits: int = 4
     group_size: int = 64
     group_dim: int = 0
+    scale_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -43,6 +45,10 @@ class CompressionSpec:
     def along(self, dim: int) -> "CompressionSpec":
         return replace(self, group_dim=dim)
 
+    def for_weight(self, name: Optional[str]) -> Optional["CompressionSpec"]:
+        """The spec of the 2+-dimensional weight `name` (a checkpoint's kept blocks have their own: kept.py)."""
+        return self
+
     def dim(self, ndim: int) -> int:
         """The grouped dimension of an ndim-dimensional tensor, as a non-negative index."""
         if not -ndim <= self.group_dim < ndim:
@@ -56,7 +62,7 @@ class CompressionSpec:
         groups = -(-shape[d] // self.group_size)
         data = shape[:d] + (groups, self.group_size * self.bits // 8) + shape[d + 1:]
         meta = shape[:d] + (groups,) + shape[d + 1:] + (2,)
-        return (data, torch.uint8), (meta, dtype)
+        return (data, torch.uint8), (meta, self.scale_dtype or dtype)
 
 
 def stored_parts(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec] = None) -> tuple:
@@ -72,11 +78,11 @@ def stored_bytes(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpe
     return sum(stored_parts(shape, dtype, spec))
 
 
-def weight_spec(shape: tuple, spec: Optional[CompressionSpec]) -> Optional[CompressionSpec]:
-    """How a weight of `shape` is stored under --compress-weight's `spec`: 2+ dimensions grouped along the spec's
-    dimension (0: FlexGen's group_dim 0; 1: the input dimension, the int4 kernel's); 1-D weights (biases, norms) stay
-    plain, as in FlexGen."""
-    return spec if spec is not None and len(shape) > 1 else None
+def weight_spec(shape: tuple, spec: Optional[CompressionSpec], name: Optional[str] = None) -> Optional[CompressionSpec]:
+    """How the weight `name` of `shape` is stored under --compress-weight's `spec`: 2+ dimensions grouped along the
+    spec's dimension (0: FlexGen's group_dim 0; 1: the input dimension, the int4 kernel's), or as a checkpoint's own
+    blocks (spec.for_weight); 1-D weights (biases, norms) stay plain, as in FlexGen."""
+    return spec.for_weight(name) if spec is not None and len(shape) > 1 else None
 
 
 def _numel(shape: tuple) -> int:
@@ -116,8 +122,9 @@ class CompressedTensor:
 
 
 def quantize(x: torch.Tensor, spec: CompressionSpec, dtype: Optional[torch.dtype] = None) -> CompressedTensor:
-    """x (any float dtype) -> CompressedTensor whose scale and minimum are stored as `dtype` (default x.dtype)."""
-    dtype = dtype or x.dtype
+    """x (any float dtype) -> CompressedTensor whose scale and minimum are stored as spec.scale_dtype, else `dtype`
+    (default x.dtype)."""
+    dtype = spec.scale_dtype or dtype or x.dtype
     d, n, size = spec.dim(x.dim()), x.shape[spec.dim(x.dim())], spec.group_size
     groups = -(-n // size)
     xf = x.float()

@@ -26,6 +26,7 @@ from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import TeacherForcer
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
+from flexh2o.weights.kept_run import with_checkpoint
 
 EVICTING = tuple(p for p in POLICIES if p != "full")  # every policy but full
 TEXTS = ("hamlet", "macbeth", "julius_caesar")
@@ -63,14 +64,15 @@ def smollm2_gguf() -> str:
 
 
 def load_model(model: str, dtype: str = "bfloat16", tokenizer: Optional[str] = None,
-               cache_dir: Optional[str] = None, seed: int = 0) -> EvalModel:
-    """`smollm2`, a .gguf file (converted once into cache_dir) or a converted checkpoint folder."""
+               cache_dir: Optional[str] = None, seed: int = 0, keep_blocks: bool = False) -> EvalModel:
+    """`smollm2`, a .gguf file (converted once into cache_dir; keep_blocks: its quantized blocks kept as they are,
+    weights/blocks.py) or a converted checkpoint folder."""
     torch_dtype = parse_dtype(dtype)
     src = smollm2_gguf() if model == "smollm2" else model
     if src.endswith(".gguf"):
         if not os.path.isfile(src):
             raise ValueError(f"{src} does not exist")
-        path = _converted(src, torch_dtype, cache_dir)
+        path = _converted(src, torch_dtype, cache_dir, keep_blocks)
         tokenizer = tokenizer or src
     elif os.path.isdir(src):
         path = src
@@ -80,16 +82,12 @@ def load_model(model: str, dtype: str = "bfloat16", tokenizer: Optional[str] = N
     return EvalModel(path, load_converted_config(path), load_tokenizer(tokenizer), torch_dtype, seed=seed)
 
 
-def _converted(gguf_path: str, dtype: torch.dtype, cache_dir: Optional[str]) -> str:
-    from flexh2o.config import CONFIG_FILE
-    from flexh2o.weights.convert import convert
+def _converted(gguf_path: str, dtype: torch.dtype, cache_dir: Optional[str], keep_blocks: bool = False) -> str:
+    """The GGUF converted once into `cache_dir` (default $TMPDIR/flexh2o-eval) in `dtype` (weights/source_cache.py)."""
+    from flexh2o.weights.source_cache import converted
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     root = cache_dir or os.path.join(tempfile.gettempdir(), "flexh2o-eval")
-    stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    dst = os.path.join(root, f"{stem}-{name}-{os.path.getsize(gguf_path)}")
-    if not os.path.isfile(os.path.join(dst, CONFIG_FILE)):
-        convert(gguf_path, dst, dtype=name, overwrite=True)
-    return dst
+    return converted(gguf_path, root, name, keep_blocks)[0]
 
 
 def load_text(name: str) -> str:
@@ -184,7 +182,8 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
                    num_gpu_batches=num_batches, prompt_len=prompt_len, gen_len=steps, path=model.path,
                    dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
                    max_positions=max(model.cfg.max_positions, prompt_len + steps), prefill_batch=prefill_batch,
-                   compress_weight=model.compress_weight, compress_cache=model.compress_cache,
+                   compress_weight=with_checkpoint(model.compress_weight, model.path),
+                   compress_cache=model.compress_cache,
                    weight_kernel=model.weight_kernel, prompt_copies=copies,
                    overlap=False)  # everything lives in one tier: no I/O to overlap, no thread hand-offs
     scorer = TeacherForcer(targets)

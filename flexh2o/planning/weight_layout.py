@@ -26,12 +26,12 @@ def weight_layout(homes: WeightHomes, dtype: torch.dtype, compress: Optional[Com
                        tuple((s.numel, s.shape[1]) for s in ordered if is_lookup(i, s))))
         per_tier: dict = {}
         for s in layer:
-            parts = stored_parts(s.shape, dtype, weight_spec(s.shape, compress))
+            parts = stored_parts(s.shape, dtype, weight_spec(s.shape, compress, s.name))
             got = per_tier.get(homes[s.name], (0, 0, 0))
             per_tier[homes[s.name]] = (got[0] + sum(parts), got[1] + sum(map(padded, parts)), got[2] + len(parts))
         weights.append(tuple(sorted((t, *v) for t, v in per_tier.items())))
         params2d.append(sum(s.numel for s in layer if len(s.shape) == 2 and not is_lookup(i, s)))
-        packed.append(sum(s.numel for s in layer if weight_spec(s.shape, compress)))
+        packed.append(sum(s.numel for s in layer if weight_spec(s.shape, compress, s.name)))
     return tuple(weights), tuple(params2d), tuple(packed), tuple(kernel)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from flexh2o.compress.kept import compresses_others
 from flexh2o.kv.policies import POLICIES
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
@@ -111,10 +112,11 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
 
 def compression_flags(rc: RunConfig) -> list:
     """The flexh2o-run flags of rc's compression (cli/compress_flags.py reads them back)."""
-    spec = rc.compress_weight or rc.compress_cache
+    weights = compresses_others(rc.compress_weight)  # a checkpoint's kept blocks come with its --path
+    spec = rc.compress_weight if weights else rc.compress_cache
     if spec is None:
         return []
-    out = ["--compress-weight"] * bool(rc.compress_weight) + ["--compress-cache"] * bool(rc.compress_cache)
+    out = ["--compress-weight"] * weights + ["--compress-cache"] * bool(rc.compress_cache)
     if (spec.bits, spec.group_size) != (4, 64):
         out.append(f"--compress-bits {spec.bits} --compress-group-size {spec.group_size}")
     if rc.compress_weight and rc.weight_kernel != "auto":

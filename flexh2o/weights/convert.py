@@ -12,10 +12,12 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from flexh2o.compress.codec import CompressedTensor
 from flexh2o.config import ModelConfig
 from flexh2o.weights.hf_config import from_hf_config
 from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import parse_dtype
+from flexh2o.weights import blocks
 from flexh2o.weights.format import CheckpointWriter
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -42,12 +44,14 @@ class ConvertResult:
 
 
 def convert(src: str, dst: str, dtype: str = "float16", overwrite: bool = False,
-            progress: Optional[Progress] = None) -> ConvertResult:
-    """Convert SRC (HF folder or .gguf file) into a flexh2o checkpoint at DST; nothing is left at DST on error."""
+            progress: Optional[Progress] = None, keep_blocks: bool = False) -> ConvertResult:
+    """Convert SRC (HF folder or .gguf file) into a flexh2o checkpoint at DST; nothing is left at DST on error.
+    keep_blocks: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K tensors are kept in their own blocks (weights/blocks.py), not
+    expanded into `dtype`."""
     start = time.perf_counter()
     parse_dtype(dtype)
     if os.path.isfile(src) and src.endswith(".gguf"):
-        cfg, source = _gguf_source(src)
+        cfg, source = _gguf_source(src, keep_blocks)
     elif os.path.isdir(src):
         cfg, source = _hf_source(src)
     else:
@@ -170,7 +174,7 @@ def _engine_name(cfg: ModelConfig, key: str) -> Optional[str]:
 
 # ---------------------------------------------------------------- GGUF files
 
-def _gguf_source(path: str) -> Tuple[ModelConfig, Source]:
+def _gguf_source(path: str, keep_blocks: bool = False) -> Tuple[ModelConfig, Source]:
     try:
         import gguf
     except ImportError:
@@ -180,7 +184,7 @@ def _gguf_source(path: str) -> Tuple[ModelConfig, Source]:
     except Exception as e:  # the reader raises ValueError/struct.error/IndexError on bad files
         raise ValueError(f"{path} is not a readable GGUF file: {str(e).splitlines()[0] if str(e) else e!r}") from None
     cfg = _gguf_config(path, reader)
-    return cfg, _gguf_tensors(path, reader, cfg)
+    return cfg, _gguf_tensors(path, reader, cfg, keep_blocks)
 
 
 def _gguf_config(path: str, reader) -> ModelConfig:
@@ -215,19 +219,28 @@ def _gguf_config(path: str, reader) -> ModelConfig:
         bos_token_id=int(get("tokenizer.ggml.bos_token_id", 1)), eos_token_id=int(eos))
 
 
-def _gguf_tensors(path: str, reader, cfg: ModelConfig) -> Source:
+def _gguf_tensors(path: str, reader, cfg: ModelConfig, keep_blocks: bool = False) -> Source:
     from gguf.quants import dequantize
     for t in reader.tensors:
         name = _gguf_name(t.name)
         if name is None:
             continue
-        a = dequantize(t.data, t.tensor_type)  # float32, numpy row-major: (out_features, in_features)
-        w = torch.from_numpy(a if a.flags.writeable else np.array(a, dtype=np.float32))
+        shape = tuple(int(x) for x in reversed(t.shape))  # numpy row-major: (out_features, in_features)
+        if keep_blocks and blocks.keeps(t.tensor_type.name, shape):
+            w = blocks.from_gguf(t.data, t.tensor_type.name, shape)
+        else:
+            a = dequantize(t.data, t.tensor_type)  # float32
+            w = torch.from_numpy(a if a.flags.writeable else np.array(a, dtype=np.float32))
         if t.name.endswith("attn_q.weight"):
-            w = unpermute_rope(w, cfg.num_heads)
+            w = _rows(w, lambda x: unpermute_rope(x, cfg.num_heads))
         elif t.name.endswith("attn_k.weight"):
-            w = unpermute_rope(w, cfg.kv_heads)
+            w = _rows(w, lambda x: unpermute_rope(x, cfg.kv_heads))
         yield path, t.name, name, w
+
+
+def _rows(w, fn):
+    """fn (a permutation of rows) applied to a tensor, or to a CompressedTensor's data and meta alike."""
+    return w.map(lambda x: fn(x).contiguous()) if isinstance(w, CompressedTensor) else fn(w)
 
 
 def _gguf_name(gname: str) -> Optional[str]:

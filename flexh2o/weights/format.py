@@ -21,17 +21,16 @@ import sys
 import tempfile
 import torch
 
+from flexh2o.compress.codec import CompressedTensor, dequantize
 from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
-from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import DTYPES, dtype_name, parse_dtype
 from flexh2o.models import unique_specs
 from flexh2o.storage.base import as_bytes
 from flexh2o.storage.dirlock import LOCK_FILE, make_locked_dir, stale_staging
+from flexh2o.weights import blocks
+from flexh2o.weights.index import FIX, FORMAT_VERSION, INDEX_FILE, load_index, spec_nbytes
 
-FORMAT_VERSION = 1
-INDEX_FILE = "index.json"
 TENSOR_DIR = "tensors"
-FIX = "re-run flexh2o-convert"
 CHUNK = 8 << 20  # bytes hashed per piece, while the piece is still in cache
 
 
@@ -79,8 +78,9 @@ class CheckpointWriter:
         if exc_type is not None:
             self.abort()
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Validate `name` and shape against the model's specs, cast to the checkpoint dtype, and write it."""
+    def add(self, name: str, tensor) -> None:
+        """Validate `name` and shape against the model's specs, cast to the checkpoint dtype, and write it; a
+        CompressedTensor (a GGUF tensor's kept blocks) is written as it is: data, then meta."""
         spec = self.specs.get(name)
         if spec is None:
             raise ValueError(f"unexpected tensor {name!r} for a {self.cfg.family} model with this config")
@@ -89,18 +89,25 @@ class CheckpointWriter:
         if tuple(tensor.shape) != tuple(spec.shape):
             raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)} but the config implies "
                              f"{list(spec.shape)}: check config.json matches the weights")
-        t = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
-        _check_finite(name, tensor, t)
+        if isinstance(tensor, CompressedTensor):
+            _check_finite(name, tensor.meta, tensor.meta)
+            parts, extra = (tensor.data.contiguous(), tensor.meta.contiguous()), blocks.blocks_entry(tensor)
+        else:
+            t = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
+            _check_finite(name, tensor, t)
+            parts, extra = (t,), {"dtype": self.dtype_name}
         fname = file_name(name)
         path = os.path.join(self.stage, TENSOR_DIR, fname)
-        data, h = memoryview(as_bytes(t).numpy()), digest()
+        h, nbytes = digest(), 0
         with open(path + ".tmp", "wb") as fh:
-            for i in range(0, len(data), CHUNK):
-                fh.write(data[i:i + CHUNK])
-                h.update(data[i:i + CHUNK])
+            for part in parts:
+                data = memoryview(as_bytes(part).numpy())
+                for i in range(0, len(data), CHUNK):
+                    fh.write(data[i:i + CHUNK])
+                    h.update(data[i:i + CHUNK])
+                nbytes += len(data)
         os.replace(path + ".tmp", path)
-        nbytes = t.numel() * t.element_size()
-        self.entries[name] = {"file": fname, "shape": list(t.shape), "dtype": self.dtype_name, "nbytes": nbytes,
+        self.entries[name] = {"file": fname, "shape": list(spec.shape), **extra, "nbytes": nbytes,
                               "blake2b": h.hexdigest()}
         self.num_bytes += nbytes
 
@@ -192,7 +199,7 @@ class CheckpointReader:
         _check_byteorder()
         self.path = os.path.abspath(path)
         self.config = load_converted_config(self.path)
-        self.entries = _load_index(os.path.join(self.path, INDEX_FILE))
+        self.entries = load_index(os.path.join(self.path, INDEX_FILE))
         self._validate()
 
     def names(self) -> list:
@@ -210,17 +217,28 @@ class CheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         return DTYPES[self.entries[name]["dtype"]]
 
-    def read(self, name: str) -> torch.Tensor:
-        """A new CPU tensor in the stored dtype."""
+    def read(self, name: str):
+        """A new CPU tensor in the stored dtype, or the CompressedTensor of a tensor kept in blocks."""
+        e = self.entries[name]
+        if "blocks" in e:
+            out = torch.empty(e["nbytes"], dtype=torch.uint8)
+            self._read_raw(name, out)
+            return blocks.split(out, e)
         out = torch.empty(self.shape(name), dtype=self.dtype(name))
         self._read_raw(name, out)
         return out
+
+    def kept(self) -> dict:
+        """name -> CompressionSpec of the tensors kept in blocks (a GGUF's own quantization)."""
+        return {n: blocks.entry_spec(e) for n, e in self.entries.items() if "blocks" in e}
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Fill `out` (same shape, any dtype or device); reads straight into it when CPU, contiguous, same dtype."""
         if tuple(out.shape) != self.shape(name):
             raise ValueError(f"cannot read {name!r} of shape {list(self.shape(name))} into {list(out.shape)}")
-        if out.device.type == "cpu" and out.dtype == self.dtype(name) and out.is_contiguous():
+        if "blocks" in self.entries[name]:
+            out.copy_(dequantize(self.read(name), out.dtype))
+        elif out.device.type == "cpu" and out.dtype == self.dtype(name) and out.is_contiguous():
             self._read_raw(name, out)
         else:
             out.copy_(self.read(name))
@@ -266,28 +284,3 @@ class CheckpointReader:
                 raise ValueError(f"{path} is truncated: {size} of {want} bytes; {FIX}")
             if size > want:
                 raise ValueError(f"{path} is too long: {size} bytes, expected {want}; {FIX}")
-
-
-def spec_nbytes(entry: dict) -> int:
-    """Bytes implied by an index entry's shape and dtype."""
-    n = 1
-    for d in entry["shape"]:
-        n *= d
-    return n * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
-
-
-def _load_index(index: str) -> dict:
-    """index.json -> {name: entry}, with every entry's fields checked."""
-    if not os.path.isfile(index):
-        raise ValueError(f"{index} is missing; {FIX}")
-    d = read_json(index, FIX)
-    if not isinstance(d, dict) or d.get("format") != FORMAT_VERSION or not isinstance(d.get("tensors"), dict):
-        raise ValueError(f"{index} is not a flexh2o index (format {FORMAT_VERSION}); {FIX}")
-    for name, e in d["tensors"].items():
-        ok = (isinstance(e, dict) and isinstance(e.get("file"), str) and e.get("dtype") in DTYPES
-              and isinstance(e.get("shape"), list) and all(isinstance(x, int) and x >= 0 for x in e["shape"])
-              and isinstance(e.get("nbytes"), int) and os.path.basename(e["file"]) == e["file"]
-              and isinstance(e.get("blake2b", ""), str))
-        if not ok:
-            raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
-    return d["tensors"]

@@ -31,7 +31,7 @@ def kernel_layout(rc) -> bool:
 
 def in_kernel_order(spec, compress, layout: bool) -> bool:
     """Whether the weight `spec` (a WeightSpec) is stored in the kernel's order under `compress`."""
-    return layout and kernel_shape_ok(spec.shape, weight_spec(spec.shape, compress))
+    return layout and kernel_shape_ok(spec.shape, weight_spec(spec.shape, compress, spec.name))
 
 
 def is_lookup(layer: int, spec) -> bool:
@@ -78,7 +78,7 @@ def compute_side_bytes(rc, homes, kernel: dict, phase: str) -> tuple:
 
 def _weight_bytes(rc, layer: int, num_layers: int, s, home: str, compute: torch.dtype, kernel: dict,
                   phase: str) -> int:
-    spec = weight_spec(s.shape, rc.compress_weight)
+    spec = weight_spec(s.shape, rc.compress_weight, s.name)
     if spec is None:
         return 0 if home == "gpu" and rc.dtype == compute else s.numel * compute.itemsize
     form = packed_form(layer, num_layers, s, kernel, phase)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import CompressionSpec, weight_spec
+from flexh2o.compress import CompressedTensor, CompressionSpec, weight_spec
 from flexh2o.compress.kernels import PackedWeight
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
@@ -47,16 +47,16 @@ class WeightStore:
         wrapped: dict = {}
         for specs in self.specs:
             for s in specs:
-                spec, home = weight_spec(s.shape, compress), self.homes[s.name]
+                spec, home = weight_spec(s.shape, compress, s.name), self.homes[s.name]
                 if spec is None:
                     self.tiers[s.name] = tiers[home]
                     continue
                 kind = KernelOrderTier if in_kernel_order(s, compress, kernel_order) else CompressedTier
                 if kind is KernelOrderTier:
                     self.kernel_order.add(s.name)
-                if (kind, home) not in wrapped:
-                    wrapped[kind, home] = kind(tiers[home], spec)
-                self.tiers[s.name] = wrapped[kind, home]
+                if (kind, home, spec) not in wrapped:
+                    wrapped[kind, home, spec] = kind(tiers[home], spec)
+                self.tiers[s.name] = wrapped[kind, home, spec]
         self.handles = {}
         for layer in self.specs:
             for s in layer:
@@ -72,10 +72,10 @@ class WeightStore:
     def fill_from(self, reader, progress=None) -> None:
         """Copy every tensor from a CheckpointReader into its home tier, one at a time."""
         for name, spec in self._unique():
-            t = reader.read(name)
+            t = reader.read(name)  # a CompressedTensor where the checkpoint keeps blocks (stored as they are)
             if tuple(t.shape) != tuple(spec.shape):
                 raise ValueError(f"{reader.file_of(name)} holds shape {tuple(t.shape)}, expected {spec.shape}")
-            self.tiers[name].store(self.handles[name], t.to(self.dtype))
+            self.tiers[name].store(self.handles[name], t if isinstance(t, CompressedTensor) else t.to(self.dtype))
             if progress:
                 progress(spec.numel)
 
