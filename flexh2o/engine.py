@@ -13,13 +13,12 @@ from typing import Callable, Optional
 import torch
 
 from flexh2o import models
-from flexh2o.compress.choice import PHASES, kernel_phases
-from flexh2o.compress.codec import weight_spec
 from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
 from flexh2o.generation.sequences import Sequences
 from flexh2o.kv.cache import KVCache
+from flexh2o.planning.kernel_phases import run_kernel_phases
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
@@ -29,7 +28,7 @@ from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
 from flexh2o.schedule.until import until
 from flexh2o.storage.factory import make_tiers
-from flexh2o.weights.forms import in_kernel_order, kernel_layout, least_kernel
+from flexh2o.weights.forms import kernel_layout, least_kernel
 from flexh2o.weights.store import WeightStore
 
 
@@ -61,7 +60,7 @@ class Engine:
         if rc.weight_kernel == "int4" and not usable:
             raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
                              "(use --weight-kernel auto)")
-        self.kernel = self._kernel_phases(usable)
+        self.kernel = run_kernel_phases(rc, usable)
         self.plan = plan_memory(rc, kernel=self.kernel)  # as the phases take the weights
         self.plan.check()
         self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
@@ -77,22 +76,6 @@ class Engine:
         except BaseException:
             self.close()
             raise
-
-    def _kernel_phases(self, usable: bool) -> dict:
-        """phase -> True where the decoder blocks' matmuls run the int4 kernel (compress/choice.py); a phase is
-        expanded only where the memory plan fits it."""
-        rc = self.rc
-        layers = rc.placement.weights.layer_specs
-        names = [s for layer in layers for s in layer if in_kernel_order(s, rc.compress_weight, usable)]
-        if not names:
-            return dict.fromkeys(PHASES, False)
-        blocks = [s for layer in layers[1:-1] for s in layer if s in names]  # the blocks' matmuls
-        probed = max(blocks or names, key=lambda s: s.shape[0] * s.shape[1])
-        rows = {"prefill": rc.prefill_rows() * rc.prompt_len, "decode": rc.gpu_batch_size}
-        dtypes = {"prefill": rc.compute_at(0), "decode": rc.compute_at(1)}
-        spec = weight_spec(probed.shape, rc.compress_weight, probed.name)  # a kept block's own grouping
-        return kernel_phases(rc.weight_kernel, probed.shape, rows, spec, dtypes,
-                             lambda kernel: plan_memory(rc, kernel=kernel).overflow() is None)
 
     def close(self) -> None:
         if self.weights is not None:
