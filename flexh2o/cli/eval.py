@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated KV budgets: tokens (64) or %% of the context (20%%); "
                              "default 10%%,20%%,50%%")
     common.add_argument("--policies", type=_csv, default=EVICTING,
-                        help=f"default {','.join(EVICTING)} (full always runs)")
+                        help=f"comma-separated KV policies (full always runs); default {', '.join(EVICTING)}")
     add_kv_flags(common, budgets=False)
     add_compression_flags(common)
     common.add_argument("--seed", type=int, default=0, help="seed of the random policy and the recall samples")
