@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from flexh2o.cli.checks import check_kv_flags
+from flexh2o.cli.checks import check_kv_flags, check_output_path
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags
@@ -121,6 +121,8 @@ def set_run_options(model, args) -> None:
 
 
 def _settings(args):
+    check_output_path(args.out or f"eval-{args.task}.json", "--out")  # before minutes of evaluation
+    check_output_path(getattr(args, "plot", None), "--plot")
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     if not 0.0 <= args.hh_decay <= 1.0:

@@ -52,19 +52,21 @@ def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
 
 
 def plan_from_args(args) -> tuple:
-    """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
+    """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments (checked before a profile is
+    measured)."""
+    cfg = model_configs.from_name(args.model)
+    if args.top < 1 or args.max_num_gpu_batches < 1:
+        raise ValueError("--top and --max-num-gpu-batches must be at least 1")
+    kv, dtype = kv_spec(args, args.prompt_len), parse_dtype(args.dtype)
     if args.hardware == "auto":
         from flexh2o.tuning.profile_cache import auto_profile
         hw = auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, None, True)
     else:
         hw = load_profile(args.hardware)
-    cfg = model_configs.from_name(args.model)
-    if args.top < 1 or args.max_num_gpu_batches < 1:
-        raise ValueError("--top and --max-num-gpu-batches must be at least 1")
     device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
     weights, cache = compression_specs(args, device)
-    rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=parse_dtype(args.dtype),
-                   device=device, overlap=args.overlap == "true", kv=kv_spec(args, args.prompt_len),
+    rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=dtype,
+                   device=device, overlap=args.overlap == "true", kv=kv,
                    gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
                    disk_mem=_capacity(args.disk_mem, hw, "disk"), compress_weight=weights, compress_cache=cache,
                    weight_kernel=weight_kernel_mode(args))

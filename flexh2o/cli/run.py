@@ -22,7 +22,7 @@ from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.help_text import model_help
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
-from flexh2o.pipeline.group import launched_by_torchrun
+from flexh2o.pipeline.group import launched_by_torchrun, machine_share, ranks_here
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0, help="seed of the dummy weights, synthetic prompts, sampling and the random "
       "policy")
     a("--policy", choices=["given", "auto"], default="given",
-      help="given: the placement and batch of the flags; auto: search --percent and batch sizes for the best predicted throughput (cost model)")
+      help="given: the placement and batch of the flags; auto: search --percent and batch sizes for the best "
+      "predicted throughput (cost model)")
     a("--max-seqs", type=int, help="--policy auto: run at most this many sequences at once (gpu batch x GPU "
       "batches; default: the prompts of --prompt-file, else no limit)")
     a("--hardware", default="auto", help="hardware profile for predictions, --dry-run and --policy auto: auto (this "
@@ -125,7 +126,8 @@ def _run(args) -> int:
     check_output_path(opts.log_file, "--log-file")
     from flexh2o.tuning.refusal import check_fits
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (pipeline/job.py)
-        check_fits(rc, hw)  # before anything is built from the sizes (the prompts included)
+        # before anything is built from the sizes (the prompts included); a refusal's search shows a bar on a tty
+        check_fits(rc, hw, progress=opts.verbose > 0 and sys.stderr.isatty())
     if prompts is not None and len(prompts) > rc.num_seqs:  # every prompt runs: job.py runs them in rounds
         print(f"flexh2o-run: {len(prompts)} prompts run in {-(-len(prompts) // rc.num_seqs)} rounds of {rc.num_seqs} "
               "sequences (--gpu-batch-size x --num-gpu-batches)", file=sys.stderr)
@@ -295,11 +297,13 @@ def _capacities(args, device: str) -> tuple:
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
         disk_default = free_disk_bytes(probe or ".")
+    # torchrun's ranks on one machine share it: each plans with its share of the defaults
+    gpu_default, cpu_default, disk_default = machine_share(device, gpu_default, cpu_default, disk_default)
     caps = (parse_bytes(args.gpu_mem) if args.gpu_mem is not None else gpu_default,
             parse_bytes(args.cpu_mem) if args.cpu_mem is not None else cpu_default,
             parse_bytes(args.disk_mem) if args.disk_mem is not None else disk_default)
     if not getattr(args, "dry_run", False):  # a dry run may plan for a larger machine (e.g. the paper's 208 GB)
-        check_host_capacity(device, caps[0], caps[1])
+        check_host_capacity(device, caps[0], caps[1], ranks_here())
     return caps
 
 
