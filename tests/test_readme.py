@@ -85,5 +85,5 @@ def test_the_smollm2_example_writes_what_the_readme_shows(tmp_path, monkeypatch,
     dtypes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dtypes")]
     assert dtypes and "inf" not in [w.strip(",;()") for w in dtypes[0].split()], dtypes
     with open(tmp_path / "out.json") as f:
-        texts = [seq["text"] for seq in json.load(f)["sequences"]]
+        texts = [seq["text"] for seq in json.load(f)]
     assert texts == json.loads(f"[{shown}]")
