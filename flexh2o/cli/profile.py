@@ -13,7 +13,8 @@ from flexh2o.cli.checks import check_output_path
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.dtypes import parse_dtype
 from flexh2o.storage.base import TierFullError
-from flexh2o.tuning.measure import disk_test_bytes, measure, summary
+from flexh2o.tuning.disk_probe import disk_test_bytes
+from flexh2o.tuning.measure import measure, summary
 from flexh2o.units import fmt_bytes
 
 
