@@ -72,17 +72,20 @@ def check_run_flags(args) -> None:
     check_output_path(args.log_file, "--log-file")
 
 
-def check_host_capacity(device: str, gpu_mem: int, cpu_mem: int) -> None:
+def check_host_capacity(device: str, gpu_mem: int, cpu_mem: int, ranks: int = 1) -> None:
     """Host memory a plan may count on cannot exceed the machine's (RAM + swap): past that, the plan's refusal
-    would be replaced by the kernel's OOM killer. On a CPU-only run the gpu tier is host memory too."""
+    would be replaced by the kernel's OOM killer. On a CPU-only run the gpu tier is host memory too. ranks: the
+    torchrun ranks on this machine, each planning with these capacities."""
     import psutil
-    host = cpu_mem + (gpu_mem if device == "cpu" else 0)
+    host = (cpu_mem + (gpu_mem if device == "cpu" else 0)) * ranks
     have = psutil.virtual_memory().total + psutil.swap_memory().total
     if host > have:
         from flexh2o.units import fmt_bytes
         flags = "--gpu-mem + --cpu-mem" if device == "cpu" else "--cpu-mem"
-        raise ValueError(f"{flags} ({fmt_bytes(host)}) exceed this machine's memory ({fmt_bytes(have)} with swap): "
-                         "give at most what it has, or leave the flags out for the detected defaults")
+        each = f" x {ranks} ranks on this machine" if ranks > 1 else ""
+        raise ValueError(f"{flags}{each} ({fmt_bytes(host)}) exceed this machine's memory ({fmt_bytes(have)} with "
+                         "swap): give at most what it has" + (" divided by the ranks" if ranks > 1 else "")
+                         + ", or leave the flags out for the detected defaults")
 
 
 def check_output_path(path: Optional[str], flag: str) -> None:

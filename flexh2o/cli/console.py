@@ -20,7 +20,13 @@ class UsageError(ValueError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing the whole usage and exiting."""
+    """argparse that raises UsageError instead of printing the whole usage and exiting, and whose --help shows every
+    option's default (help_text.HelpFormatter)."""
+
+    def __init__(self, *args, **kwargs):
+        from flexh2o.cli.help_text import HelpFormatter
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(f"{message} (see {self.prog} --help)")

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from flexh2o.cli.checks import check_kv_flags
+from flexh2o.cli.checks import check_kv_flags, check_output_path
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated KV budgets: tokens (64) or %% of the context (20%%); "
                              "default 10%%,20%%,50%%")
     common.add_argument("--policies", type=_csv, default=EVICTING,
-                        help=f"default {','.join(EVICTING)} (full always runs)")
+                        help=f"comma-separated KV policies (full always runs); default {', '.join(EVICTING)}")
     add_kv_flags(common, budgets=False)
     add_compression_flags(common)
     common.add_argument("--seed", type=int, default=0, help="seed of the random policy and the recall samples")
@@ -122,6 +122,8 @@ def set_run_options(model, args) -> None:
 
 
 def _settings(args):
+    check_output_path(args.out or f"eval-{args.task}.json", "--out")  # before minutes of evaluation
+    check_output_path(getattr(args, "plot", None), "--plot")
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     if not 0.0 <= args.hh_decay <= 1.0:

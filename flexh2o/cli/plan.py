@@ -10,6 +10,7 @@ import torch
 from flexh2o import config as model_configs
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.help_text import model_help
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.dtypes import parse_dtype
 from flexh2o.placement import TIERS
@@ -23,22 +24,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-plan", description="Search --percent and batch sizes for the highest predicted "
                "throughput on a hardware profile, without running anything.")
     a = p.add_argument
-    a("--model", required=True, help="opt-125m ... opt-175b (facebook/ prefix accepted)")
+    a("--model", required=True, help=model_help(None))
     a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile), a shipped name (t4_paper, "
       "a100_80gb, cpu_measured), or auto: this machine's cached profile (measured once, under a minute)")
-    a("--prompt-len", type=int, default=512)
-    a("--gen-len", type=int, default=32)
+    a("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
+    a("--gen-len", type=int, default=32, help="tokens generated per sequence")
     add_kv_flags(p)
     add_compression_flags(p)
     a("--seed", type=int, default=0, help="seed of the random policy")
     a("--gpu-mem", help="gpu tier capacity (default: the profile's)")
     a("--cpu-mem", help="cpu tier capacity (default: the profile's)")
     a("--disk-mem", help="disk tier capacity (default: the profile's)")
-    a("--dtype", default="float16", help="storage dtype of weights and cache")
+    a("--dtype", default="float16", help="storage dtype of weights and cache (float16, bfloat16 or float32)")
     a("--device", choices=["cpu", "cuda"], help="default: the profile's device")
-    a("--overlap", default="true", choices=["true", "false"])
+    a("--overlap", default="true", choices=["true", "false"], help="plans overlap I/O with compute")
     a("--step", type=int, default=10, help="percent step of the placement search")
-    a("--max-num-gpu-batches", type=int, default=32)
+    a("--max-num-gpu-batches", type=int, default=32, help="most GPU batches per weight load the search tries")
     a("--top", type=int, default=5, help="plans to print")
     return p
 
@@ -51,19 +52,21 @@ def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
 
 
 def plan_from_args(args) -> tuple:
-    """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments."""
+    """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments (checked before a profile is
+    measured)."""
+    cfg = model_configs.from_name(args.model)
+    if args.top < 1 or args.max_num_gpu_batches < 1:
+        raise ValueError("--top and --max-num-gpu-batches must be at least 1")
+    kv, dtype = kv_spec(args, args.prompt_len), parse_dtype(args.dtype)
     if args.hardware == "auto":
         from flexh2o.tuning.profile_cache import auto_profile
         hw = auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, None, True)
     else:
         hw = load_profile(args.hardware)
-    cfg = model_configs.from_name(args.model)
-    if args.top < 1 or args.max_num_gpu_batches < 1:
-        raise ValueError("--top and --max-num-gpu-batches must be at least 1")
     device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
     weights, cache = compression_specs(args, device)
-    rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=parse_dtype(args.dtype),
-                   device=device, overlap=args.overlap == "true", kv=kv_spec(args, args.prompt_len),
+    rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=dtype,
+                   device=device, overlap=args.overlap == "true", kv=kv,
                    gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
                    disk_mem=_capacity(args.disk_mem, hw, "disk"), compress_weight=weights, compress_cache=cache,
                    weight_kernel=weight_kernel_mode(args))

@@ -7,6 +7,7 @@ from typing import Optional
 from flexh2o.kv.spec import KVSpec
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.run_config import RunConfig
+from flexh2o.units import GiB, fmt_bytes
 
 
 def describe_stage_plan(rc: RunConfig, stage_layers: Optional[str]) -> str:
@@ -24,10 +25,32 @@ def describe_plan(rc: RunConfig, plan_of=plan_memory) -> str:
              f"  cache slots {rc.cache_slots()}" + _compression_note(rc), _dtype_line(rc), plan.describe()]
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
-    lines.append(f"largest --gpu-batch-size that fits: {rc.kv.policy} {largest_batch(rc, plan_of=plan_of)}")
+    best = {rc.kv.policy: (rc, largest_batch(rc, plan_of=plan_of))}
     if rc.kv.policy != "full":
-        lines[-1] += f", full {largest_batch(rc.with_(kv=KVSpec()), plan_of=plan_of)}"
+        full = rc.with_(kv=KVSpec())
+        best["full"] = (full, largest_batch(full, plan_of=plan_of))
+    lines.append("largest --gpu-batch-size that fits: " + ", ".join(f"{k} {n}" for k, (_, n) in best.items()))
+    none = [(k, r) for k, (r, n) in best.items() if n == 0]
+    if none:
+        lines.append(why_no_batch(*none[0], plan_of))
     return "\n".join(lines)
+
+
+def why_no_batch(policy: str, rc: RunConfig, plan_of=plan_memory) -> str:
+    """Why no batch of rc fits: the tier that one sequence overflows, and what would hold it."""
+    over = plan_of(rc.with_(gpu_batch_size=1)).overflow()
+    if over is None:
+        return f"{policy} 0: no --gpu-batch-size fits with {rc.num_gpu_batches} GPU batches"
+    tier, need, have = over
+    dtype = ", a 16-bit --dtype" if rc.dtype.itemsize > 2 else ""
+    return (f"{policy} 0 because one sequence already overflows the {tier} tier ({fmt_bytes(need)} > "
+            f"{fmt_bytes(have)}): give --{tier}-mem {_gib_ceil(need)} or more{dtype}, or move --percent to another "
+            "tier (a dry run may plan for a larger machine than this one, e.g. the paper's: --cpu-mem 200GB "
+            "--dtype float16)")
+
+
+def _gib_ceil(n: int) -> str:
+    return f"{-(-n // GiB)}GB"
 
 
 def _dtype_line(rc: RunConfig) -> str:

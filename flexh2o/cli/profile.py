@@ -9,9 +9,13 @@ from typing import Optional
 
 import torch
 
+from flexh2o.cli.checks import check_output_path
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.dtypes import parse_dtype
+from flexh2o.storage.base import TierFullError
+from flexh2o.tuning.disk_probe import disk_test_bytes
 from flexh2o.tuning.measure import measure, summary
+from flexh2o.units import fmt_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +46,13 @@ def _profile(args, argv: Optional[list]) -> int:
     dtypes = args.dtype or (["float16"] if device.startswith("cuda") else ["float32", "bfloat16"])
     for d in dtypes:
         parse_dtype(d)
-    prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
+    check_output_path(args.output, "--output")  # every argument before minutes of measuring
+    if not args.no_disk:
+        check_disk(args.offload_dir, args.quick)
+    try:
+        prof = measure(device, dtypes, None if args.no_disk else args.offload_dir, args.quick)
+    except TierFullError:  # the disk filled up meanwhile: the tier's own message names flexh2o-run's flags
+        raise ValueError(no_space(args.offload_dir, args.quick)) from None
     if args.name:
         prof["name"] = args.name
     env = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in os.environ]
@@ -55,6 +65,22 @@ def _profile(args, argv: Optional[list]) -> int:
         print(text)
     print(summary(prof), file=sys.stderr)
     return 0
+
+
+def check_disk(offload_dir: str, quick: bool) -> None:
+    """Before measuring: a run directory can be made under offload_dir, and its filesystem holds what the disk
+    measurement writes."""
+    from flexh2o.storage.offload_dir import free_disk_bytes, make_run_dir, remove_run_dir
+    remove_run_dir(make_run_dir(offload_dir))  # ValueError: "--offload-dir ... is not writable: ..."
+    if free_disk_bytes(offload_dir) < disk_test_bytes(quick):
+        raise ValueError(no_space(offload_dir, quick))
+
+
+def no_space(offload_dir: str, quick: bool) -> str:
+    from flexh2o.storage.offload_dir import free_disk_bytes
+    return (f"--offload-dir {offload_dir}: the disk measurement writes {fmt_bytes(disk_test_bytes(quick))} but its "
+            f"filesystem has {fmt_bytes(free_disk_bytes(offload_dir))} free: free space, pass --offload-dir on a "
+            "larger filesystem, or skip the disk with --no-disk")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.help_text import model_help
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.model_source import resolve_source
 from flexh2o.weights.kept_run import with_checkpoint
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.cli.prediction import hardware_profile, predict_run
-from flexh2o.pipeline.group import launched_by_torchrun
+from flexh2o.pipeline.group import launched_by_torchrun, machine_share, ranks_here
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.cli.request_job import add_request_flags, is_request_job, load_request_file, run_request_job
@@ -32,17 +33,19 @@ from flexh2o.cli.request_job import add_request_flags, is_request_job, load_requ
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
     a = p.add_argument
-    a("--model", default=None, help="opt-125m (default) ... opt-175b (facebook/ prefix accepted), or a Hugging Face "
-      "folder or .gguf file (converted once into ~/.cache/flexh2o/models); not with --path")
+    a("--model", default=None, help=model_help("opt-125m", "or a Hugging Face folder or .gguf file (converted "
+      "once into ~/.cache/flexh2o/models); not with --path"))
     a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), a Hugging Face folder or .gguf "
       "file (converted once, as --model), or _DUMMY_ for seeded weights")
     a("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
-      help="weights-gpu weights-cpu cache-gpu cache-cpu [act-gpu act-cpu]; disk gets the rest")
+      help="weights-gpu weights-cpu cache-gpu cache-cpu [act-gpu act-cpu], in %%; disk gets the rest of each pair")
     a("--gpu-batch-size", default=None, help="sequences per GPU batch, or 'auto' (largest that fits); default: "
       "the prompts of --prompt-file over --num-gpu-batches, else 4")
-    a("--num-gpu-batches", type=int, default=1)
-    a("--prompt-len", type=int, default=512)
-    a("--gen-len", type=int, default=32)
+    a("--num-gpu-batches", type=int, default=1, help="GPU batches that share each weight load in the block schedule "
+      "(FlexGen's); sequences in flight = --gpu-batch-size x this")
+    a("--prompt-len", type=int, default=512, help="tokens per synthetic prompt (with --prompt-file: the longest "
+      "prompt's length)")
+    a("--gen-len", type=int, default=32, help="tokens generated per sequence")
     a("--prompt-file", help=".json list of token-id lists, or text (one prompt per line) with --tokenizer")
     a("--tokenizer", help="local tokenizer file or folder (never downloaded)")
     a("--output-file", help="write generated tokens (and text) as JSON")
@@ -57,15 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gpu-mem", help="gpu tier capacity (e.g. 16GB); default: detected")
     a("--cpu-mem", help="cpu tier capacity; default: detected")
     a("--disk-mem", help="disk tier capacity; default: free space of --offload-dir")
-    a("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
+    a("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"), help="where the disk tier's "
+      "files go (in a per-run directory, removed at exit)")
     add_kv_flags(p)
     a("--hh-all", type=str2bool, nargs="?", const=True, default=None, help="the H2O port's eviction at every "
       "decode step: what flexh2o's h2o always does (false is refused)")
     a("--temperature", type=float, default=0.0, help="0 = greedy")
-    a("--top-p", type=float, default=1.0)
-    a("--seed", type=int, default=0)
+    a("--top-p", type=float, default=1.0, help="with --temperature > 0: sample from the smallest set of tokens whose "
+      "probability reaches this, in (0, 1]; 1 = all")
+    a("--seed", type=int, default=0, help="seed of the dummy weights, synthetic prompts, sampling and the random "
+      "policy")
     a("--policy", choices=["given", "auto"], default="given",
-      help="auto: search --percent and batch sizes for the best predicted throughput (cost model)")
+      help="given: the placement and batch of the flags; auto: search --percent and batch sizes for the best "
+      "predicted throughput (cost model)")
     a("--max-seqs", type=int, help="--policy auto: run at most this many sequences at once (gpu batch x GPU "
       "batches; default: the prompts of --prompt-file, else no limit)")
     a("--hardware", default="auto", help="hardware profile for predictions, --dry-run and --policy auto: auto (this "
@@ -73,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
       "shipped name (t4_paper, a100_80gb) or a flexh2o-profile JSON file")
     add_compression_flags(p)
     a("--dry-run", action="store_true", help="print the memory plan (and predicted figures) and exit")
-    a("--no-warmup", action="store_true")
+    a("--no-warmup", action="store_true", help="skip the untimed warm-up run (timings then include one-time costs)")
     add_request_flags(p)
     add_flexgen_flags(p)
     a("--stage-layers", help="under torchrun: decoder layers per stage, one count per rank (e.g. 12,12); default: "
@@ -128,7 +135,8 @@ def _run(args) -> int:
     check_output_path(opts.log_file, "--log-file")
     from flexh2o.tuning.refusal import check_fits
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (pipeline/job.py)
-        check_fits(rc, hw)  # before anything is built from the sizes (the prompts included)
+        # before anything is built from the sizes (the prompts included); a refusal's search shows a bar on a tty
+        check_fits(rc, hw, progress=opts.verbose > 0 and sys.stderr.isatty())
     if prompts is not None and len(prompts) > rc.num_seqs:  # every prompt runs: job.py runs them in rounds
         print(f"flexh2o-run: {len(prompts)} prompts run in {-(-len(prompts) // rc.num_seqs)} rounds of {rc.num_seqs} "
               "sequences (--gpu-batch-size x --num-gpu-batches)", file=sys.stderr)
@@ -274,11 +282,13 @@ def _capacities(args, device: str) -> tuple:
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
         disk_default = free_disk_bytes(probe or ".")
+    # torchrun's ranks on one machine share it: each plans with its share of the defaults
+    gpu_default, cpu_default, disk_default = machine_share(device, gpu_default, cpu_default, disk_default)
     caps = (parse_bytes(args.gpu_mem) if args.gpu_mem is not None else gpu_default,
             parse_bytes(args.cpu_mem) if args.cpu_mem is not None else cpu_default,
             parse_bytes(args.disk_mem) if args.disk_mem is not None else disk_default)
     if not getattr(args, "dry_run", False):  # a dry run may plan for a larger machine (e.g. the paper's 208 GB)
-        check_host_capacity(device, caps[0], caps[1])
+        check_host_capacity(device, caps[0], caps[1], ranks_here())
     return caps
 
 

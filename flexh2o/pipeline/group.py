@@ -17,6 +17,21 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def ranks_here() -> int:
+    """Ranks torchrun started on this machine (LOCAL_WORLD_SIZE; 1 outside torchrun): they share its memory and
+    disk."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if launched_by_torchrun() else 1
+
+
+def machine_share(device: str, gpu: int, cpu: int, disk: int) -> tuple:
+    """This rank's share of default capacities measured for the whole machine: host memory (the cpu tier, and the
+    gpu tier on a CPU) and the offload disk are split between the ranks on this machine; a CUDA device's memory
+    between the ranks that share it (rank_device: one device per local rank, round robin)."""
+    n = ranks_here()
+    per_gpu = -(-n // max(1, torch.cuda.device_count())) if device.startswith("cuda") else n
+    return gpu // per_gpu, cpu // n, disk // n
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
 

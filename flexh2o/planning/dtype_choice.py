@@ -122,8 +122,14 @@ def _convert_s(timings: dict, src: str, dst: str) -> float:
 
 def options(rc, storage: Optional[torch.dtype], compute: Optional[torch.dtype]) -> list:
     """(storage, compute, decode) triples open to the choice: allowed_pairs with each pair's decode_options."""
-    return [(s, c, d) for s, c in allowed_pairs(rc, storage, compute)
+    return [(s, c, d) for s, c in allowed_pairs(rc, storage, compute) if compute is not None or probed(s, c)
             for d in decode_options(s, c, compute is not None)]
+
+
+def probed(storage: torch.dtype, compute: torch.dtype) -> bool:
+    """Whether the probe times this pair's conversion (to and from float32 only): an automatic choice never casts
+    one 16-bit dtype into the other (its estimate would be infinite, the summary's relative time 'inf')."""
+    return storage == compute or torch.float32 in (storage, compute)
 
 
 def decode_options(storage: torch.dtype, compute: torch.dtype, explicit_compute: bool) -> list:

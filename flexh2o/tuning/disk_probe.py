@@ -15,17 +15,26 @@ from flexh2o.tuning.probes import Matmuls, median_time
 DISK_FILES = (4 << 20, 4 << 20, 16 << 20)  # decoder-layer tensor sizes (opt-350m: 2 and 8 MiB; opt-1.3b: 8 and 32)
 
 
+def _disk_sizes(quick: bool) -> list:
+    total = (64 if quick else 256) << 20
+    return [DISK_FILES[i % len(DISK_FILES)] for i in range(total * len(DISK_FILES) // sum(DISK_FILES))]
+
+
+def disk_test_bytes(quick: bool) -> int:
+    """Bytes the disk measurement holds under --offload-dir at once (its files plus the latency probe's)."""
+    return sum(_disk_sizes(quick)) + (1 << 20)
+
+
 def disk_rates(offload_dir: str, quick: bool, busy: bool) -> dict:
     """Direct-I/O read and write bandwidth of flexh2o's disk tier, on files of layer-tensor sizes, in a fresh run
     directory under offload_dir. busy: also the read rate while matmuls run on the compute threads, and the
     fraction of the matmul rate kept meanwhile (CPU-only overlap)."""
     from flexh2o.storage.disk import DiskTier
     from flexh2o.storage.offload_dir import make_run_dir, remove_run_dir
-    total = (64 if quick else 256) << 20
-    sizes = [DISK_FILES[i % len(DISK_FILES)] for i in range(total * len(DISK_FILES) // sum(DISK_FILES))]
+    sizes = _disk_sizes(quick)
     nbytes = sum(sizes)
     run_dir = make_run_dir(offload_dir)
-    tier = DiskTier(run_dir, nbytes + (1 << 20))
+    tier = DiskTier(run_dir, disk_test_bytes(quick))
     try:
         rep = 3 if quick else 5
         small, hs = torch.ones(4096, dtype=torch.uint8), tier.alloc((4096,), torch.uint8)

@@ -8,7 +8,7 @@ Fits and bytes come from the memory plan itself (memory_plan.largest_batch and p
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from flexh2o.compress.kept import compresses_others
 from flexh2o.kv.policies import POLICIES
@@ -37,12 +37,14 @@ def batch_sizes(largest: int) -> list:
 
 
 def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: int = 32, max_batch: int = 4096,
-           limit: int = 20, refine: int = 16, max_seqs: Optional[int] = None) -> list:
+           limit: int = 20, refine: int = 16, max_seqs: Optional[int] = None,
+           progress: Optional[Callable[[int, int], object]] = None) -> list:
     """[(rc, Prediction)] best first (at most `limit`), every one fitting its tiers per plan_memory, and running at
     most `max_seqs` sequences at once (gpu batch x GPU batches) when given (e.g. the prompts there are).
 
     For each placement and number of GPU batches the largest fitting batch is predicted first; the `refine` best
-    combinations are then also predicted at every power-of-two batch size below it.
+    combinations are then also predicted at every power-of-two batch size below it. progress(done, total) is called
+    after each weight split (a refusal's search of a large model takes a minute or more).
     """
     if not 1 <= step <= 100:
         raise ValueError(f"search step must be 1..100 percent (got {step})")
@@ -51,8 +53,8 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
     specs = layer_specs(base_rc.model)
     cuda = base_rc.device.startswith("cuda")
     nbs = [1 << i for i in range(max_num_gpu_batches.bit_length()) if 1 << i <= max_num_gpu_batches]
-    scored = []
-    for w in weight_splits(step):
+    scored, splits = [], weight_splits(step)
+    for done, w in enumerate(splits, 1):
         for c in cache_splits(step):
             for ccc in ([False, True] if cuda and c[1] > 0 else [base_rc.cpu_cache_compute]):
                 for a in ((100, 0), (0, 100)):
@@ -64,6 +66,8 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
                         if top == 0:
                             break  # more GPU batches only need more memory
                         scored.append(_scored(rc.with_(gpu_batch_size=top), rates, memo))
+        if progress is not None:
+            progress(done, len(splits))
     scored.sort(key=lambda x: -x[0].total_throughput)
     extra = [_scored(rc.with_(gpu_batch_size=b), rates, memo)
              for _, rc in scored[:refine] for b in batch_sizes(rc.gpu_batch_size)[:-1]]
