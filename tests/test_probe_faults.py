@@ -207,7 +207,7 @@ def full_tmpfs(tmp_path):
 
 def test_profile_disk_on_a_full_tmpfs_leaves_nothing(full_tmpfs):
     from flexh2o.storage.base import TierError
-    from flexh2o.tuning.measure import disk_rates
+    from flexh2o.tuning.disk_probe import disk_rates
     for _ in range(2):  # nearly full, then completely full
         with pytest.raises((TierError, ValueError, OSError)):
             disk_rates(str(full_tmpfs), quick=True, busy=False)
