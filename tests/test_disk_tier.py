@@ -8,7 +8,7 @@ import torch
 from flexh2o.storage import disk as disk_mod
 from flexh2o.storage.base import TierFullError
 from flexh2o.storage.disk import ALIGN, DiskTier
-from flexh2o.storage.offload_dir import free_disk_bytes, make_run_dir, remove_run_dir
+from flexh2o.storage.offload_dir import MARKER, free_disk_bytes, make_run_dir, remove_run_dir
 
 
 def _values(shape, dtype, seed=0):
@@ -123,6 +123,8 @@ def test_stale_run_dirs_removed_live_kept(tmp_path, capsys):
     alive = tmp_path / f"flexh2o-run-{os.getpid()}-z"
     alive.mkdir()
     (alive / "owner.pid").write_text(f"{os.getpid()}\n")
+    for d in (dead, corrupt, alive):  # each made by flexh2o (issue 23: only marked dirs are ever deleted)
+        (d / MARKER[0]).write_text(MARKER[1])
     other = tmp_path / "not-ours"
     other.mkdir()
     run = make_run_dir(str(tmp_path))

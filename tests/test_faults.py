@@ -210,6 +210,7 @@ def test_stale_sweep_before_free_space_is_measured(capsys, monkeypatch, ckpt, tm
     stale = off / f"{od.RUN_PREFIX}12345-old"
     stale.mkdir()
     (stale / ".lock").write_text("")  # its owner died: nobody holds the lock
+    (stale / od.MARKER[0]).write_text(od.MARKER[1])  # made by flexh2o (issue 23: only marked dirs are deleted)
     (stale / "t000000.bin").write_bytes(b"\0" * 4096)
     seen = []
     real = od.free_disk_bytes

@@ -70,21 +70,41 @@ def check_run_flags(args) -> None:
             raise ValueError(f"{flag} is empty: give a size such as 16GB, or leave the flag out for the default")
     check_output_path(args.output_file, "--output-file")
     check_output_path(args.log_file, "--log-file")
+    check_named_values(args)
+
+
+def check_named_values(args) -> None:
+    """Values that must name something: an empty --gpu-batch-size or --model is refused (argparse keeps ''), and
+    --offload-dir must not be under /proc or /sys (kernel file systems: no files can be made there)."""
+    for flag, value in (("--gpu-batch-size", args.gpu_batch_size), ("--model", args.model)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} is empty: give a value, or leave the flag out for the default")
+    off = getattr(args, "offload_dir", None)
+    if off:
+        real = os.path.realpath(off)
+        for kernel_fs in ("/proc", "/sys"):
+            if real == kernel_fs or real.startswith(kernel_fs + "/"):
+                raise ValueError(f"--offload-dir {off} is under {kernel_fs}, a kernel file system that holds no "
+                                 "files: pass a directory on a disk")
 
 
 def check_host_capacity(device: str, gpu_mem: int, cpu_mem: int, ranks: int = 1) -> None:
     """Host memory a plan may count on cannot exceed the machine's (RAM + swap): past that, the plan's refusal
     would be replaced by the kernel's OOM killer. On a CPU-only run the gpu tier is host memory too. ranks: the
     torchrun ranks on this machine, each planning with these capacities."""
-    import psutil
+    from flexh2o.planning.memory_limit import cgroup_memory, total_bytes
     host = (cpu_mem + (gpu_mem if device == "cpu" else 0)) * ranks
-    have = psutil.virtual_memory().total + psutil.swap_memory().total
+    have = total_bytes()
     if host > have:
         from flexh2o.units import fmt_bytes
         flags = "--gpu-mem + --cpu-mem" if device == "cpu" else "--cpu-mem"
         each = f" x {ranks} ranks on this machine" if ranks > 1 else ""
-        raise ValueError(f"{flags}{each} ({fmt_bytes(host)}) exceed this machine's memory ({fmt_bytes(have)} with "
-                         "swap): give at most what it has" + (" divided by the ranks" if ranks > 1 else "")
+        group = cgroup_memory()
+        where = (f"this process's memory cgroup limit ({fmt_bytes(have)}, {group.path})"
+                 if group is not None and group.limit == have
+                 else f"this machine's memory ({fmt_bytes(have)} with swap)")
+        raise ValueError(f"{flags}{each} ({fmt_bytes(host)}) exceed {where}: give at most what it has"
+                         + (" divided by the ranks" if ranks > 1 else "")
                          + ", or leave the flags out for the detected defaults")
 
 

@@ -59,19 +59,22 @@ def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted
 
 @contextlib.contextmanager
 def stop_signals_as_interrupts():
-    """While inside, SIGTERM/SIGHUP raise Terminated in the main thread (then are ignored until the exit, so a
-    second signal cannot cut the cleanup short); the previous handlers come back after. No-op off the main thread."""
+    """While inside, SIGTERM/SIGHUP raise Terminated and SIGINT KeyboardInterrupt in the main thread (then all three
+    are ignored until the exit, so a second signal cannot cut the cleanup short); the previous handlers come back
+    after. No-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_signal(signum, frame):
-        for s in STOP_SIGNALS:
+        for s in STOP_SIGNALS + (signal.SIGINT,):
             signal.signal(s, signal.SIG_IGN)
-        raise Terminated(signum)
-    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+        raise Terminated(signum) if signum != signal.SIGINT else KeyboardInterrupt()
+    # SIGINT too: after the first Ctrl-C the rest are ignored, so an impatient second one cannot cut the cleanup short
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS + (signal.SIGINT,)}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from flexh2o.cli.checks import check_kv_flags, check_output_path
+from flexh2o.cli.checks import check_kv_flags, check_output_path, check_real
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags
@@ -129,8 +129,12 @@ def _settings(args):
     if not 0.0 <= args.hh_decay <= 1.0:
         raise ValueError(f"--hh-decay must be between 0 and 1 (got {args.hh_decay})")
     check_kv_flags(args, None)
+    check_output_path(args.out or f"eval-{args.task}.json", "--out")  # before minutes of evaluation
+    if not args.budgets:
+        raise ValueError("--budgets holds no budget: give comma-separated tokens or percents, e.g. 64,20%")
     if args.task == "ppl":
         from flexh2o.eval.ppl import PplSettings
+        check_real("--lane-mem", args.lane_mem, 0.0, lo_open=True, fix="GB of KV cache per engine pass, e.g. 2")
         if args.procs < 1:
             raise ValueError(f"--procs must be at least 1 (got {args.procs})")
         return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,

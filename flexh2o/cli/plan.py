@@ -89,6 +89,8 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def _plan(args) -> int:
+    from flexh2o.cli.checks import check_int
+    check_int("--step", args.step, 1, 100, fix="the placement search's percent step, e.g. 10")
     rc, hw = plan_from_args(args)
     results = search(rc, hw, args.step, args.max_num_gpu_batches, limit=args.top)
     if not results:

@@ -7,7 +7,6 @@ import os
 import sys
 from typing import Optional
 
-import psutil
 import torch
 
 from flexh2o import config as model_configs
@@ -109,8 +108,7 @@ def _run(args) -> int:
     opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
     sweep(args.offload_dir)  # stale run dirs of killed runs go first, before free space is measured
     resolve_source(args, "flexh2o-run")  # a Hugging Face folder or .gguf: its cached conversion
-    cfg = (model_configs.load_converted_config(args.path) if args.path != "_DUMMY_"
-           else model_configs.from_name(args.model or "opt-125m"))
+    cfg = _converted_config(args.path) if args.path != "_DUMMY_" else model_configs.from_name(args.model or "opt-125m")
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
     prompts = ([list(r.prompt_ids) for r in reqs] if reqs is not None
@@ -124,16 +122,17 @@ def _run(args) -> int:
     if args.policy == "auto":
         rc = _auto_policy(args, rc, hw, prompts)
     predicted = predict_run(rc, hw)
+    from flexh2o.tuning.refusal import check_fits
     if args.dry_run:
         _note(args)
-        print(describe_plan(rc))
+        print(describe_plan(rc), flush=True)
+        check_fits(rc, hw)  # a plan that does not fit: the run's own refusal (exit 2), and no prediction
         if predicted:
             print(f"predicted (cost model, profile {hw_label}): prefill "
                   f"{predicted['prefill_s']:.2f} s, decode {predicted['decode_s']:.2f} s, total "
                   f"{predicted['total_throughput']:.1f} tok/s, decode {predicted['decode_throughput']:.1f} tok/s")
         return 0
     check_output_path(opts.log_file, "--log-file")
-    from flexh2o.tuning.refusal import check_fits
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (pipeline/job.py)
         # before anything is built from the sizes (the prompts included); a refusal's search shows a bar on a tty
         check_fits(rc, hw, progress=opts.verbose > 0 and sys.stderr.isatty())
@@ -244,6 +243,16 @@ def _note(args) -> None:
         print(f"flexh2o-run: {choice.note}", file=sys.stderr)
 
 
+def _converted_config(path: str):
+    """The config of a converted checkpoint, its index checked against it (tensor shapes, file sizes) before
+    anything is planned from it; a mismatch names --path."""
+    from flexh2o.weights.format import CheckpointReader
+    try:
+        return CheckpointReader(path).config
+    except ValueError as e:
+        raise ValueError(f"--path {path}: {e}") from None
+
+
 def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list]) -> RunConfig:
     """The searched placement and batch; the dtypes are the fastest pair for which the search finds a fit."""
     from flexh2o.tuning.search import command_line, search
@@ -269,7 +278,8 @@ def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list
 
 
 def _capacities(args, device: str) -> tuple:
-    avail = psutil.virtual_memory().available
+    from flexh2o.planning.memory_limit import available_bytes
+    avail = available_bytes()  # inside a memory cgroup: its limit less what the group holds (this process included)
     if device.startswith("cuda"):
         gpu_default = torch.cuda.mem_get_info()[0]
         cpu_default = int(avail * 0.9)

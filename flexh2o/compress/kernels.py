@@ -181,9 +181,7 @@ class PackedWeight:
         `kernel` False expanded block by block (rows_buffer_bytes at a time) and multiplied in x's dtype."""
         if not self.kernel:
             return self._expanded_linear(x, bias)
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
-        y = y.view(*x.shape[:-1], -1).to(x.dtype)
+        y = int4_linear(x, self.packed, self.group_size, self.scales_zeros).to(x.dtype)
         return y if bias is None else y.add_(bias)
 
     def _expanded_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -239,9 +237,12 @@ def int4pack_from(ct: CompressedTensor) -> tuple:
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
-    """x (..., K) -> x @ W.T (..., N) through the int4 kernel (bf16 activations, bf16 result)."""
-    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    return torch._weight_int4pack_mm_for_cpu(flat, packed, group_size, sz).view(*x.shape[:-1], -1)
+    """x (..., K) -> x @ W.T (..., N) through the int4 kernel (bf16 activations, bf16 result). The kernel needs
+    every operand contiguous: a view such as the last position `x[:, -1:]` of a bf16 run (its rows a sequence
+    apart) is copied here, and nothing is copied for a tensor that already is."""
+    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    return torch._weight_int4pack_mm_for_cpu(flat, packed.contiguous(), group_size,
+                                             sz.contiguous()).view(*x.shape[:-1], -1)
 
 
 def expand_kernel_order(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:

@@ -169,8 +169,8 @@ def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows
 def auto_lane_mem(procs: int = 1) -> float:
     """--lane-mem when not given: LANE_SHARE of the memory available now, split between the processes, so that the
     lanes of a table share as few passes (as many rows per weight read) as the machine allows."""
-    import psutil
-    return LANE_SHARE * psutil.virtual_memory().available / max(procs, 1)
+    from flexh2o.planning.memory_limit import available_bytes
+    return LANE_SHARE * available_bytes() / max(procs, 1)
 
 
 def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, on_step: Optional[Callable],

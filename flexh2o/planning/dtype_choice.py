@@ -5,7 +5,8 @@ CPU: a probe (a few hundred ms, cached per machine in machine.cache_dir()) times
 in each candidate dtype and the conversion of the weights from each storage dtype into a reused buffer (what the
 engine does every step when the two differ); each (storage, compute) pair gets an estimate of the run's linear
 time (conversion once per step, decode matmuls per step and GPU batch, prefill matmuls by rows) and the fastest
-allowed pair wins. --dtype auto stores weights and cache at the compute dtype when every one of them lives in
+allowed pair wins; an explicit --dtype X without --compute-dtype computes in X or wider (computes_for).
+--dtype auto stores weights and cache at the compute dtype when every one of them lives in
 memory and the plan still fits (then a step converts nothing); with a disk share, or when the wider dtype would
 overflow a tier, it keeps 16 bits (half the bytes over the slow link). An explicit pair that the probe puts at
 NOTE_RATIO times the best one or slower gets a one-line note naming the faster choice.
@@ -198,7 +199,7 @@ def allowed_pairs(rc, storage: Optional[torch.dtype], compute: Optional[torch.dt
     """(storage, compute) pairs open to the choice: explicit flags fix their side; auto storage is the compute
     dtype when everything is memory-homed and fits at it, else a 16-bit dtype."""
     out = []
-    for c in ([compute] if compute else CANDIDATES):
+    for c in ([compute] if compute else computes_for(storage)):
         if storage is not None:
             out.append((storage, c))
         elif _memory_resident(rc) and _fits(rc, c):
@@ -206,6 +207,16 @@ def allowed_pairs(rc, storage: Optional[torch.dtype], compute: Optional[torch.dt
         else:
             out.extend((s, c) for s in SIXTEEN)
     return out
+
+
+def computes_for(storage: Optional[torch.dtype]) -> tuple:
+    """Compute dtypes open to `--compute-dtype auto` beside a storage dtype: with --dtype auto any candidate; with
+    an explicit --dtype X only X or fp32 (no precision is given away unasked: fp32 storage computes in fp32, bf16
+    storage in bf16 or fp32, never in fp16; fp16 storage in fp32, as RunConfig.compute's CPU default, since fp16's
+    range is narrower than the activations need)."""
+    if storage is None:
+        return CANDIDATES
+    return (torch.float32,) if storage == torch.float16 else tuple(dict.fromkeys((storage, torch.float32)))
 
 
 def _storage_why(rc, s, c) -> str:

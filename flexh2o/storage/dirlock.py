@@ -40,10 +40,14 @@ class LockedDir(os.PathLike):
             self._fd = None
 
 
-def make_locked_dir(parent: str, staging_prefix: str, final_name=None) -> LockedDir:
-    """mkdtemp(prefix=staging_prefix) in parent, lock it, and rename it to final_name(staging basename) if given."""
+def make_locked_dir(parent: str, staging_prefix: str, final_name=None, marker: Optional[tuple] = None) -> LockedDir:
+    """mkdtemp(prefix=staging_prefix) in parent, lock it, and rename it to final_name(staging basename) if given.
+    marker: (file name, text) written inside first, the proof a sweeper checks that the directory is its own."""
     path = tempfile.mkdtemp(prefix=staging_prefix, dir=parent)
     try:
+        if marker is not None:
+            with open(os.path.join(path, marker[0]), "w") as f:
+                f.write(marker[1])
         fd = _lock(os.path.join(path, LOCK_FILE + ".new"))
         # the lock file gets its name only once locked: a sweeper (another rank starting at the same moment) never
         # sees a free lock in a directory being born (it would take it for a killed owner's and remove it)
@@ -99,6 +103,15 @@ def remove_if_unlocked(path: str) -> bool:
     finally:
         os.close(fd)
     return not os.path.exists(path)
+
+
+def has_marker(path: str, marker: tuple) -> bool:
+    """Whether the directory holds the marker file (name, text) make_locked_dir wrote at its creation."""
+    try:
+        with open(os.path.join(path, marker[0])) as f:
+            return f.read(len(marker[1]) + 1) == marker[1]
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def stale_staging(path: str) -> bool:

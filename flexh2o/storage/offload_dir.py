@@ -9,12 +9,14 @@ from typing import Optional
 
 import psutil
 
-from flexh2o.storage.dirlock import LOCK_FILE, LockedDir, lock_state, make_locked_dir, remove_if_unlocked, \
-    stale_staging
+from flexh2o.storage.dirlock import LOCK_FILE, LockedDir, has_marker, lock_state, make_locked_dir, \
+    remove_if_unlocked, stale_staging
 
 RUN_PREFIX = "flexh2o-run-"
 NEW_PREFIX = ".flexh2o-new-"  # a run dir being born: renamed to RUN_PREFIX... once its lock is held
 OWNER_FILE = "owner.pid"  # "<pid> <process create time>\n": for people reading the directory, and older versions
+MARKER = (".flexh2o-run-dir", "made by flexh2o-run as its offload run directory; deleted when its run ends\n")
+# written at creation: the sweep deletes only directories holding it (a user's own flexh2o-run-* dir is never touched)
 
 
 def make_run_dir(offload_dir: str) -> LockedDir:
@@ -28,7 +30,7 @@ def make_run_dir(offload_dir: str) -> LockedDir:
         remove_stale_run_dirs(offload_dir)
         pid = os.getpid()
         run = make_locked_dir(offload_dir, f"{NEW_PREFIX}{pid}-",
-                              lambda staged: RUN_PREFIX + staged[len(NEW_PREFIX):])
+                              lambda staged: RUN_PREFIX + staged[len(NEW_PREFIX):], MARKER)
         try:
             with open(os.path.join(run.path, OWNER_FILE), "w") as f:
                 f.write(f"{pid} {_create_time(pid)}\n")
@@ -64,19 +66,19 @@ def sweep(offload_dir: Optional[str]) -> list[str]:
 
 
 def remove_stale_run_dirs(offload_dir: str) -> list[str]:
-    """Remove run dirs whose owner is gone (their lock is free; for dirs of older versions without a lock, the
-    owner.pid names no live process); return their paths."""
+    """Remove run dirs whose owner is gone (their lock is free; without a lock file, the owner.pid names no live
+    process); return their paths. Only directories holding MARKER are deleted (an empty staging dir, of a start
+    killed before it wrote one, is removed with rmdir): a directory of the same name without it is not ours."""
     removed = []
     for name in sorted(os.listdir(offload_dir)):
         path = os.path.join(offload_dir, name)
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        if name.startswith(RUN_PREFIX):
+        if name.startswith(RUN_PREFIX) and has_marker(path, MARKER):
             state = lock_state(path)
             gone = remove_if_unlocked(path) if state is False else (state is None and _remove_legacy(path))
         elif name.startswith(NEW_PREFIX) and stale_staging(path):
-            shutil.rmtree(path, ignore_errors=True)
-            gone = not os.path.exists(path)
+            gone = _remove_staging(path)
         else:
             continue
         if gone:
@@ -91,6 +93,18 @@ def free_disk_bytes(path: str) -> int:
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return shutil.disk_usage(path).free
+
+
+def _remove_staging(path: str) -> bool:
+    """A stale staging dir: deleted with its files when it holds MARKER, else only when empty."""
+    if has_marker(path, MARKER):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return False
+    return not os.path.exists(path)
 
 
 def _remove_legacy(path: str) -> bool:

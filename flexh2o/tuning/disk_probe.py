@@ -33,9 +33,9 @@ def disk_rates(offload_dir: str, quick: bool, busy: bool) -> dict:
     from flexh2o.storage.offload_dir import make_run_dir, remove_run_dir
     sizes = _disk_sizes(quick)
     nbytes = sum(sizes)
-    run_dir = make_run_dir(offload_dir)
-    tier = DiskTier(run_dir, disk_test_bytes(quick))
-    try:
+    run_dir, tier = make_run_dir(offload_dir), None
+    try:  # the tier too: a full filesystem can refuse its first file, and the run dir must go all the same
+        tier = DiskTier(run_dir, disk_test_bytes(quick))
         rep = 3 if quick else 5
         small, hs = torch.ones(4096, dtype=torch.uint8), tier.alloc((4096,), torch.uint8)
         lat_w = median_time(lambda: tier.store(hs, small), 3 * rep)
@@ -60,7 +60,8 @@ def disk_rates(offload_dir: str, quick: bool, busy: bool) -> dict:
                 "disk_write_latency_s": lat_w, "direct_io": tier.is_direct, "disk_read_bw_busy": nbytes / busy_s,
                 "compute_busy": compute_busy}
     finally:
-        tier.close()
+        if tier is not None:
+            tier.close()
         remove_run_dir(run_dir)
 
 

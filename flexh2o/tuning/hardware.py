@@ -139,5 +139,40 @@ def load_profile(name_or_path: str) -> dict:
         res = importlib.resources.files("flexh2o") / "configs" / "hardware" / f"{name_or_path}.json"
         with importlib.resources.as_file(res) as path:
             return read_json(str(path), "reinstall flexh2o (a shipped hardware profile is unreadable)", dict)
-    return read_json(name_or_path, "pass a hardware profile written by flexh2o-profile, or one of "
-                     + ", ".join(shipped_profiles()) + " (--hardware)", dict)
+    hw = read_json(name_or_path, "pass a hardware profile written by flexh2o-profile, or one of "
+                   + ", ".join(shipped_profiles()) + " (--hardware)", dict)
+    check_profile(hw, name_or_path)
+    return hw
+
+
+PER_DTYPE = ("matmul_flops", "decode_matmul_flops", "attention_flops", "decode_attention_flops")
+NUMBERS = ("gpu_mem_bw", "cpu_mem_bw", "convert_bw", "h2d_bw", "d2h_bw", "disk_read_bw", "disk_write_bw",
+           "disk_read_latency_s", "disk_write_latency_s", "cpu_flops", "op_overhead_s", "parallel_op_s",
+           "disk_read_bw_busy", "compute_busy", "gpu_mem", "cpu_mem", "disk_mem")
+REQUIRED = ("matmul_flops", "cpu_mem_bw")
+
+
+def check_profile(hw: dict, source: str) -> None:
+    """A profile read from a file: the fields the cost model needs are there and every known field holds a finite
+    number >= 0 (per dtype where the schema allows; null for optional ones), else one ValueError naming the field."""
+    def bad(key, why):
+        return ValueError(f"--hardware {source}: {key} {why}; pass a profile written by flexh2o-profile")
+
+    for key in REQUIRED:
+        if hw.get(key) is None:
+            raise bad(key, "is missing")
+    for key in PER_DTYPE + NUMBERS:
+        v = hw.get(key)
+        values = v.values() if isinstance(v, dict) and key in PER_DTYPE else [v]
+        if v is not None and not all(_is_rate(x) for x in values):
+            raise bad(key, f"is {v!r}, not a number >= 0" + (" or {dtype: number}" if key in PER_DTYPE else ""))
+    for key in ("matmul_flops_by_rows", "int4_matmul_flops_by_rows"):
+        v = hw.get(key)
+        tables = (v.values() if key == "matmul_flops_by_rows" else [v]) if isinstance(v, dict) else [v]
+        if v is not None and not all(isinstance(t, dict) and all(str(r).isdigit() and _is_rate(x)
+                                                                 for r, x in t.items()) for t in tables):
+            raise bad(key, "is not a table of {rows: FLOP/s}")
+
+
+def _is_rate(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
