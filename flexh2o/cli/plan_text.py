@@ -39,4 +39,6 @@ def _dtype_line(rc: RunConfig) -> str:
 def _compression_note(rc: RunConfig) -> str:
     parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
              (("weights", rc.compress_weight), ("cache", rc.compress_cache)) if spec]
+    if rc.compress_cache and rc.compress_cache.keys == "channel":
+        parts[-1] += f" (keys per channel, {rc.compress_cache.outliers} exact)"
     return f"  compressed {', '.join(parts)}" if parts else ""
