@@ -7,6 +7,7 @@ import torch
 
 from flexh2o.compress.bits import pack, unpack
 from flexh2o.compress.codec import assign, expand
+from flexh2o.config import from_name
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.layout import CacheLayout, CacheQuant
 from test_kv_equivalence import _rc
@@ -129,3 +130,16 @@ def test_lane_passes_count_the_quantized_layout():
     plain = EvalModel("x", cfg, None, torch.float32)
     packed = EvalModel("x", cfg, None, torch.float32, compress_cache=CacheQuant(4, 64, "channel"))
     assert len(lane_passes(plain, lanes, 64, 32, 4, 2.5 * one)) > len(lane_passes(packed, lanes, 64, 32, 4, 2.5 * one))
+
+
+@pytest.mark.parametrize("flags", [["--compress-cache", "--cache-keys", "channel", "--key-outliers", "2",
+                                    "--compress-bits", "3"],
+                                   ["--compress-cache", "--cache-keys", "token", "--compress-bits", "2"]])
+def test_printed_command_line_reads_back_the_cache_quantization(flags):
+    from flexh2o.cli import run as run_cli
+    from flexh2o.tuning.search import command_line
+    base = ["--model", "opt-125m", "--gpu-mem", "1GB", "--cpu-mem", "2GB", "--disk-mem", "4GB"]
+    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(base + flags), from_name("opt-125m"), None)
+    line = command_line(rc).split()
+    back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
+    assert back.compress_cache == rc.compress_cache and rc.compress_cache.keys == flags[2]
