@@ -1,5 +1,5 @@
 """Keys per channel (prompt-calibrated scales, outliers exact) and values per token at 2, 3, 4 and 8 bits: under
-every KV policy and on every cache placement the engine equals tests/reference_kv.py fed tests/reference_quant.py's
+every KV policy and on every cache placement (each policy on one, h2o on all) the engine equals tests/reference_kv.py fed tests/reference_quant.py's
 own quantize-dequantize of the K/V (written apart from flexh2o/compress). merge is left out as in
 test_compress_cache.py (the reference merges exact values only; test_kv_layout.py checks a merge on a block)."""
 from __future__ import annotations
@@ -16,8 +16,10 @@ from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, _a
 
 HEAD_DIM = 16
 CHANNEL = CacheQuant(4, HEAD_DIM, "channel", 2)  # 2 of a token's 16 key values exact
-CASES = [("opt", p, c) for p in POLICIES if p != "merge" for c in COMBOS] + \
-    [("llama", p, c) for p in ("h2o", "tova", "adakv") for c in COMBOS[:1] + COMBOS[2:3]]
+# every policy on OPT, each on one placement in turn (h2o on all four); three on grouped-KV Llama
+_OPT = [p for p in POLICIES if p not in ("merge", "h2o")]
+CASES = [("opt", "h2o", c) for c in COMBOS] + [("opt", p, COMBOS[i % len(COMBOS)]) for i, p in enumerate(_OPT)] + \
+    [("llama", p, COMBOS[i * 2 % len(COMBOS)]) for i, p in enumerate(("h2o", "tova", "adakv"))]
 BITS = [(CacheQuant(b, HEAD_DIM, keys, n), p) for b in (2, 3, 8) for keys, n in (("channel", 2), ("token", 0))
         for p in ("h2o",)] + [(CacheQuant(4, HEAD_DIM, "channel", 0), "full")]
 
