@@ -188,11 +188,11 @@ class KVCache:
             raise
 
     def _alloc(self, tier) -> dict:
-        """(field, part name) -> the tier's handle of that part."""
+        """Part key (Part.key: "pos", "k" or "k.data", ...) -> the tier's handle of that part."""
         out = {}
         try:
             for p in self.layout.parts():
-                out[p.field, p.name] = tier.alloc(p.shape, p.dtype)
+                out[p.key] = tier.alloc(p.shape, p.dtype)
         except BaseException:
             for h in out.values():
                 tier.free(h)
@@ -205,7 +205,7 @@ class KVCache:
     def load(self, layer: int, batch: int, device) -> KVBlock:
         """The block on `device` (a view of the home when it is already there)."""
         tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
-        fields = {f: self.layout.assemble(f, {p.name: tier.load(hs[f, p.name], device)
+        fields = {f: self.layout.assemble(f, {p.name: tier.load(hs[p.key], device)
                                               for p in self.layout.field_parts(f)}) for f in FIELDS}
         return KVBlock(**fields)
 
@@ -216,7 +216,7 @@ class KVCache:
         for f in FIELDS:
             tensors = self.layout.split(getattr(block, f))
             for p in self.layout.field_parts(f):
-                tier.store(hs[f, p.name], tensors[p.name], block.written if p.sparse else None)
+                tier.store(hs[p.key], tensors[p.name], block.written if p.sparse else None)
 
     def close(self) -> None:
         for (layer, batch), hs in self.handles.items():

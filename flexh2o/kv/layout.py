@@ -80,6 +80,11 @@ class Part:
     sparse: bool
 
     @property
+    def key(self) -> str:
+        """The part's name in a block's handles: the field ("k", "pos") or field.part ("k.data")."""
+        return f"{self.field}.{self.name}" if self.name else self.field
+
+    @property
     def nbytes(self) -> int:
         n = self.dtype.itemsize
         for s in self.shape:
