@@ -47,7 +47,7 @@ def test_cache_takes_the_layout_bytes_in_every_tier(tier, quant, offload_dir):
 @pytest.mark.parametrize("quant", QUANTS[1:], ids=lambda q: q.describe())
 def test_plan_and_cost_model_count_the_layout(quant, offload_dir):
     from flexh2o.planning.memory_plan import cache_block_bytes, plan_memory
-    from flexh2o.tuning.cost_model import _Model
+    from flexh2o.tuning.step_cost import StepCost as _Model
     from flexh2o.tuning.hardware import Rates, load_profile
     rc = _rc("opt", "h2o", offload_dir, [100, 0, 100, 0]).with_(compress_cache=quant)
     lay = CacheLayout.of_run(rc)

@@ -5,7 +5,7 @@ import argparse
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.codec import BITS
-from flexh2o.compress.kernels import KERNEL_GROUPS
+from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
 from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, KEY_SCHEMES, CacheQuant
 
 
@@ -31,8 +31,8 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
 
 def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     """(weight spec or None, CacheQuant or None): FlexGen's scheme (--compress-bits, --compress-group-size), the
-    cache's values along head_dim and its keys as --cache-keys says, weights along dimension 0 (FlexGen's) or, where the int4 kernel can run them
-    (--weight-kernel auto/int4), along the input dimension (1)."""
+    cache's values along head_dim and its keys as --cache-keys says, weights along dimension 0 (FlexGen's) or, where
+    the int4 kernel can run them (--weight-kernel auto/int4), along the input dimension (1)."""
     cache = None
     if args.compress_cache:
         cache = CacheQuant(args.compress_bits, args.compress_group_size, getattr(args, "cache_keys", DEFAULT_KEYS),
@@ -48,7 +48,7 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
 
 def weight_group_dim(args: argparse.Namespace, spec: CompressionSpec, device: str) -> int:
     mode = getattr(args, "weight_kernel", "off")
-    fits = spec.bits == 4 and spec.group_size in KERNEL_GROUPS
+    fits = kernel_spec_ok(spec.along(1))
     if mode == "int4" and not fits:
         raise ValueError(f"--weight-kernel int4 needs --compress-bits 4 and --compress-group-size one of "
                          f"{'/'.join(map(str, KERNEL_GROUPS))} (or use --weight-kernel auto)")
