@@ -147,7 +147,7 @@ def policy_flags(rc: RunConfig) -> dict:
             "decode_dtype": str(rc.decode_compute).replace("torch.", ""),
             "device": rc.device, "path": rc.path, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
             "disk_mem": rc.disk_mem, "compress_weight": _spec(rc.compress_weight),
-            "compress_cache": _spec(rc.compress_cache)}
+            "compress_cache": rc.compress_cache.describe() if rc.compress_cache else None}
 
 
 def _spec(spec) -> Optional[str]:

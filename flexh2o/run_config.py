@@ -10,6 +10,7 @@ import torch
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.kernels import kernel_spec_ok
 from flexh2o.config import ModelConfig
+from flexh2o.kv.layout import CacheQuant
 from flexh2o.kv.spec import KVSpec
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
@@ -44,11 +45,12 @@ class RunConfig:
     prefill_batch: Optional[int] = None  # sequences per prefill sub-batch; None: bounded by PREFILL_BYTES
     prompt_copies: int = 1  # the GPU batch is this many copies of its first rows' prompts: prefill computes one
     compress_weight: Optional[CompressionSpec] = None  # weights of 2+ dimensions, grouped along its group_dim
-    compress_cache: Optional[CompressionSpec] = None  # K and V, grouped along head_dim
+    compress_cache: Optional[CacheQuant] = None  # K and V (kv/layout.py); a CompressionSpec is FlexGen's scheme
     weight_kernel: str = "auto"  # weights grouped along dim 1: the int4 kernel per phase by a probe, always, or never
     pin_weight: bool = True  # pin the cpu tier's memory when compute is on CUDA (FlexGen's --pin-weight)
 
     def __post_init__(self):
+        object.__setattr__(self, "compress_cache", CacheQuant.of(self.compress_cache))
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")

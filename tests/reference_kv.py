@@ -186,14 +186,16 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     L1 norms of the values (kv, T), keys (kv, T, d))).
     `merges`: per KV head, the merge events (see `merged_values`) that change the values later queries read.
 
-    With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V), the queries after the prompt (generated tokens)
-    read the quantized K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends
-    before the cache is written)."""
+    With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V; or a pair of them, keys' and values', each taking
+    (x, prompt_len): tests/reference_quant.py), the queries after the prompt (generated tokens) read the quantized
+    K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends before the cache is
+    written)."""
     if kv_quant is None:
         return _attention(q, k, v, visible, num_heads, kv_heads, merges)
     assert not merges or not any(merges), "the reference merges only exact K/V"
     T = q.shape[0]
-    qk, qv = (kv_quant(x.view(T, kv_heads, -1)).reshape(T, -1) for x in (k, v))
+    pair = kv_quant if isinstance(kv_quant, tuple) else (lambda x, n: kv_quant(x),) * 2
+    qk, qv = (f(x.view(T, kv_heads, -1), prompt_len).reshape(T, -1) for f, x in zip(pair, (k, v)))
     exact = _attention(q, k, v, visible, num_heads, kv_heads)
     packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache

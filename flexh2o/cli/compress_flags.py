@@ -2,17 +2,26 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 from flexh2o.compress import CompressionSpec
+from flexh2o.compress.codec import BITS
 from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
+from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, KEY_SCHEMES, CacheQuant
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--compress-weight", action="store_true", help="keep weights group-wise quantized in every tier (FlexGen)")
-    a("--compress-cache", action="store_true", help="keep the KV cache group-wise quantized in every tier (FlexGen)")
-    a("--compress-bits", type=int, choices=[4, 8], default=4, help="bits a value under --compress-* (default 4)")
+    a("--compress-cache", action="store_true", help="keep the KV cache quantized in every tier: values per token "
+      "in groups along head_dim (FlexGen), keys as --cache-keys says")
+    a("--cache-keys", choices=list(KEY_SCHEMES), default=DEFAULT_KEYS,
+      help=f"--compress-cache's keys: token (FlexGen's groups along head_dim) or channel (per-channel scales "
+           f"calibrated on the prompt, each token quantized alone, --key-outliers values a token kept exact); "
+           f"default {DEFAULT_KEYS}")
+    a("--key-outliers", type=int, default=DEFAULT_OUTLIERS,
+      help=f"key values per token kept exact under --cache-keys channel (default {DEFAULT_OUTLIERS})")
+    a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=4,
+      help="bits a value under --compress-* (default 4; 2 and 3: the cache only)")
     a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
     a("--weight-kernel", choices=["auto", "int4", "off"], default="auto",
       help="--compress-weight on a CPU: auto (weights grouped along the input dimension, each phase runs torch's "
@@ -21,14 +30,20 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
 
 
 def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
-    """(weight spec or None, cache spec or None): FlexGen's scheme (--compress-bits, --compress-group-size), the
-    cache along head_dim, weights along dimension 0 (FlexGen's) or, where the int4 kernel can run them
-    (--weight-kernel auto/int4), along the input dimension (1)."""
+    """(weight spec or None, CacheQuant or None): FlexGen's scheme (--compress-bits, --compress-group-size), the
+    cache's values along head_dim and its keys as --cache-keys says, weights along dimension 0 (FlexGen's) or, where
+    the int4 kernel can run them (--weight-kernel auto/int4), along the input dimension (1)."""
+    cache = None
+    if args.compress_cache:
+        cache = CacheQuant(args.compress_bits, args.compress_group_size, getattr(args, "cache_keys", DEFAULT_KEYS),
+                           getattr(args, "key_outliers", DEFAULT_OUTLIERS))  # validates the flags
+    if not args.compress_weight:
+        return None, cache
+    if args.compress_bits not in BITS:
+        raise ValueError(f"--compress-bits {args.compress_bits} with --compress-weight: weights take "
+                         f"{' or '.join(map(str, BITS))} bits")
     spec = CompressionSpec(args.compress_bits, args.compress_group_size)  # validates the two flags
-
-    def along(dim: int, wanted: bool) -> Optional[CompressionSpec]:
-        return spec.along(dim) if wanted else None
-    return along(weight_group_dim(args, spec, device), args.compress_weight), along(-1, args.compress_cache)
+    return spec.along(weight_group_dim(args, spec, device)), cache
 
 
 def weight_group_dim(args: argparse.Namespace, spec: CompressionSpec, device: str) -> int:

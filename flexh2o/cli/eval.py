@@ -97,7 +97,8 @@ def _run(args, argv: list) -> int:
     seconds = time.perf_counter() - start
     out = result.to_dict()
     out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
-               compress_cache=args.compress_cache, compress_bits=args.compress_bits,
+               compress_cache=args.compress_cache, compress_bits=args.compress_bits, cache_keys=args.cache_keys,
+               key_outliers=args.key_outliers,
                compress_group_size=args.compress_group_size, weight_kernel=args.weight_kernel,
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
     path = args.out or f"eval-{args.task}.json"

@@ -63,6 +63,8 @@ def _compression_note(rc: RunConfig) -> str:
     from flexh2o.compress.kept import compresses_others, describe_kept
     parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
              (("weights", rc.compress_weight if compresses_others(rc.compress_weight) else None),
-              ("cache", rc.compress_cache)) if spec] + [describe_kept(rc.compress_weight)] * bool(
-        describe_kept(rc.compress_weight))
+              ("cache", rc.compress_cache)) if spec]
+    if rc.compress_cache and rc.compress_cache.keys == "channel":
+        parts[-1] += f" (keys per channel, {rc.compress_cache.outliers} exact)"
+    parts += [describe_kept(rc.compress_weight)] * bool(describe_kept(rc.compress_weight))
     return f"  compressed {', '.join(parts)}" if parts else ""

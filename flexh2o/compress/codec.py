@@ -1,8 +1,8 @@
-"""Group-wise asymmetric min/max quantization (FlexGen's scheme): 4 or 8 bits a value, groups of `group_size`
+"""Group-wise asymmetric min/max quantization (FlexGen's scheme): 2, 3, 4 or 8 bits a value (2 and 3: the KV cache), groups of `group_size`
 values along one dimension, a scale (the step between levels) and a minimum per group.
 
 Layout of a tensor of shape S grouped along dimension d (n = S[d], g = ceil(n / group_size) groups):
-  data  uint8, S[:d] + (g, group_size * bits / 8) + S[d+1:]   two 4-bit values a byte (low nibble first)
+  data  uint8, S[:d] + (g, group_size * bits / 8) + S[d+1:]   packed as compress/bits.py says (4 bits: low nibble first)
   meta  the storage dtype, S[:d] + (g,) + S[d+1:] + (2,)       [..., 0] = scale, [..., 1] = minimum
 Every dimension before d keeps its index, so a KV cache grouped along head_dim (the last) still has its slots at
 dimension 2 and one slot is written as one slot. A ragged tail is padded with copies of the last value (never
@@ -12,30 +12,33 @@ storage dtype, so every value is within half a step of its level; a constant gro
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
+from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
 from flexh2o.tensors import moved
 
-BITS = (4, 8)
+BITS = (4, 8)  # weights (and FlexGen's cache); a cache's CacheGroupSpec also takes 2 and 3
 
 
 @dataclass(frozen=True)
 class CompressionSpec:
-    """bits (4 or 8) a value, values per group, the grouped dimension (negative counts from the end), and the dtype
-    of the scales and minimums (None: the tensor's storage dtype; a checkpoint's own blocks keep theirs)."""
+    """bits (2, 3, 4 or 8) a value, values per group, the grouped dimension (negative counts from the end), and the
+    dtype of the scales and minimums (None: the tensor's storage dtype; a checkpoint's own blocks keep theirs)."""
 
     bits: int = 4
     group_size: int = 64
     group_dim: int = 0
     scale_dtype: Optional[torch.dtype] = None
+    allowed: ClassVar[tuple] = BITS
 
     def __post_init__(self):
-        if self.bits not in BITS:
-            raise ValueError(f"--compress-bits {self.bits}: choose 4 or 8")
-        if self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"--compress-group-size {self.group_size}: use an even number of values, at least 2")
+        if self.bits not in self.allowed:
+            raise ValueError(f"--compress-bits {self.bits}: choose {', '.join(map(str, self.allowed))}")
+        if self.group_size < 2 or (self.group_size * self.bits) % 8:
+            raise ValueError(f"--compress-group-size {self.group_size}: use a number of values, at least 2, whose "
+                             f"{self.bits}-bit levels fill whole bytes (a multiple of {8 // _gcd8(self.bits)})")
 
     @property
     def levels(self) -> int:
@@ -60,9 +63,16 @@ class CompressionSpec:
         shape = tuple(int(s) for s in shape)
         d = self.dim(len(shape))
         groups = -(-shape[d] // self.group_size)
-        data = shape[:d] + (groups, self.group_size * self.bits // 8) + shape[d + 1:]
+        data = shape[:d] + (groups, packed_width(self.group_size, self.bits)) + shape[d + 1:]
         meta = shape[:d] + (groups,) + shape[d + 1:] + (2,)
         return (data, torch.uint8), (meta, self.scale_dtype or dtype)
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec(CompressionSpec):
+    """A CompressionSpec of KV cache values (or FlexGen's keys): 2 and 3 bits allowed too."""
+
+    allowed: ClassVar[tuple] = PACKABLE
 
 
 def stored_parts(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec] = None) -> tuple:
@@ -138,6 +148,8 @@ def quantize(x: torch.Tensor, spec: CompressionSpec, dtype: Optional[torch.dtype
     if spec.bits == 4:
         pairs = q.view(x.shape[:d] + (groups, size // 2, 2) + x.shape[d + 1:])
         q = pairs.select(d + 2, 0) | (pairs.select(d + 2, 1) << 4)  # (..., groups, size / 2, ...)
+    elif spec.bits != 8:
+        q = pack(q.movedim(d + 1, -1), spec.bits).movedim(-1, d + 1)  # (..., groups, size * bits / 8, ...)
     return CompressedTensor(q.contiguous(), torch.stack([scale, lo], -1), n, spec)
 
 
@@ -149,6 +161,8 @@ def dequantize(ct: CompressedTensor, dtype: Optional[torch.dtype] = None) -> tor
     if spec.bits == 4:
         q = torch.stack([data & 0xF, data >> 4], d + 2)  # (..., groups, size / 2, 2, ...)
         q = q.view(data.shape[:d + 1] + (spec.group_size,) + data.shape[d + 2:])
+    elif spec.bits != 8:
+        q = unpack(data.movedim(d + 1, -1), spec.bits, spec.group_size).movedim(-1, d + 1)
     else:
         q = data
     scale, lo = (ct.meta[..., i].float().unsqueeze(d + 1) for i in (0, 1))  # contiguous copies: fast broadcasts
@@ -165,7 +179,8 @@ def dequantize_into(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
     spec, data = ct.spec, ct.data
     d = spec.dim(data.dim() - 1)
     groups = data.shape[d]
-    if out.dtype != torch.float32 or groups * spec.group_size != ct.length or not out.is_contiguous():
+    if (out.dtype != torch.float32 or groups * spec.group_size != ct.length or not out.is_contiguous()
+            or spec.bits not in (4, 8)):
         return out.copy_(dequantize(ct, out.dtype))
     g = out.view(data.shape[:d] + (groups, spec.group_size) + data.shape[d + 2:])  # (..., groups, size, ...)
     if spec.bits == 4:
@@ -177,6 +192,11 @@ def dequantize_into(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
     scale, lo = (ct.meta[..., i].unsqueeze(d + 1) for i in (0, 1))
     g.mul_(scale).add_(lo)
     return out
+
+
+def _gcd8(bits: int) -> int:
+    """The largest power of two dividing both `bits` and 8."""
+    return bits & -bits if bits & -bits < 8 else 8
 
 
 def _round_down(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,14 +212,20 @@ def _round_up(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def expand(x, dtype: torch.dtype) -> torch.Tensor:
-    """A plain tensor or a CompressedTensor as a plain tensor in `dtype` (for the compute side)."""
+    """A plain tensor, a CompressedTensor or another quantized form with `expanded(dtype)` (compress/channel.py's
+    keys) as a plain tensor in `dtype` (for the compute side)."""
+    if hasattr(x, "expanded"):
+        return x.expanded(dtype)
     return dequantize(x, dtype) if isinstance(x, CompressedTensor) else moved(x, dtype=dtype)
 
 
 def assign(dst, index, values: torch.Tensor) -> None:
     """dst[index] = values for a plain tensor, or the quantized values for a CompressedTensor (its grouped
-    dimension is the last: `index` selects whole groups, e.g. one KV slot per row and head)."""
-    if isinstance(dst, CompressedTensor):
+    dimension is the last: `index` selects whole groups, e.g. one KV slot per row and head), or another quantized
+    form's own `assign` (compress/channel.py's keys)."""
+    if hasattr(dst, "assign"):
+        dst.assign(index, values)
+    elif isinstance(dst, CompressedTensor):
         ct = quantize(values, dst.spec, dst.dtype)
         dst.data[index] = ct.data
         dst.meta[index] = ct.meta

@@ -19,6 +19,7 @@ import torch
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
 from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.layout import CacheLayout, CacheQuant
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
 from flexh2o.planning.machine import cpu_record
@@ -44,7 +45,7 @@ class EvalModel:
     num_sinks: int = 4
     seed: int = 0
     compress_weight: Optional[CompressionSpec] = None  # --compress-weight (grouping as compression_specs says)
-    compress_cache: Optional[CompressionSpec] = None  # --compress-cache (grouped along head_dim)
+    compress_cache: Optional[CacheQuant] = None  # --compress-cache (kv/layout.py)
     weight_kernel: str = "auto"  # RunConfig.weight_kernel, from --weight-kernel as flexh2o-run reads it
     hh_decay: float = DEFAULT_DECAY
     pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
@@ -154,11 +155,15 @@ def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows
     if separate:
         return [[lane] for lane in lanes]
     cfg = model.cfg
-    per_slot = rows * cfg.num_layers * cfg.kv_heads * (2 * cfg.head_dim * model.dtype.itemsize + 12)
     slots = {lane: spec_of(model, *lane).slots(prompt_len, steps, cfg.num_layers) for lane in lanes}
+
+    def cache_bytes(lanes_in_pass: int, top_slots: int) -> int:  # the pass's blocks, as their layout says
+        layout = CacheLayout(rows * lanes_in_pass, cfg.kv_heads, top_slots, cfg.head_dim, model.dtype,
+                             CacheQuant.of(model.compress_cache))
+        return cfg.num_layers * layout.nbytes
     passes, cur, top = [], [], 0
     for lane in sorted(lanes, key=lambda x: (x[1] is None, x[1] or 0)):
-        if cur and (len(cur) + 1) * max(top, slots[lane]) * per_slot > mem:
+        if cur and cache_bytes(len(cur) + 1, max(top, slots[lane])) > mem:
             passes.append(cur)
             cur, top = [], 0
         cur.append(lane)

@@ -104,6 +104,7 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     m = order.shape[-1]
     take = keep.gather(-1, order)
     first = (slice(None), slice(None), slice(0, m))
+    blk.calibrate(k, pos >= 0)  # keys per channel: scales from every prompt token, kept or not
     assign(blk.k, first, k.gather(2, order[..., None].expand(b, kv, m, d)))  # quantized here when compressed
     assign(blk.v, first, v.gather(2, order[..., None].expand(b, kv, m, d)))
     blk.pos[:, :, :m] = torch.where(take, pos.gather(-1, order), -1)

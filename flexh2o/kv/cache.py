@@ -10,19 +10,18 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import CompressedTensor, CompressionSpec
-from flexh2o.compress.codec import assign, empty_like_layout, expand
-from flexh2o.compress.tier import CompressedTier
-
-FIELDS = ("k", "v", "pos", "score")
+from flexh2o.compress import CompressedTensor
+from flexh2o.compress.codec import assign, expand
+from flexh2o.kv.layout import FIELDS, CacheLayout, CacheQuant
 
 
 @dataclass
 class KVBlock:
     """One block on the compute side.
 
-    k, v: (b, kv_heads, slots, head_dim), plain or a CompressedTensor grouped along head_dim (one slot = whole
-    groups, so a slot is written alone); pos int64 and score fp32: (b, kv_heads, slots).
+    k, v: (b, kv_heads, slots, head_dim), plain or quantized as kv/layout.py says (a CompressedTensor grouped
+    along head_dim, one slot = whole groups; keys also as compress/channel.py's ChannelKeys): a slot is written
+    alone either way; pos int64 and score fp32: (b, kv_heads, slots).
     """
 
     k: torch.Tensor
@@ -107,22 +106,32 @@ class KVBlock:
 
     @staticmethod
     def empty(b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype, device,
-              compress: Optional[CompressionSpec] = None) -> "KVBlock":
-        shape = (b, heads, slots, head_dim)
-        return KVBlock(empty_like_layout(shape, dtype, compress, device),
-                       empty_like_layout(shape, dtype, compress, device),
-                       torch.full((b, heads, slots), -1, dtype=torch.int64, device=device),
-                       torch.zeros(b, heads, slots, dtype=torch.float32, device=device))
+              compress=None) -> "KVBlock":
+        """An empty block; compress: a CacheQuant, or a CompressionSpec (FlexGen's scheme), or None."""
+        return KVBlock.of_layout(CacheLayout(b, heads, slots, head_dim, dtype, CacheQuant.of(compress)), device)
+
+    @staticmethod
+    def of_layout(layout: CacheLayout, device) -> "KVBlock":
+        """An empty block of `layout` on `device`."""
+        return KVBlock(**layout.empty(device))
+
+    def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keys quantized per channel: calibrate their scales on the prompt's keys k (b, kv, t, d) at the tokens
+        marked in valid (b, kv, t) (prefill, before any key is written); other layouts need nothing."""
+        if hasattr(self.k, "calibrate"):
+            self.k.calibrate(k, valid)
 
     def rows(self, sl: slice) -> "KVBlock":
         """A view of some sequences of the block."""
-        return KVBlock(*(x.map(lambda t: t[sl]) if isinstance(x, CompressedTensor) else x[sl]
+        return KVBlock(*(x.map(lambda t: t[sl]) if hasattr(x, "map") else x[sl]
                          for x in (self.k, self.v)), self.pos[sl], self.score[sl])
 
     def front(self, n: int) -> "KVBlock":
         """A view of the first `n` slots of every row (all a decode step reads when no row uses a slot past them);
         it shares `written` with the block until a merge replaces it."""
         def cut(x):
+            if hasattr(x, "front"):
+                return x.front(n)
             return x.map(lambda t: t[:, :, :n]) if isinstance(x, CompressedTensor) else x[:, :, :n]
         return KVBlock(cut(self.k), cut(self.v), self.pos[:, :, :n], self.score[:, :, :n], self.written)
 
@@ -160,24 +169,35 @@ def merged_values(v: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> 
 
 class KVCache:
     """Home storage of every block: `homes[layer][batch]` names the tier; `tiers` maps names to Tier objects.
-    With `compress`, K and V live compressed in their tier and move compressed (attention expands them)."""
+    Each block's parts are those of its CacheLayout (kv/layout.py): with `compress` (a CacheQuant, or FlexGen's
+    CompressionSpec) K and V live quantized in their tier and move quantized (attention expands them)."""
 
     def __init__(self, tiers: dict, homes: list, b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype,
-                 compress: Optional[CompressionSpec] = None):
+                 compress=None):
         self.tiers, self.homes = tiers, homes
-        self.kv_tiers = {n: CompressedTier(t, compress) for n, t in tiers.items()} if compress else tiers
-        self.shape = (b, heads, slots, head_dim)
+        self.layout = CacheLayout(b, heads, slots, head_dim, dtype, CacheQuant.of(compress))
+        self.shape = self.layout.kv_shape
         self.dtype = dtype
         self.handles = {}
-        for layer, row in enumerate(homes):
-            for batch, tier in enumerate(row):
-                self.handles[layer, batch] = self._alloc(tiers[tier])
+        try:
+            for layer, row in enumerate(homes):
+                for batch, tier in enumerate(row):
+                    self.handles[layer, batch] = self._alloc(tiers[tier])
+        except BaseException:
+            self.close()
+            raise
 
     def _alloc(self, tier) -> dict:
-        b, h, s, d = self.shape
-        kv = self.kv_tiers[tier.name]
-        return {"k": kv.alloc((b, h, s, d), self.dtype), "v": kv.alloc((b, h, s, d), self.dtype),
-                "pos": tier.alloc((b, h, s), torch.int64), "score": tier.alloc((b, h, s), torch.float32)}
+        """Part key (Part.key: "pos", "k" or "k.data", ...) -> the tier's handle of that part."""
+        out = {}
+        try:
+            for p in self.layout.parts():
+                out[p.key] = tier.alloc(p.shape, p.dtype)
+        except BaseException:
+            for h in out.values():
+                tier.free(h)
+            raise
+        return out
 
     def tier_of(self, layer: int, batch: int):
         return self.tiers[self.homes[layer][batch]]
@@ -185,23 +205,22 @@ class KVCache:
     def load(self, layer: int, batch: int, device) -> KVBlock:
         """The block on `device` (a view of the home when it is already there)."""
         tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
-        kv = self.kv_tiers[tier.name]
-        load = kv.load_compressed if isinstance(kv, CompressedTier) else kv.load
-        return KVBlock(load(hs["k"], device), load(hs["v"], device), tier.load(hs["pos"], device),
-                       tier.load(hs["score"], device))
+        fields = {f: self.layout.assemble(f, {p.name: tier.load(hs[p.key], device)
+                                              for p in self.layout.field_parts(f)}) for f in FIELDS}
+        return KVBlock(**fields)
 
     def store(self, layer: int, batch: int, block: KVBlock) -> None:
-        """Write a block home: only K/V at the slots its last append wrote (plus the small pos/score arrays), or
-        all of it when it was built whole (prefill)."""
+        """Write a block home: only K/V at the slots its last append wrote (plus the small pos/score arrays and a
+        per-channel key calibration), or all of it when it was built whole (prefill)."""
         tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
-        for f in ("k", "v"):
-            self.kv_tiers[tier.name].store(hs[f], getattr(block, f), block.written)
-        tier.store(hs["pos"], block.pos)
-        tier.store(hs["score"], block.score)
+        for f in FIELDS:
+            tensors = self.layout.split(getattr(block, f))
+            for p in self.layout.field_parts(f):
+                tier.store(hs[p.key], tensors[p.name], block.written if p.sparse else None)
 
     def close(self) -> None:
         for (layer, batch), hs in self.handles.items():
             tier = self.tier_of(layer, batch)
-            for f, h in hs.items():
-                (self.kv_tiers[tier.name] if f in ("k", "v") else tier).free(h)
+            for h in hs.values():
+                tier.free(h)
         self.handles = {}

@@ -4,11 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from flexh2o.kv.attention import prefill_chunk
+from flexh2o.kv.layout import CacheLayout
 from flexh2o.models.common import MLP_ELEMENTS
-from flexh2o.placement import TIERS, Placement, tensor_bytes
+from flexh2o.placement import TIERS, Placement
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
@@ -19,13 +18,8 @@ PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte
 
 
 def cache_block_bytes(rc: RunConfig) -> int:
-    """One (layer, GPU batch) cache block: K and V in the storage dtype (compressed under --compress-cache), int64
-    positions, fp32 scores."""
-    cfg = rc.model
-    shape = (rc.gpu_batch_size, cfg.kv_heads, rc.cache_slots(), cfg.head_dim)
-    rows = shape[0] * shape[1] * shape[2]
-    return 2 * tensor_bytes(shape, rc.dtype, rc.compress_cache) + tensor_bytes(rows, torch.int64) + tensor_bytes(
-        rows, torch.float32)
+    """One (layer, GPU batch) cache block, as its layout (kv/layout.py) says."""
+    return CacheLayout.of_run(rc).nbytes
 
 
 def act_block_bytes(rc: RunConfig) -> int:
@@ -100,11 +94,12 @@ def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
     cfg, c = rc.model, rc.compute.itemsize
     weights = max(2 * max(compute_side_bytes(rc, where.weights, kernel, p)) for p in PHASES)
     g, cpu, _ = rc.percent.shares("cache")
-    block = cache_block_bytes(rc)
+    layout = CacheLayout.of_run(rc)
+    block = layout.nbytes
     attend_on_cpu = rc.cpu_cache_compute and cpu == 100
     cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
-    if rc.dtype != rc.compute or rc.compress_cache:  # decode reads K and V of one block in the compute dtype
-        cache += 2 * rc.gpu_batch_size * rc.cache_slots() * cfg.kv_heads * cfg.head_dim * c
+    if layout.expands(rc.compute):  # decode reads K and V of one block in the compute dtype
+        cache += layout.expanded_bytes(rc.compute)
     b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
     chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk)
     qkv = 4 * m * t * max(cfg.hidden, cfg.num_heads * cfg.head_dim) * c  # q, k, v, attention output (sub-batch)

@@ -15,6 +15,7 @@ from flexh2o.kv.policies import POLICIES
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.tuning.cost_model import predict_with
+from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.tuning.hardware import Rates
 from flexh2o.run_config import RunConfig
@@ -123,6 +124,11 @@ def compression_flags(rc: RunConfig) -> list:
     out = ["--compress-weight"] * weights + ["--compress-cache"] * bool(rc.compress_cache)
     if (spec.bits, spec.group_size) != (4, 64):
         out.append(f"--compress-bits {spec.bits} --compress-group-size {spec.group_size}")
+    cache = rc.compress_cache
+    if cache and cache.keys != DEFAULT_KEYS:
+        out.append(f"--cache-keys {cache.keys}")
+    if cache and cache.keys == "channel" and cache.outliers != DEFAULT_OUTLIERS:
+        out.append(f"--key-outliers {cache.outliers}")
     if rc.compress_weight and rc.weight_kernel != "auto":
         out.append(f"--weight-kernel {'off' if rc.weight_kernel == 'generic' else rc.weight_kernel}")
     return out

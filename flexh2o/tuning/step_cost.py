@@ -21,10 +21,9 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import stored_bytes, stored_parts
 from flexh2o.compress.choice import PHASES
 from flexh2o.compress.kernels import row_block
-from flexh2o.planning.memory_plan import cache_block_bytes
+from flexh2o.kv.layout import CacheLayout
 from flexh2o.planning.weight_layout import layout_of
 from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import GRAIN, Rates
@@ -70,13 +69,13 @@ class StepCost:
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
         self.slots = rc.cache_slots()
-        self.block = cache_block_bytes(rc)
-        b, kv, s, d = rc.gpu_batch_size, self.cfg.kv_heads, self.slots, self.cfg.head_dim
-        kv_parts = stored_parts((b, kv, s, d), rc.dtype, rc.compress_cache)  # K (and V): one or two files
-        self.block_files = 2 * len(kv_parts) + 2
-        self.block_padded = 2 * sum(map(padded, kv_parts)) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
-        self.slot_kv = 2 * stored_bytes((d,), rc.dtype, rc.compress_cache)  # K and V of one token and KV head
-        self.slot_kv *= 2 if rc.kv.make(rc.model.num_layers).merges else 1  # merging also stores the merged slot
+        layout = CacheLayout.of_run(rc)
+        self.block = layout.nbytes
+        self.block_files = len(layout.parts())  # one file each on the disk tier
+        self.block_padded = sum(padded(p.nbytes) for p in layout.parts())
+        merges = rc.kv.make(rc.model.num_layers).merges  # merging also stores the merged slot
+        # K and V a decode step stores per row and KV head: its slot(s) and any per-row key calibration
+        self.slot_kv = layout.kv_slot_bytes() * (2 if merges else 1) + layout.kv_row_bytes()
         self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)

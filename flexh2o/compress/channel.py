@@ -1,0 +1,132 @@
+"""Keys quantized per channel with scales calibrated on the prompt (after KVQuant's per-channel keys and outliers).
+
+Keys have outlier channels: one scale per token (FlexGen's groups along head_dim) spends the levels on them. Here
+each (row, KV head, channel) gets its own minimum and scale, set once from the prompt's keys at prefill
+(`calibrate`); every token, prompt or generated, is then quantized alone with them (clamped to the calibrated
+range), so a token fills one slot and an evicted slot is rewritten in place. Per token, the `outliers` values whose
+quantization error is largest are kept exact (their channel index and value), which also catches a generated token
+that leaves the prompt's range.
+
+Layout of keys (b, h, slots, d) stored as `dtype` (the parts a tier holds, compress/channel's ChannelSpec.parts):
+  data   uint8 (b, h, slots, d * bits / 8)   levels packed as compress/bits.py says
+  index  uint8 (b, h, slots, outliers)       channels kept exact (int16 when d > 256), in decreasing error
+  exact  dtype (b, h, slots, outliers)       their values
+  calib  dtype (b, h, d, 2)                  [..., 0] scale, [..., 1] minimum (per row and head: not per slot)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
+from flexh2o.compress.codec import _round_down, _round_up
+
+SLOT_PARTS = ("data", "index", "exact")  # indexed by slot at dimension 2; calib is per row and head
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """bits (2, 3, 4 or 8) a key value; outliers: values per token kept exact (0 to head_dim)."""
+
+    bits: int = 4
+    outliers: int = 4
+
+    def __post_init__(self):
+        if self.bits not in PACKABLE:
+            raise ValueError(f"--compress-bits {self.bits}: choose one of {', '.join(map(str, PACKABLE))}")
+        if self.outliers < 0:
+            raise ValueError(f"--key-outliers must be 0 or more (got {self.outliers})")
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def parts(self, shape: tuple, dtype: torch.dtype) -> dict:
+        """name -> (shape, dtype) of each stored part of keys of `shape` (b, h, slots, d) stored as `dtype`."""
+        b, h, s, d = (int(x) for x in shape)
+        if self.outliers > d:
+            raise ValueError(f"--key-outliers {self.outliers} exceeds head_dim {d}")
+        n = self.outliers
+        return {"data": ((b, h, s, packed_width(d, self.bits)), torch.uint8),
+                "index": ((b, h, s, n), torch.uint8 if d <= 256 else torch.int16),
+                "exact": ((b, h, s, n), dtype), "calib": ((b, h, d, 2), dtype)}
+
+
+@dataclass
+class ChannelKeys:
+    """Keys stored per channel (module docstring); `calib` is shared by every slot of a row and head."""
+
+    data: torch.Tensor
+    index: torch.Tensor
+    exact: torch.Tensor
+    calib: torch.Tensor
+    spec: ChannelSpec
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.calib.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape[:3]) + (self.calib.shape[2],)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.index, self.exact, self.calib))
+
+    def tensors(self) -> dict:
+        return {"data": self.data, "index": self.index, "exact": self.exact, "calib": self.calib}
+
+    def map(self, fn: Callable) -> "ChannelKeys":
+        """fn applied to every part (indexing of rows or heads, .to(device))."""
+        return ChannelKeys(fn(self.data), fn(self.index), fn(self.exact), fn(self.calib), self.spec)
+
+    def front(self, n: int) -> "ChannelKeys":
+        """The first n slots (calibration unchanged)."""
+        return ChannelKeys(self.data[:, :, :n], self.index[:, :, :n], self.exact[:, :, :n], self.calib, self.spec)
+
+    def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
+        """Set every row's and head's per-channel minimum and scale from keys k (b, h, t, d) over the tokens marked
+        in valid (b, h, t): the minimum rounded down and the scale up to the storage dtype, so each key of the
+        prompt is within half a step of its level (a row with no valid token gets scale 0, minimum 0)."""
+        kf, ok = k.float(), valid[..., None]
+        lo = torch.where(ok, kf, float("inf")).amin(2)  # (b, h, d)
+        hi = torch.where(ok, kf, float("-inf")).amax(2)
+        empty = ~valid.any(-1, keepdim=True)  # (b, h, 1)
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+        lo_s = _round_down(lo, self.dtype)
+        scale = _round_up((hi - lo_s.float()) / self.spec.levels, self.dtype)
+        self.calib.copy_(torch.stack([scale, lo_s], -1))
+
+    def assign(self, index: tuple, values: torch.Tensor) -> None:
+        """self[index] = values, quantized: index selects (row, head, slot) as tensors or slices, values (..., d)
+        the keys of those slots in any float dtype."""
+        calib = self.calib[index[0], index[1]]  # (..., d, 2) per row and head
+        if values.dim() == calib.dim():  # a range of slots per row and head: one calibration for all of them
+            calib = calib.unsqueeze(-3)
+        data, idx, exact = quantize_token(values, calib, self.spec, self.dtype)
+        self.data[index], self.index[index], self.exact[index] = data, idx.to(self.index.dtype), exact
+
+    def expanded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The keys (b, h, slots, d) in `dtype`; arithmetic in fp32."""
+        d = self.calib.shape[2]
+        x = unpack(self.data, self.spec.bits, d).float()  # (b, h, s, d)
+        scale, lo = (self.calib[..., i].float().unsqueeze(2) for i in (0, 1))  # (b, h, 1, d)
+        x = x.mul_(scale).add_(lo)
+        if self.spec.outliers:
+            x.scatter_(-1, self.index.long(), self.exact.float())
+        return x.to(dtype)
+
+
+def quantize_token(x: torch.Tensor, calib: torch.Tensor, spec: ChannelSpec, dtype: torch.dtype) -> tuple:
+    """Keys x (..., d) with their calibration (..., d, 2) -> (packed levels (..., d * bits / 8), outlier channels
+    (..., n) int64, their exact values (..., n) in `dtype`): levels clamped to [0, 2**bits - 1]; the outliers are
+    the n channels of largest error, ties to the lower channel."""
+    xf = x.float()
+    scale, lo = calib[..., 0].float(), calib[..., 1].float()
+    q = ((xf - lo) / torch.where(scale > 0, scale, 1.0)).round_().clamp_(0, spec.levels)
+    err = (q * scale + lo - xf).abs()
+    idx = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :spec.outliers]
+    return pack(q.to(torch.uint8), spec.bits), idx, xf.gather(-1, idx).to(dtype)

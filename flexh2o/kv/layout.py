@@ -1,0 +1,191 @@
+"""The layout of one (layer, GPU batch) KV cache block: every tensor it stores, with shape, dtype and bytes.
+
+The one place that says what a block holds; the cache allocates, loads and stores these parts, and the memory
+plan, the cost model and the evaluations count their bytes from here. A block of b rows, h KV heads, s slots and
+head_dim d, stored as `dtype`:
+  k, v     plain (b, h, s, d) `dtype`; or quantized under a CacheQuant: values per token (FlexGen's groups along
+           head_dim: data + meta, compress/codec.py), keys per token as well (FlexGen's scheme, keys "token") or per
+           channel with scales calibrated on the prompt (keys "channel": data, index, exact, calib;
+           compress/channel.py)
+  pos      int64 (b, h, s): the token a slot holds (-1: empty)
+  score    fp32 (b, h, s): the policy's accumulated attention
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
+from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
+
+KEY_SCHEMES = ("channel", "token")
+DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (benchmarks/ACCURACY.md, issue 26)
+DEFAULT_OUTLIERS = 4  # key values per token kept exact (1/16 of SmolLM2's head_dim of 64)
+FIELDS = ("k", "v", "pos", "score")
+
+
+@dataclass(frozen=True)
+class CacheQuant:
+    """How the KV cache is quantized: values per token in groups of `group_size` along head_dim at `bits`
+    (FlexGen's scheme); keys either the same way (keys "token") or per channel, calibrated on the prompt, with
+    `outliers` values per token kept exact (keys "channel"). group_dim (-1) is the values' grouped dimension."""
+
+    bits: int = 4
+    group_size: int = 64
+    keys: str = DEFAULT_KEYS
+    outliers: int = DEFAULT_OUTLIERS
+
+    def __post_init__(self):
+        if self.keys not in KEY_SCHEMES:
+            raise ValueError(f"--cache-keys {self.keys}: choose one of {', '.join(KEY_SCHEMES)}")
+        ChannelSpec(self.bits, self.outliers)  # validates the bits and the outliers
+        CacheGroupSpec(self.bits, self.group_size, -1)  # validates the bits and the group size
+
+    group_dim = -1  # the values' grouped dimension (head_dim), as a CompressionSpec's
+
+    @property
+    def value_spec(self) -> CacheGroupSpec:
+        return CacheGroupSpec(self.bits, self.group_size, -1)
+
+    @property
+    def key_spec(self):
+        """ChannelSpec (keys per channel) or CacheGroupSpec (per token, as the values)."""
+        return ChannelSpec(self.bits, self.outliers) if self.keys == "channel" else self.value_spec
+
+    @staticmethod
+    def of(spec) -> Optional["CacheQuant"]:
+        """None, a CacheQuant, or a CompressionSpec (FlexGen's: keys and values per token) as a CacheQuant."""
+        if spec is None or isinstance(spec, CacheQuant):
+            return spec
+        if isinstance(spec, CompressionSpec):
+            return CacheQuant(spec.bits, spec.group_size, "token")
+        raise TypeError(f"not a cache quantization: {spec!r}")
+
+    def describe(self) -> str:
+        keys = f"keys per channel, {self.outliers} exact" if self.keys == "channel" else "keys per token"
+        return f"{self.bits}-bit/{self.group_size} ({keys})"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stored tensor of a block: field (k, v, pos, score), its part name ("" when the field is one plain
+    tensor), shape, dtype; sparse: written slot by slot after a decode append (K/V parts indexed by slot)."""
+
+    field: str
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    sparse: bool
+
+    @property
+    def key(self) -> str:
+        """The part's name in a block's handles: the field ("k", "pos") or field.part ("k.data")."""
+        return f"{self.field}.{self.name}" if self.name else self.field
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """One block's layout (module docstring); quant None: K and V plain."""
+
+    batch: int
+    heads: int
+    slots: int
+    head_dim: int
+    dtype: torch.dtype
+    quant: Optional[CacheQuant] = None
+
+    @staticmethod
+    def of_run(rc) -> "CacheLayout":
+        """The layout of a RunConfig's blocks (its GPU batch, the model's KV heads, the policy's slots)."""
+        cfg = rc.model
+        return CacheLayout(rc.gpu_batch_size, cfg.kv_heads, rc.cache_slots(), cfg.head_dim, rc.dtype,
+                           CacheQuant.of(rc.compress_cache))
+
+    @property
+    def kv_shape(self) -> tuple:
+        return (self.batch, self.heads, self.slots, self.head_dim)
+
+    def spec_of(self, field: str):
+        """The quantization of K ("k") or V ("v"): None, a CacheGroupSpec or a ChannelSpec."""
+        if self.quant is None:
+            return None
+        return self.quant.key_spec if field == "k" else self.quant.value_spec
+
+    def field_parts(self, field: str) -> tuple:
+        """The Parts of one field."""
+        if field in ("pos", "score"):
+            dtype = torch.int64 if field == "pos" else torch.float32
+            return (Part(field, "", self.kv_shape[:3], dtype, False),)
+        spec = self.spec_of(field)
+        if spec is None:
+            return (Part(field, "", self.kv_shape, self.dtype, True),)
+        if isinstance(spec, ChannelSpec):
+            return tuple(Part(field, n, s, dt, n in SLOT_PARTS)
+                         for n, (s, dt) in spec.parts(self.kv_shape, self.dtype).items())
+        (ds, ddt), (ms, mdt) = spec.layout(self.kv_shape, self.dtype)
+        return Part(field, "data", ds, ddt, True), Part(field, "meta", ms, mdt, True)
+
+    def parts(self) -> tuple:
+        """Every stored tensor of the block, field by field."""
+        return tuple(p for f in FIELDS for p in self.field_parts(f))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole block in its tier."""
+        return sum(p.nbytes for p in self.parts())
+
+    def kv_slot_bytes(self) -> int:
+        """K and V bytes of one token of one KV head (the parts stored slot by slot)."""
+        kv = sum(p.nbytes for f in ("k", "v") for p in self.field_parts(f) if p.sparse)
+        return kv // (self.batch * self.heads * self.slots)
+
+    def kv_row_bytes(self) -> int:
+        """K and V bytes of one row and KV head that no slot owns (a per-channel key calibration; else 0)."""
+        kv = sum(p.nbytes for f in ("k", "v") for p in self.field_parts(f) if not p.sparse)
+        return kv // (self.batch * self.heads)
+
+    def expanded_bytes(self, dtype: torch.dtype) -> int:
+        """K and V of the block expanded into `dtype` (what attention reads when storage differs from compute)."""
+        b, h, s, d = self.kv_shape
+        return 2 * b * h * s * d * dtype.itemsize
+
+    def expands(self, compute: torch.dtype) -> bool:
+        """Attention reads K and V through an expanded copy (quantized, or stored in another dtype)."""
+        return self.quant is not None or self.dtype != compute
+
+    # ---- the block's tensors ----------------------------------------------------------------------------------
+    def assemble(self, field: str, tensors: dict):
+        """A field's object from its parts' tensors (name -> tensor): a tensor, CompressedTensor or ChannelKeys."""
+        spec = self.spec_of(field) if field in ("k", "v") else None
+        if spec is None:
+            return tensors[""]
+        if isinstance(spec, ChannelSpec):
+            return ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], spec)
+        return CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
+
+    @staticmethod
+    def split(obj) -> dict:
+        """A field's object -> its parts' tensors (name -> tensor), as assemble takes them."""
+        if isinstance(obj, ChannelKeys):
+            return obj.tensors()
+        if isinstance(obj, CompressedTensor):
+            return {"data": obj.data, "meta": obj.meta}
+        return {"": obj}
+
+    def empty(self, device) -> dict:
+        """field -> a fresh object of the block on `device` (zeros; pos -1)."""
+        out = {}
+        for f in FIELDS:
+            fill = -1 if f == "pos" else 0
+            out[f] = self.assemble(f, {p.name: torch.full(p.shape, fill, dtype=p.dtype, device=device)
+                                       for p in self.field_parts(f)})
+        return out

@@ -1,0 +1,91 @@
+"""Keys per channel (prompt-calibrated scales, outliers exact) and values per token at 2, 3, 4 and 8 bits: under
+every KV policy and on every cache placement (each policy on one, h2o on all) the engine equals tests/reference_kv.py fed tests/reference_quant.py's
+own quantize-dequantize of the K/V (written apart from flexh2o/compress). merge is left out as in
+test_compress_cache.py (the reference merges exact values only; test_kv_layout.py checks a merge on a block)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_kv as ref
+import reference_quant as rq
+from flexh2o.kv.layout import CacheQuant
+from flexh2o.sampling import TeacherForcer
+from test_kv_equivalence import BUDGETS, COMBOS, GEN, LENS, MODELS, POLICIES, _assert_matches, _engine, _rc, \
+    _ref_policy
+
+HEAD_DIM = 16
+CHANNEL = CacheQuant(4, HEAD_DIM, "channel", 2)  # 2 of a token's 16 key values exact
+# every policy on OPT, each on one placement in turn (h2o on all four); three on grouped-KV Llama
+_OPT = [p for p in POLICIES if p not in ("merge", "h2o")]
+CASES = [("opt", "h2o", c) for c in COMBOS] + [("opt", p, COMBOS[i % len(COMBOS)]) for i, p in enumerate(_OPT)] + \
+    [("llama", p, COMBOS[i * 2 % len(COMBOS)]) for i, p in enumerate(("h2o", "tova", "adakv"))]
+BITS = [(CacheQuant(b, HEAD_DIM, keys, n), p) for b in (2, 3, 8) for keys, n in (("channel", 2), ("token", 0))
+        for p in ("h2o",)] + [(CacheQuant(4, HEAD_DIM, "channel", 0), "full")]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def ref_quant(q: CacheQuant) -> tuple:
+    """The reference's (keys, values) quantize-dequantize for `q`."""
+    keys = rq.per_channel(q.bits, q.outliers) if q.keys == "channel" else rq.per_token(q.bits, q.group_size)
+    return keys, rq.per_token(q.bits, q.group_size)
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENS]
+    return prompts, torch.randint(4, 1000, (len(LENS), GEN), generator=g)
+
+
+@pytest.fixture(scope="module")
+def quant_reference(tmp_path_factory, data):
+    """(model, policy, CacheQuant) -> one RefGeneration per prompt."""
+    cache, weights = {}, {}
+    prompts, forced = data
+
+    def get(model: str, policy: str, q: CacheQuant) -> list:
+        if model not in weights:
+            with _engine(_rc(model, "full", str(tmp_path_factory.mktemp("w")))) as eng:
+                weights[model] = {k: v.clone() for k, v in eng.weights.handles.items()}
+        if (model, policy, q) not in cache:
+            pol = _ref_policy(model, policy, BUDGETS[policy])
+            cache[model, policy, q] = [ref.generate(MODELS[model], weights[model], p, GEN, pol, forced[i].tolist(),
+                                                    ref_quant(q)) for i, p in enumerate(prompts)]
+        return cache[model, policy, q]
+    return get
+
+
+def _run(model, policy, combo, q, data, offload_dir):
+    prompts, forced = data
+    _, percent, overlap, ccc, batching, chunk = combo
+    rc = _rc(model, policy, offload_dir, percent, overlap, ccc, batching, chunk).with_(compress_cache=q)
+    with _engine(rc) as eng:
+        return eng.generate(prompts, GEN, sampler=TeacherForcer(forced), record_logits=True, kept_stats=True)
+
+
+@pytest.mark.parametrize("model, policy, combo", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2][0]}") for c in CASES])
+def test_engine_matches_reference_with_channel_keys(model, policy, combo, data, quant_reference, offload_dir):
+    """Teacher-forced: the logits of all 33 steps of all 6 sequences, within 1e-4, and the kept counts."""
+    gen = _run(model, policy, combo, CHANNEL, data, offload_dir)
+    _assert_matches(gen, quant_reference(model, policy, CHANNEL), BUDGETS[policy],
+                    _ref_policy(model, policy, BUDGETS[policy]))
+
+
+@pytest.mark.parametrize("q, policy", [pytest.param(q, p, id=f"{q.bits}bit-{q.keys}-{q.outliers}-{p}")
+                                       for q, p in BITS])
+def test_engine_matches_reference_at_every_width(q, policy, data, quant_reference, offload_dir):
+    """2, 3 and 8 bits, keys per channel and per token (FlexGen's), and no outliers, on the disk tier."""
+    gen = _run("opt", policy, COMBOS[2], q, data, offload_dir)
+    _assert_matches(gen, quant_reference("opt", policy, q), BUDGETS[policy],
+                    _ref_policy("opt", policy, BUDGETS[policy]))
+
+
+def test_channel_keys_move_the_logits(data, quant_reference):
+    """The comparison is sharp: per-channel and per-token keys, and exact ones, give logits far apart."""
+    from test_kv_equivalence import ATOL
+    token = CacheQuant(4, HEAD_DIM, "token")
+    a, b = quant_reference("opt", "h2o", CHANNEL), quant_reference("opt", "h2o", token)
+    gap = max(float((x - y).abs().max()) for ra, rb in zip(a, b) for x, y in zip(ra.step_logits, rb.step_logits))
+    assert gap > 100 * ATOL
