@@ -12,10 +12,10 @@ import torch
 from flexh2o import config as model_configs
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.cli.plan_text import describe_plan, describe_stage_plan
-from flexh2o.units import parse_bytes
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
-from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags
+from flexh2o.cli.capacities import capacities
+from flexh2o.cli.checks import check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.help_text import model_help
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
@@ -23,7 +23,7 @@ from flexh2o.cli.model_source import resolve_source
 from flexh2o.weights.kept_run import with_checkpoint
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
 from flexh2o.cli.prediction import hardware_profile, predict_run
-from flexh2o.pipeline.group import launched_by_torchrun, machine_share, ranks_here
+from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.cli.request_job import add_request_flags, is_request_job, load_request_file, run_request_job
@@ -191,7 +191,7 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
         raise ValueError(f"--device {device}: use cpu or cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here; use --device cpu")
-    gpu_mem, cpu_mem, disk_mem = _capacities(args, device)
+    gpu_mem, cpu_mem, disk_mem = capacities(args, device)
     nb = args.num_gpu_batches
     given = args.gpu_batch_size or (str(max(1, -(-len(prompts) // max(nb, 1)))) if prompts else "4")
     auto = given == "auto"
@@ -275,31 +275,6 @@ def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list
     best, pred = found[0]
     print(f"--policy auto: {command_line(best)}  (predicted {pred.total_throughput:.1f} tok/s)", file=sys.stderr)
     return best
-
-
-def _capacities(args, device: str) -> tuple:
-    from flexh2o.planning.memory_limit import available_bytes
-    avail = available_bytes()  # inside a memory cgroup: its limit less what the group holds (this process included)
-    if device.startswith("cuda"):
-        gpu_default = torch.cuda.mem_get_info()[0]
-        cpu_default = int(avail * 0.9)
-    else:  # the gpu tier is host memory: give it part of what is free, the cpu tier the rest
-        gpu_default, cpu_default = int(avail * 0.4), int(avail * 0.5)
-    disk_default = 0
-    if args.disk_mem is None:
-        from flexh2o.storage.offload_dir import free_disk_bytes
-        probe = args.offload_dir
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        disk_default = free_disk_bytes(probe or ".")
-    # torchrun's ranks on one machine share it: each plans with its share of the defaults
-    gpu_default, cpu_default, disk_default = machine_share(device, gpu_default, cpu_default, disk_default)
-    caps = (parse_bytes(args.gpu_mem) if args.gpu_mem is not None else gpu_default,
-            parse_bytes(args.cpu_mem) if args.cpu_mem is not None else cpu_default,
-            parse_bytes(args.disk_mem) if args.disk_mem is not None else disk_default)
-    if not getattr(args, "dry_run", False):  # a dry run may plan for a larger machine (e.g. the paper's 208 GB)
-        check_host_capacity(device, caps[0], caps[1], ranks_here())
-    return caps
 
 
 if __name__ == "__main__":
