@@ -34,7 +34,7 @@ class LayerCompute:
         policy = self.policy if policy is None else policy
 
         def attend(q, k, v):
-            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer)
+            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer, self.evicts)
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int = 1) -> tuple:

@@ -100,21 +100,25 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
 MAX_SEGMENTS = 8  # row segments of one decode attention; more runs are merged, the cheapest neighbours first
 
 
-def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torch.Tensor:
+def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, evicts: bool = True) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
     runs there, each segment of rows over the slots its rows use (`used_segments`: empty slots past the last used
     one are skipped, not just masked); scores are updated and at most one token per row is evicted (its slot is
     free for the next step). The policy sees the block's slots up to the last one any row uses (`KVBlock.front`).
+    evicts False: the run never evicts (LayerCompute.evicts), so every row holds its positions 0..cur_pos in slots
+    0..cur_pos and the block's bookkeeping is read from cur_pos instead of searched (`in_order_extents`).
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
-    blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
+    in_order = not evicts and dev.type == "cpu"
+    blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order)
     qg = q.view(b, kv, n // kv, d)
-    extents = row_extents(blk.pos)  # per row, its slots up to the last used one (once per step: the policy too)
+    # per row, its slots up to the last used one (once per step: the policy too)
+    extents = (cur_pos + 1).tolist() if in_order else row_extents(blk.pos)
     segments = used_segments(blk.pos, extents)
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
     front = blk.front(top)  # all the step reads and the policy sees
@@ -123,7 +127,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int) -> torc
     att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=dev)
     for r0, r1, used in segments:
         if not policy.needs_scores:  # no scores wanted: one fused kernel, the query heads of a KV head as rows
-            keep = (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # every row holds at least the token just appended
+            full = in_order and min(extents[r0:r1]) == used  # in order, every row of the segment fills `used`
+            keep = None if full else (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # each row holds its new token
             out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
                                                         attn_mask=keep)
             continue
