@@ -141,11 +141,11 @@ def load_avg() -> list:
 
 
 def disk_read_probe(env: dict, offload_dir: Optional[str] = None) -> Optional[float]:
-    """Direct-I/O read bandwidth of the disk tier right now (bytes/s; flexh2o.profile.disk_rates: median of 5 reads
-    of 256 MiB in 4 and 16 MiB files), in a child process with the benchmark environment; None when it cannot be
-    measured."""
+    """Direct-I/O read bandwidth of the disk tier right now (bytes/s; flexh2o.tuning.disk_probe.disk_rates: median
+    of 5 reads of 256 MiB in 4 and 16 MiB files), in a child process with the benchmark environment; None when it
+    cannot be measured."""
     where = offload_dir or os.path.join(os.path.expanduser("~"), "flexh2o_offload")
-    code = ("import json, sys; from flexh2o.profile import disk_rates; "
+    code = ("import json, sys; from flexh2o.tuning.disk_probe import disk_rates; "
             "print(json.dumps(disk_rates(sys.argv[1], False, False)))")
     try:
         p = subprocess.run([sys.executable, "-c", code, where], env=env, capture_output=True, text=True, cwd=REPO,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from tqdm import tqdm
 
@@ -34,12 +34,61 @@ def rounds_of(prompts: list, num_seqs: int) -> list:
     return [prompts[i:i + num_seqs] for i in range(0, len(prompts), num_seqs)]
 
 
+@dataclass
+class Measured:
+    """What the job loop measured: one Generation per round, bytes loaded per step from each tier, peaks."""
+    rounds: list
+    gens: list
+    steps: int  # decode steps run per round (--cut-gen-len may run fewer than gen_len)
+    moved: dict
+    peaks: dict
+    plan: dict  # the engine's memory plan, bytes per tier and kind
+    weight_seconds: dict
+    kernel: dict
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(g.prefill_s for g in self.gens)
+
+    @property
+    def decode_s(self) -> float:
+        return sum(g.decode_s for g in self.gens)
+
+    @property
+    def busy_s(self) -> dict:
+        """op kind -> seconds in its handlers over every round ('stall': waiting for loads)."""
+        return _summed(g.busy_s for g in self.gens)
+
+    @property
+    def decode_busy_s(self) -> dict:
+        return _summed(g.decode_busy_s for g in self.gens)
+
+
 def run_job(rc: RunConfig, job: Job) -> RunReport:
+    m = measure_job(rc, job)
+    measured, steps = m.decode_s, m.steps
+    decode_s = measured if steps == rc.gen_len else measured / (steps - 1) * (rc.gen_len - 1)
+    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs * len(m.rounds), rc.prompt_len, rc.gen_len,
+                       m.prefill_s, decode_s, m.peaks, m.moved, m.plan,
+                       threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
+                       measured_steps=steps, measured_decode_s=measured)
+    report.policy["rounds"] = len(m.rounds)
+    report.busy_s, report.decode_busy_s = m.busy_s, m.decode_busy_s
+    report.weight_seconds = m.weight_seconds
+    report.weight_kernel = m.kernel
+    return finish(job, report, m)
+
+
+def measure_job(rc: RunConfig, job: Job, generate: Optional[Callable] = None) -> Measured:
+    """The one job loop: build the engine, warm up (untimed), generate every round of the prompts with a progress
+    bar. generate(eng, prompts, steps, **kw) -> Generation runs one round: Engine.generate by default, a pipeline
+    stage passes its ring's (pipeline/job.py)."""
+    generate = generate or _engine_generate
     rss = RssPeak()
     rounds = rounds_of(job.prompts, rc.num_seqs)
     with Engine(rc) as eng:
         if job.warmup:
-            eng.generate(fill_batch([p[:8] for p in job.prompts[:rc.num_seqs]], rc.num_seqs), 2)
+            generate(eng, fill_batch([p[:8] for p in job.prompts[:rc.num_seqs]], rc.num_seqs), 2)
         moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
         weights0 = _weight_seconds(eng)  # after the warm-up
         steps = job.measured_steps or rc.gen_len
@@ -50,31 +99,31 @@ def run_job(rc: RunConfig, job: Job) -> RunReport:
             rss.sample()
             bar.update(1)
         try:
-            gens = [eng.generate(fill_batch(r, rc.num_seqs), steps, job.sampler, on_step=on_step) for r in rounds]
+            gens = [generate(eng, fill_batch(r, rc.num_seqs), steps, sampler=job.sampler, on_step=on_step)
+                    for r in rounds]
         finally:
             bar.close()
         moved = {t: (tier.bytes_loaded - moved0[t]) // (steps * len(rounds)) for t, tier in eng.tiers.items()}
         peaks = peak_bytes(eng, rss)
         weight_s = {p: {k: v - weights0.get(p, {}).get(k, 0.0) for k, v in got.items()}
                     for p, got in _weight_seconds(eng).items()}
-    measured = sum(g.decode_s for g in gens)
-    decode_s = measured if steps == rc.gen_len else measured / (steps - 1) * (rc.gen_len - 1)
-    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs * len(rounds), rc.prompt_len, rc.gen_len,
-                       sum(g.prefill_s for g in gens), decode_s, peaks, moved, eng.plan.bytes,
-                       threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
-                       measured_steps=steps, measured_decode_s=measured)
-    report.policy["rounds"] = len(rounds)
-    report.busy_s, report.decode_busy_s = _summed(g.busy_s for g in gens), _summed(g.decode_busy_s for g in gens)
-    report.weight_seconds = weight_s
-    report.weight_kernel = dict(eng.kernel)
+    return Measured(rounds, gens, steps, moved, peaks, eng.plan.bytes, weight_s, dict(eng.kernel))
+
+
+def finish(job: Job, report: RunReport, m: Measured) -> RunReport:
+    """The warm-up note, --output-file (`steps` tokens per prompt, every prompt of every round), --log-file."""
     if not job.warmup:
         report.warmup = "no warm-up (--no-warmup)"
-    if job.output_file:  # `steps` tokens per prompt, every prompt of every round
-        tokens = [t for g, r in zip(gens, rounds) for t in g.tokens[:len(r)].tolist()]
+    if job.output_file:
+        tokens = [t for g, r in zip(m.gens, m.rounds) for t in g.tokens[:len(r)].tolist()]
         write_outputs(job.output_file, tokens, job.tokenizer)
     if job.log_file:
         append_json_line(job.log_file, report.record())
     return report
+
+
+def _engine_generate(eng: Engine, prompts: list, steps: int, **kw):
+    return eng.generate(prompts, steps, **kw)
 
 
 def _weight_seconds(eng) -> dict:

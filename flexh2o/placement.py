@@ -127,15 +127,6 @@ class WeightHomes:
     def __getitem__(self, name: str) -> str:
         return self.homes[name]
 
-    def numel_by_tier(self) -> dict:
-        """tier -> elements of the weights homed there (tied tensors counted once)."""
-        if "numel" not in self._memo:
-            out = dict.fromkeys(TIERS, 0)
-            for s in self.unique_specs():
-                out[self.homes[s.name]] += s.numel
-            self._memo["numel"] = out
-        return dict(self._memo["numel"])
-
     def bytes_by_tier(self, dtype: torch.dtype, compress: Optional[CompressionSpec] = None) -> dict:
         """tier -> bytes of the weights homed there stored as `dtype` (under --compress-weight's `compress`)."""
         key = ("bytes", dtype, compress)

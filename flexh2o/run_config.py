@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from flexh2o.compress import CompressionSpec
-from flexh2o.compress.kernels import KERNEL_GROUPS
+from flexh2o.compress.kernels import kernel_spec_ok
 from flexh2o.config import ModelConfig
 from flexh2o.kv.spec import KVSpec
 from flexh2o.models import layer_specs
@@ -56,9 +56,7 @@ class RunConfig:
             raise ValueError(f"prompt_copies {self.prompt_copies} must divide the GPU batch of {self.gpu_batch_size}")
         if self.weight_kernel not in ("auto", "int4", "generic"):
             raise ValueError(f"--weight-kernel {self.weight_kernel}: choose auto, int4 or off")
-        cw = self.compress_weight
-        if self.weight_kernel == "int4" and not (cw and cw.group_dim == 1 and cw.bits == 4
-                                                 and cw.group_size in KERNEL_GROUPS):
+        if self.weight_kernel == "int4" and not kernel_spec_ok(self.compress_weight):
             raise ValueError("--weight-kernel int4 needs --compress-weight with 4 bits grouped along the input "
                              "dimension (groups of 32/64/128/256)")
         limit = self.max_positions or self.model.max_positions

@@ -79,7 +79,7 @@ def test_lane_split_covers_every_lane_once_in_cache_size_order(texts):
     """--procs splits the lanes, not the texts: contiguous ranges in cache-size order that together hold every lane
     once; the small-budget process takes more lanes than the one with full and the large budgets."""
     from flexh2o.eval.parallel import lane_split
-    from flexh2o.eval.ppl import _jobs, _lanes
+    from flexh2o.eval.ppl_rows import distinct_lanes as _lanes, table_jobs as _jobs
     from flexh2o.eval.common import spec_of
     model = EvalModel("_DUMMY_", CFG, ByteTokens(), dtype=torch.float32, num_sinks=2)
     s = PplSettings(texts=texts, context=200, windows=1, prefix=4, budgets=("8", "16", "100"),

@@ -5,7 +5,7 @@ import argparse
 from typing import Optional
 
 from flexh2o.compress import CompressionSpec
-from flexh2o.compress.kernels import KERNEL_GROUPS
+from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
 
 def weight_group_dim(args: argparse.Namespace, spec: CompressionSpec, device: str) -> int:
     mode = getattr(args, "weight_kernel", "off")
-    fits = spec.bits == 4 and spec.group_size in KERNEL_GROUPS
+    fits = kernel_spec_ok(spec.along(1))
     if mode == "int4" and not fits:
         raise ValueError(f"--weight-kernel int4 needs --compress-bits 4 and --compress-group-size one of "
                          f"{'/'.join(map(str, KERNEL_GROUPS))} (or use --weight-kernel auto)")

@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import Callable
 
+from flexh2o.errors import one_line
 from flexh2o.storage.base import TierError
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
@@ -31,10 +32,6 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:

@@ -15,12 +15,12 @@ from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.cli.plan_text import describe_plan, describe_stage_plan
 from flexh2o.units import parse_bytes
 from flexh2o.placement import Percent
-from flexh2o.dtypes import parse_dtype
 from flexh2o.run_config import RunConfig
 from flexh2o.cli.checks import check_host_capacity, check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
+from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
@@ -104,10 +104,10 @@ def _run(args) -> int:
         _note(args)
         print(describe_stage_plan(rc, args.stage_layers), flush=True)
         return 0
-    hw, hw_label = _hardware(args, rc)
+    hw, hw_label = hardware_profile(args, rc)
     if args.policy == "auto":
         rc = _auto_policy(args, rc, hw, prompts)
-    predicted = _predict(rc, hw)
+    predicted = predict_run(rc, hw)
     if args.dry_run:
         _note(args)
         print(describe_plan(rc))
@@ -222,33 +222,6 @@ def _note(args) -> None:
     choice = getattr(args, "dtype_choice", None)
     if choice is not None and choice.note:
         print(f"flexh2o-run: {choice.note}", file=sys.stderr)
-
-
-def _hardware(args, rc: RunConfig) -> tuple:
-    """(profile or None, label) for --hardware (tuning/profile_cache.py); warnings and hints go to stderr."""
-    from flexh2o.tuning.profile_cache import resolve
-    need = args.dry_run or args.policy == "auto"
-    compute = [rc.compute, rc.decode_compute] if hasattr(args, "dtype_choice") else None  # --policy auto: later
-    if compute is None and args.compute_dtype not in (None, "auto"):
-        compute = parse_dtype(args.compute_dtype)
-    hw, label, warning = resolve(args.hardware, rc.device, compute, args.offload_dir, may_measure=need)
-    if warning:
-        print(f"flexh2o-run: {warning}", file=sys.stderr)
-    if hw is None and not need:
-        print("flexh2o-run: no prediction: no cached profile of this machine for this compute dtype yet "
-              "(--dry-run or --policy auto measures one once, under a minute)", file=sys.stderr)
-    return hw, label
-
-
-def _predict(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
-    if hw is None:
-        return None
-    from flexh2o.tuning.cost_model import predict
-    try:
-        return predict(rc, hw).as_dict()
-    except (ValueError, KeyError) as e:  # predictions are advisory: a profile without this dtype only warns
-        print(f"flexh2o-run: warning: no prediction ({' '.join(str(e).split())})", file=sys.stderr)
-        return None
 
 
 def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list]) -> RunConfig:

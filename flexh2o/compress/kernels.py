@@ -29,10 +29,16 @@ ROW_BLOCKS = (32, 64)  # output rows per block of torch's packed order: AVX2 (an
 ROWS_ELEMENTS = 1 << 20  # a lookup expands its row blocks this many fp32 elements at a time (4 MiB)
 
 
+def kernel_spec_ok(spec: Optional[CompressionSpec]) -> bool:
+    """The one rule of which quantization the int4 kernel takes: 4 bits in groups of KERNEL_GROUPS along the input
+    dimension of a (N, K) weight (the run's check, the flags, the weights' layout and each weight's shape use it)."""
+    return spec is not None and spec.bits == 4 and spec.group_size in KERNEL_GROUPS and spec.group_dim in (1, -1)
+
+
 def kernel_shape_ok(shape: tuple, spec: Optional[CompressionSpec]) -> bool:
     """Whether a weight of `shape` stored under `spec` can be held in the int4 kernel's order."""
-    return (spec is not None and spec.bits == 4 and len(shape) == 2 and spec.dim(2) == 1
-            and spec.group_size in KERNEL_GROUPS and shape[0] % KERNEL_ROWS == 0 and shape[1] % spec.group_size == 0)
+    return (len(shape) == 2 and kernel_spec_ok(spec) and shape[0] % KERNEL_ROWS == 0
+            and shape[1] % spec.group_size == 0)
 
 
 def packed_bytes(shape: tuple, dtype: torch.dtype, spec: CompressionSpec) -> int:

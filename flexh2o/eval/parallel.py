@@ -21,20 +21,20 @@ from dataclasses import replace
 import torch
 
 from flexh2o.eval.common import EvalModel, EvalResult, machine, progress_bar, spec_of
+from flexh2o.eval.ppl_rows import distinct_lanes, ppl_rows, table_jobs, total_tokens
 from flexh2o.generation.followers import can_follow, first_eviction
 from flexh2o.models import layer_specs
 
 
 def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalResult:
     """run_ppl of settings `s` with its lanes split between min(procs, lanes) processes (lane_split)."""
-    from flexh2o.eval.ppl import _total_tokens
     groups = lane_split(model, s, procs)
     threads = max(1, torch.get_num_threads() // len(groups))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     children = [ctx.Process(target=_child, args=(i, model, replace(s, only_lanes=tuple(g)), threads, queue),
                             daemon=True) for i, g in enumerate(groups)]
-    bar = progress_bar(_total_tokens(model, s), f"ppl ({len(groups)} processes)", progress)
+    bar = progress_bar(total_tokens(model, s), f"ppl ({len(groups)} processes)", progress)
     parts = {}
     try:
         for c in children:
@@ -76,10 +76,9 @@ def lane_cost(slots: int, budget, prefix: int, steps: int, weight: float, dorman
 def lane_split(model: EvalModel, s, procs: int) -> list:
     """The table's distinct lanes in cache-size order, cut into min(procs, lanes) contiguous groups whose largest
     estimated work (the sum of its lanes' lane_cost) is least."""
-    from flexh2o.eval.ppl import _jobs, _lanes
     cfg = model.cfg
     steps = s.context - s.prefix
-    policies = {lane: spec_of(model, *lane).make(cfg.num_layers) for lane in _lanes(_jobs(s))}
+    policies = {lane: spec_of(model, *lane).make(cfg.num_layers) for lane in distinct_lanes(table_jobs(s))}
     slots = {lane: p.slots(s.prefix, steps) for lane, p in policies.items()}
     order = sorted(slots, key=lambda lane: slots[lane])
     params = sum(w.numel for specs in layer_specs(cfg)[1:] for w in specs)  # every matmul's (not the lookup's)
@@ -107,7 +106,6 @@ TICK_S = 1.0  # a child reports its progress at most this often (each report wak
 
 
 def _child(index: int, model: EvalModel, s, threads: int, queue) -> None:
-    from flexh2o.eval.ppl import ppl_rows
     pending, last = [0], [time.monotonic()]
 
     def tick(n: int) -> None:
@@ -130,9 +128,8 @@ def _child(index: int, model: EvalModel, s, threads: int, queue) -> None:
 def _merged(s, parts: list, groups: list) -> EvalResult:
     """One result from the processes' (rows, seconds), ordered as one process orders them (table cells, then
     texts); the machine record says how many processes ran, each one's lanes and seconds (how even the split was)."""
-    from flexh2o.eval.ppl import _jobs
     rows = [r for part, _ in parts for r in part]
-    cells = [(p, spec or "all") for p, spec, _ in _jobs(s)]
+    cells = [(p, spec or "all") for p, spec, _ in table_jobs(s)]
     rows.sort(key=lambda r: (cells.index((r["policy"], r["budget"])), s.texts.index(r["text"])))
     split = [{"lanes": len(g), "seconds": round(sec, 3)} for g, (_, sec) in zip(groups, parts)]
     result = EvalResult("ppl", s, machine={**machine(), "procs": len(parts), "split": split})

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Optional
 
-from flexh2o.cli.console import one_line
 from flexh2o.pipeline.group import StageGroup, env_rank, local_rank, rank_device, terminate_as_interrupt
 from flexh2o.pipeline.pipe import StagePipe, stage_config
 from flexh2o.pipeline.split import Stage, parse_stage_layers, split_stages
 from flexh2o.pipeline.transport import Ring
 from flexh2o.engine import Engine
-from flexh2o.job import Job, policy_flags, write_outputs
-from flexh2o.metrics import RssPeak, RunReport, append_json_line, peak_bytes, thread_settings
+from flexh2o.errors import one_line
+from flexh2o.job import Job, Measured, finish, measure_job, policy_flags
+from flexh2o.metrics import RunReport, thread_settings
 from flexh2o.planning.memory_plan import MemoryPlan, act_block_bytes, plan_memory
-from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
 from flexh2o.schedule.plan import COMPUTE
 from flexh2o.storage.offload_dir import remove_stale_run_dirs
@@ -90,25 +90,25 @@ def stage_memory_plan(rc: RunConfig, stage: Stage) -> MemoryPlan:
 
 
 def _run_stage(group: StageGroup, stage: Stage, rc: RunConfig, job: Job, timeout_s: float) -> Optional[RunReport]:
-    rss = RssPeak()
-    with Engine(rc) as eng:
-        if job.warmup:
-            stage_generate(eng, group, stage, fill_batch([p[:8] for p in job.prompts], rc.num_seqs), 2, timeout_s)
-        moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
-        gen, link = stage_generate(eng, group, stage, fill_batch(job.prompts, rc.num_seqs), rc.gen_len, timeout_s,
-                                   sampler=job.sampler, on_step=rss.sample)
-        rss.sample()
-        moved = {t: (tier.bytes_loaded - moved0[t]) // rc.gen_len for t, tier in eng.tiers.items()}
-        mine = _stage_record(stage, rc, gen, link, moved, peak_bytes(eng, rss), eng.plan.bytes)
+    """The job loop (job.measure_job), its generate() on this stage's ring; the report on the last stage. One round:
+    the first rc.num_seqs prompts (as before the loop was shared; rounds over a ring are not tested yet)."""
+    links = []
+
+    def generate(eng: Engine, prompts: list, steps: int, **kw):
+        gen, link = stage_generate(eng, group, stage, prompts, steps, timeout_s, **kw)
+        links.append(link)
+        return gen
+    m = measure_job(rc, replace(job, prompts=job.prompts[:rc.num_seqs], progress=False), generate)
+    mine = _stage_record(stage, rc, m, links[-1])
     records = group.gather(mine, dst=group.world - 1)
     if not stage.is_last:
         return None
-    return _report(rc, job, gen, records)
+    return _report(rc, job, m, records)
 
 
-def _stage_record(stage: Stage, rc: RunConfig, gen, link, moved: dict, peaks: dict, plan: dict) -> dict:
+def _stage_record(stage: Stage, rc: RunConfig, m: Measured, link) -> dict:
     """Where one stage's time went: compute, I/O between its tiers, waiting for the previous stage."""
-    busy = dict(gen.busy_s)
+    busy = m.busy_s
     compute = busy.pop(COMPUTE, 0.0) - link.wait_s  # waits for messages happen inside the stage's first compute
     stall = busy.pop("stall", 0.0)
     decode = [b for step, b in sorted(link.sent_by_step.items()) if step > 0]
@@ -116,10 +116,10 @@ def _stage_record(stage: Stage, rc: RunConfig, gen, link, moved: dict, peaks: di
             "io_s": sum(busy.values()), "io_stall_s": stall, "wait_s": link.wait_s, "sent_bytes": link.sent_bytes,
             "sent_bytes_prefill": link.sent_by_step.get(0, 0),
             "sent_bytes_per_decode_step": decode[0] if decode else 0, "received_bytes": link.received_bytes,
-            "moved_bytes_per_step": moved, "peak_bytes": peaks, "plan_bytes": plan}
+            "moved_bytes_per_step": m.moved, "peak_bytes": m.peaks, "plan_bytes": m.plan}
 
 
-def _report(rc: RunConfig, job: Job, gen, records: list) -> RunReport:
+def _report(rc: RunConfig, job: Job, m: Measured, records: list) -> RunReport:
     """The head's report: its timings (the last stage emits every token), the placement and traffic summed over
     stages, the largest per-process peaks, and one record per stage."""
     def summed(key: str) -> dict:
@@ -130,17 +130,12 @@ def _report(rc: RunConfig, job: Job, gen, records: list) -> RunReport:
                     k: out.get(tier, {}).get(k, 0) + x for k, x in v.items()}
         return out
     peaks = {t: max(r["peak_bytes"][t] for r in records) for t in records[0]["peak_bytes"]}
-    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs, rc.prompt_len, rc.gen_len, gen.prefill_s,
-                       gen.decode_s, peaks, summed("moved_bytes_per_step"), summed("plan_bytes"),
-                       threads=thread_settings(), predicted=job.predicted or {}, dtype_reason=job.dtype_reason,
-                       measured_steps=rc.gen_len, measured_decode_s=gen.decode_s, stages=records)
-    if not job.warmup:
-        report.warmup = "no warm-up (--no-warmup)"
-    if job.output_file:
-        write_outputs(job.output_file, gen.tokens[:len(job.prompts)].tolist(), job.tokenizer)
-    if job.log_file:
-        append_json_line(job.log_file, report.record())
-    return report
+    report = RunReport(rc.model.name, policy_flags(rc), rc.num_seqs * len(m.rounds), rc.prompt_len, rc.gen_len,
+                       m.prefill_s, m.decode_s, peaks, summed("moved_bytes_per_step"),
+                       summed("plan_bytes"), threads=thread_settings(), predicted=job.predicted or {},
+                       dtype_reason=job.dtype_reason, measured_steps=rc.gen_len, measured_decode_s=m.decode_s,
+                       stages=records)
+    return finish(job, report, m)
 
 
 def refusal_exit(e: Refusal) -> int:

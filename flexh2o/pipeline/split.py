@@ -30,10 +30,6 @@ class Stage:
         return range(self.first, self.stop)
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 

@@ -11,7 +11,8 @@ from flexh2o.models.common import MLP_ELEMENTS
 from flexh2o.placement import TIERS, Placement, tensor_bytes
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
-from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
+from flexh2o.compress.choice import PHASES
+from flexh2o.weights.forms import compute_side_bytes, planned_kernel
 
 KINDS = ("weights", "cache", "activations", "buffers")
 PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte int object

@@ -1,41 +1,19 @@
-"""Cost model: predicted prefill and per-token decode time of a RunConfig on a hardware profile (pure Python).
-
-Each generation step walks every layer once (0 = embedding, 1..L decoder blocks, L+1 = head): the layer's weights
-are loaded once for all GPU batches, then per batch its cache block is loaded, attended over and stored back.
-Seconds are charged to the resource that does the work:
-  disk      weight reads, cache block reads and whole-block rewrites, activation spills (one device: they add up)
-  h2d, d2h  host <-> device copies (CUDA only; PCIe is full duplex, so the two directions are separate resources)
-  compute   matmuls, attention, per-op overhead; on a CPU-only run also the host memory passes (dtype conversion,
-            cache copies), since they share the cores and the memory bus; with --cpu-cache-compute on CUDA also the
-            host-side decode attention, which the compute thread waits for (the GPU idles meanwhile)
-With overlap each layer takes as long as its busiest resource (the schedule prefetches the next layer's weights and
-the next batch's cache while computing); without overlap it takes the sum. A phase sums its layers. On a CPU-only
-run the I/O thread and the compute share the cores: while a layer both reads the disk and computes, each runs at
-the profile's busy rate (disk_read_bw_busy, compute_busy), and the one left runs at its idle rate (contended()).
-Matmul rates depend on the rows multiplied at once (batch x tokens): the profile's matmul_flops_by_rows.
-Throughput is FlexGen's: generated tokens (num_seqs x gen_len) / (prefill + decode).
+"""Cost model: predicted prefill and per-token decode time of a RunConfig on a hardware profile (pure Python): each
+phase's step from tuning/step_cost.py (which says how a layer's seconds are charged), decode counted gen_len - 1
+times. Throughput is FlexGen's: generated tokens (num_seqs x gen_len) / (prefill + decode).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
-from flexh2o.planning.memory_plan import MemoryPlan, cache_block_bytes, plan_memory
-from flexh2o.compress import stored_bytes, stored_parts
-from flexh2o.compress.kernels import row_block
-from flexh2o.tuning.hardware import GRAIN, Rates
+from flexh2o.planning.memory_plan import MemoryPlan, plan_memory
 from flexh2o.run_config import RunConfig
-from flexh2o.tuning.kernel_cost import EXPAND_PASSES, kernel_choice
-from flexh2o.planning.weight_layout import layout_of
-from flexh2o.units import padded
-from flexh2o.weights.forms import PHASES
+from flexh2o.tuning.hardware import Rates
+from flexh2o.tuning.kernel_cost import kernel_choice
+from flexh2o.tuning.step_cost import OPS, StepCost, contended
 
-OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
-ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
-SCORE_PASSES = 2  # more of them when the policy accumulates attention scores (H2O)
-POLICY_BYTES = {False: 24, True: 64}  # bytes touched per cached slot by slot/mask bookkeeping (evicting or not)
+__all__ = ["OPS", "Prediction", "contended", "predict", "predict_with"]
 
 
 @dataclass
@@ -58,245 +36,6 @@ class Prediction:
         return {k: v for k, v in self.__dict__.items() if k not in ("terms", "bytes")}
 
 
-class _Terms(dict):
-    """Seconds of one layer of one step by term name ('resource.what')."""
-
-    def add(self, name: str, seconds: float) -> None:
-        self[name] = self.get(name, 0.0) + seconds
-
-    def resources(self) -> dict:
-        out: dict = {}
-        for name, s in self.items():
-            out[name.split(".")[0]] = out.get(name.split(".")[0], 0.0) + s
-        return out
-
-
-def _div(nbytes: float, rate: Optional[float], what: str) -> float:
-    if nbytes == 0:
-        return 0.0
-    if rate is None or rate <= 0:
-        raise ValueError(f"the hardware profile has no {what} figure, but this placement needs it")
-    return nbytes / rate
-
-
-class _Model:
-    """Everything predict() needs about one RunConfig, computed once."""
-
-    def __init__(self, rc: RunConfig, r: Rates, memo: Optional[dict] = None, kernel: Optional[dict] = None):
-        self.rc, self.r, self.cfg = rc, r, rc.model
-        self.cuda = torch.device(rc.device).type == "cuda"
-        self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
-        self.weights, self.params2d, self.packed, self.kernel_parts = layout_of(rc, memo)
-        self.kernel = kernel or dict.fromkeys(PHASES, False)  # phase -> the blocks' matmuls run the int4 kernel
-        self.cache_counts = rc.placement.cache_counts()
-        self.act_counts = rc.placement.activation_counts()
-        self.slots = rc.cache_slots()
-        self.block = cache_block_bytes(rc)
-        b, kv, s, d = rc.gpu_batch_size, self.cfg.kv_heads, self.slots, self.cfg.head_dim
-        kv_parts = stored_parts((b, kv, s, d), rc.dtype, rc.compress_cache)  # K (and V): one or two files
-        self.block_files = 2 * len(kv_parts) + 2
-        self.block_padded = 2 * sum(map(padded, kv_parts)) + padded(b * kv * s * 8) + padded(b * kv * s * 4)
-        self.slot_kv = 2 * stored_bytes((d,), rc.dtype, rc.compress_cache)  # K and V of one token and KV head
-        self.slot_kv *= 2 if rc.kv.make(rc.model.num_layers).merges else 1  # merging also stores the merged slot
-        self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
-        self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
-        # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
-        self.contended = not self.cuda and rc.overlap and r.disk_read_busy is not None
-
-    # ---- per layer ---------------------------------------------------------------------------------------------
-    def layer(self, layer: int, prefill: bool) -> _Terms:
-        st = _Terms()
-        nb = self.rc.num_gpu_batches
-        t = self.rc.prompt_len if prefill else 1
-        self.weight_io(st, layer, prefill, t)
-        if layer == 0:
-            self.matmul(st, layer, t, prefill, nb)
-            self.overhead(st, OPS["embed"] * nb, t)
-        elif layer <= self.cfg.num_layers:
-            self.matmul(st, layer, t, prefill, nb)
-            self.elementwise(st, t, nb)
-            for tier, n in self.cache_counts[layer - 1]:
-                self.cache(st, tier, n, prefill)
-            ops = OPS["block"] + (OPS["evict"] if self.evicts else 0)
-            if prefill:
-                ops += OPS["chunk"] * (-(-t // self.rc.attn_chunk) - 1)
-            self.overhead(st, ops * nb, t)
-        else:
-            self.matmul(st, layer, 1, False, nb)  # the head sees the last token only
-            st.add("compute.sample", nb * _div(4 * self.rc.gpu_batch_size * self.cfg.vocab * 4, self.mem(), "mem"))
-            self.overhead(st, OPS["head"] * nb)
-        if layer >= 1:
-            self.activations(st, t, load=True)
-        if layer <= self.cfg.num_layers:
-            self.activations(st, t, load=False)
-        return st
-
-    def layer_seconds(self, res: dict) -> float:
-        """A layer's time from its resources' seconds: the sum without overlap, else the busiest one; on a CPU-only
-        run disk and compute share the cores while both run, each at its busy rate, and whichever finishes first
-        leaves the other its idle rate for the rest (see contended())."""
-        if not self.rc.overlap:
-            return sum(res.values())
-        disk, compute = res.get("disk", 0.0), res.get("compute", 0.0)
-        if self.contended and disk > 0 and compute > 0:
-            both = contended(disk, compute, self.r.disk_read / self.r.disk_read_busy, 1.0 / self.r.compute_busy)
-            return max([both] + [v for k, v in res.items() if k not in ("disk", "compute")])
-        return max(res.values(), default=0.0)
-
-    def disk_write(self, padded: int, files: int) -> float:
-        return _div(padded, self.r.disk_write, "disk_write_bw") + files * self.r.write_latency
-
-    def mem(self) -> float:
-        return self.r.gpu_mem if self.cuda else self.r.cpu_mem
-
-    def kernel_on(self, layer: int, prefill: bool) -> bool:
-        """Whether the layer's matmul weights in the kernel's order run the kernel (the head's follow decode)."""
-        return self.kernel["decode" if layer > self.cfg.num_layers or not prefill else "prefill"]
-
-    def weight_io(self, st: _Terms, layer: int, prefill: bool, t: int) -> None:
-        """Weights of one layer, loaded once for all GPU batches, converted or expanded to the compute dtype where
-        the int4 kernel does not run them (weights/forms.py): lookups expand the row blocks they read and the head
-        its blocks, per GPU batch."""
-        r = self.r
-        for tier, nbytes, on_disk, files in self.weights[layer]:
-            if tier == "disk":
-                st.add("disk.weights_read", _div(on_disk, r.disk_read, "disk_read_bw") + files * r.read_latency)
-            if self.cuda and tier != "gpu":
-                st.add("h2d.weights", _div(nbytes, r.h2d, "h2d_bw"))
-            if self.w != self.c and not self.packed[layer]:  # a memory pass: host (CPU run) or device
-                rate = r.gpu_mem if self.cuda else r.convert
-                st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
-        if self.packed[layer]:  # compressed weights are expanded into the compute dtype where they are used
-            kern, lookups = self.kernel_parts[layer]
-            rows = self.rc.gpu_batch_size * t * row_block()  # at most a row block a token looked up
-            n = self.packed[layer] - (kern if self.kernel_on(layer, prefill) else 0) - sum(e for e, _ in lookups)
-            nb = self.rc.num_gpu_batches
-            n += nb * sum(min(e, rows * k) for e, k in lookups)
-            if layer > self.cfg.num_layers and not self.kernel_on(layer, prefill):
-                n += (nb - 1) * kern  # the head's expanded block by block at each GPU batch's call
-            rate = r.gpu_mem if self.cuda else r.convert
-            st.add("compute.expand_weights", _div(n * self.w * EXPAND_PASSES, rate, "convert_bw"))
-
-    def matmul(self, st: _Terms, layer: int, t: int, prefill: bool, nb: int) -> None:
-        """Dense layers: 2 FLOPs per parameter per token, at the rate of the rows multiplied at once (a GPU batch's
-        tokens; prefill runs sub-batches of rc.prefill_rows() sequences); decode-shaped ones also read the weights
-        once per batch. Weights run by the int4 kernel go at its rate (the dense one if the profile has none)."""
-        b, r = self.rc.gpu_batch_size, self.r
-        kern = self.kernel_parts[layer][0] if self.kernel_on(layer, prefill) else 0
-        params = self.params2d[layer] - kern
-        if prefill and t > 1:
-            rows = min(b, self.rc.prefill_rows()) * t
-            sec = 2 * b * t * params / r.matmul_rate(rows, prefill=True)
-        else:
-            rows = b * t
-            sec = max(2 * rows * params / r.matmul_rate(rows, prefill=False), _div(params * self.c, self.mem(), "mem"))
-        st.add("compute.matmul", nb * sec)
-        if kern:
-            rate = r.int4_rate(rows) or r.matmul_rate(rows, prefill and t > 1)
-            st.add("compute.int4_matmul", nb * 2 * b * t * kern / rate)
-
-    def elementwise(self, st: _Terms, t: int, nb: int) -> None:
-        """Layer norms, residual adds, head merge, activation: ~5 passes over hidden and one over ffn."""
-        n = self.rc.gpu_batch_size * t * (5 * self.cfg.hidden + self.cfg.ffn) * self.c * 2
-        st.add("compute.elementwise", nb * _div(n, self.mem(), "mem"))
-
-    def overhead(self, st: _Terms, ops: int, t: int = 1) -> None:
-        """Per-op cost. Ops on a GPU batch's hidden states (b x t x hidden elements) at or above torch's parallel
-        grain wake the OpenMP threads each time (parallel_op_s); smaller ones run on one thread (op_overhead_s)."""
-        big = self.rc.gpu_batch_size * t * self.cfg.hidden >= GRAIN and self.r.parallel_op is not None
-        st.add("compute.overhead", ops * (self.r.parallel_op if big else self.r.op_overhead))
-
-    def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool) -> None:
-        """Attention of `n` batches. Prefill: all prompt tokens against each other (chunked, unmasked FLOPs);
-        decode: one query against every cache slot, on the cache's side when on_cpu."""
-        cfg, r, b = self.cfg, self.r, self.rc.gpu_batch_size
-        d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.kv_heads
-        if prefill:
-            s = self.rc.prompt_len
-            sec = 4 * b * heads * s * s * d / r.attention + b * heads * s * s * 4 * 2 * self.passes / self.mem()
-            st.add("compute.attention", n * sec)
-            return
-        s = self.slots
-        mem = r.cpu_mem if on_cpu else self.mem()
-        flops_rate = r.cpu_flops if on_cpu else r.decode_attention
-        sec = 4 * b * heads * s * d / flops_rate
-        sec += (b * heads * s * 4 * 2 * self.passes + b * kv * s * POLICY_BYTES[self.evicts]) / mem
-        if self.w != self.c or self.rc.compress_cache:  # K and V cast (or expanded) to the query's dtype first
-            passes = EXPAND_PASSES if self.rc.compress_cache else 1
-            sec += 2 * b * kv * s * d * self.w * passes / (r.gpu_mem if self.cuda and not on_cpu else r.convert)
-        st.add("compute.cpu_attention" if on_cpu else "compute.attention", n * sec)
-
-    def cache(self, st: _Terms, tier: str, n: int, prefill: bool) -> None:
-        """`n` cache blocks of one layer homed on `tier`: load before, store after (prefill: store the new block)."""
-        r, blk, padded = self.r, self.block, self.block_padded
-        on_cpu = self.cuda and tier == "cpu" and self.rc.cpu_cache_compute and not prefill
-        self.attention(st, n, prefill, on_cpu)
-        if prefill:  # the block is built on the compute device, then copied home
-            if tier == "gpu" or (tier == "cpu" and not self.cuda):
-                st.add("compute.cache_copy", n * _div(blk, self.mem(), "mem"))
-            elif self.cuda:
-                st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
-            if tier == "disk":
-                st.add("disk.cache_write", n * self.disk_write(padded, self.block_files))
-            return
-        if tier == "disk":  # K, V, pos and score: four files per block (six with K and V compressed)
-            files = self.block_files
-            st.add("disk.cache_read", n * (_div(padded, r.disk_read, "disk_read_bw") + files * r.read_latency))
-            st.add("disk.cache_write", n * self.disk_write(padded, files))
-        if not self.cuda or tier == "gpu" or on_cpu:
-            return  # memory homes on the compute side are used in place
-        st.add("h2d.cache", n * _div(blk, r.h2d, "h2d_bw"))
-        if tier == "disk":
-            st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
-        else:  # memory tier: only the written slot(s) of K/V, plus the whole pos/score arrays
-            b, kv = self.rc.gpu_batch_size, self.cfg.kv_heads
-            st.add("d2h.cache", n * _div(b * kv * (self.slot_kv + 12 * self.slots), r.d2h, "d2h_bw"))
-
-    def activations(self, st: _Terms, t: int, load: bool) -> None:
-        """Hidden states between layers, for batches whose activation home is not the compute device."""
-        r = self.r
-        nbytes = self.rc.gpu_batch_size * t * self.cfg.hidden * self.c
-        for tier, n in self.act_counts:
-            if tier == "disk" and load:
-                st.add("disk.act_read", n * (_div(padded(nbytes), r.disk_read, "disk_read_bw") + r.read_latency))
-            elif tier == "disk":
-                st.add("disk.act_write", n * self.disk_write(padded(nbytes), 1))
-            if tier != "gpu" and self.cuda:
-                st.add("h2d.act" if load else "d2h.act", n * _div(nbytes, r.h2d if load else r.d2h, "h2d/d2h"))
-            elif tier == "cpu" and not load:
-                st.add("compute.act_copy", n * _div(nbytes, r.cpu_mem, "cpu_mem_bw"))
-
-    # ---- per phase ---------------------------------------------------------------------------------------------
-    def phase(self, prefill: bool) -> tuple:
-        """(seconds, {term: seconds}, busiest resource) of one step. Decoder layers with the same weight homes and
-        cache homes cost the same, so each kind is evaluated once and counted."""
-        L = self.cfg.num_layers
-        kinds: dict = {}
-        for layer in range(1, L + 1):
-            key = (self.weights[layer], self.cache_counts[layer - 1])
-            kinds.setdefault(key, [layer, 0])[1] += 1
-        total, terms, busy = 0.0, {}, {}
-        for layer, count in [(0, 1), (L + 1, 1)] + list(kinds.values()):
-            st = self.layer(layer, prefill)
-            res = st.resources()
-            total += count * self.layer_seconds(res)
-            for k, v in st.items():
-                terms[k] = terms.get(k, 0.0) + count * v
-            for k, v in res.items():
-                busy[k] = busy.get(k, 0.0) + count * v
-        return total, terms, max(busy, key=busy.get) if busy else None
-
-
-def contended(disk: float, compute: float, disk_slowdown: float, compute_slowdown: float) -> float:
-    """Seconds for `disk` and `compute` seconds of idle-rate work run side by side on shared cores: while both run,
-    each goes `slowdown` times slower; once one is done the other runs at its idle rate."""
-    # each one's time if the other ran throughout (a profile's noise can put a busy rate above its idle one)
-    d, c = disk * max(1.0, disk_slowdown), compute * max(1.0, compute_slowdown)
-    if c <= d:
-        return c + (1.0 - c / d) * disk
-    return d + (1.0 - d / c) * compute
-
-
 def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Prediction:
     """Predicted prefill and decode time of `rc` on the hardware profile `hw` (a dict as flexh2o-profile writes).
     Decode steps computed in another dtype than prefill (rc.decode_dtype) take that dtype's rates."""
@@ -314,9 +53,9 @@ def predict_with(rc: RunConfig, rates: Rates, tier_bytes: dict, memo: Optional[d
     kernel: phase -> the int4 kernel runs (kernel_choice; by default chosen here)."""
     if kernel is None:
         kernel = kernel_choice(rc, {"prefill": rates, "decode": decode_rates or rates})
-    m = _Model(rc, rates, memo, kernel)
+    m = StepCost(rc, rates, memo, kernel)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
-    md = m if rc.decode_compute == rc.compute else _Model(rc.with_(compute_dtype=rc.decode_compute),
+    md = m if rc.decode_compute == rc.compute else StepCost(rc.with_(compute_dtype=rc.decode_compute),
                                                           decode_rates or rates, memo, kernel)
     per_token, dec_terms, dec_busy = md.phase(prefill=False)
     decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first

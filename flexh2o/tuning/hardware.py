@@ -1,8 +1,8 @@
 """Hardware profile: the JSON schema the cost model reads (`Rates`), and where profiles are found.
 
-The profile feeds flexh2o.cost_model through `Rates.from_profile`. Every rate is the median of the faster half of
-several timed repeats after a warm-up (tuning/measure.median_time), and the profile records the load it was
-measured at (load_at_measure). Keys (all per second, bytes or FLOPs):
+The profile feeds the cost model (tuning/step_cost.py) through `Rates.from_profile`. Every rate is the median of
+the faster half of several timed repeats after a warm-up (tuning/probes.median_time), and the profile records the
+load it was measured at (load_at_measure). Keys (all per second, bytes or FLOPs):
   matmul_flops / decode_matmul_flops / attention_flops / decode_attention_flops   {dtype name: FLOP/s}
   matmul_flops_by_rows   {dtype name: {rows: FLOP/s}}: x @ W.T for a weight set larger than the CPU caches, by the
                          number of rows of x (batch x tokens); small row counts are memory-bound and much slower

@@ -1,10 +1,10 @@
 """Where the cost model assumes the int4 kernel runs: the engine's rule (compress/choice.py) on the profile's rates."""
 from __future__ import annotations
 
-from flexh2o.compress.choice import forced_by_memory
+from flexh2o.compress.choice import PHASES, forced_by_memory
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.run_config import RunConfig
-from flexh2o.weights.forms import PHASES, kernel_layout
+from flexh2o.weights.forms import kernel_layout
 
 EXPAND_PASSES = 1.8  # expanding a compressed tensor costs this many dtype conversions of it (measured: see RESULTS)
 

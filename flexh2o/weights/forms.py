@@ -19,17 +19,14 @@ from typing import Optional
 
 import torch
 
+from flexh2o.compress.choice import PHASES
 from flexh2o.compress.codec import weight_spec
-from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_shape_ok, packed_bytes, rows_buffer_bytes
-
-PHASES = ("prefill", "decode")
+from flexh2o.compress.kernels import kernel_shape_ok, kernel_spec_ok, packed_bytes, rows_buffer_bytes
 
 
 def kernel_layout(rc) -> bool:
     """Whether rc's compressed weights of a kernel shape are stored in the int4 kernel's order."""
-    cw = rc.compress_weight
-    return (cw is not None and cw.group_dim == 1 and cw.bits == 4 and cw.group_size in KERNEL_GROUPS
-            and torch.device(rc.device).type == "cpu")
+    return kernel_spec_ok(rc.compress_weight) and torch.device(rc.device).type == "cpu"
 
 
 def in_kernel_order(spec, compress, layout: bool) -> bool:

@@ -1,0 +1,129 @@
+"""The house's shape, as rules over every flexh2o module (today's and tomorrow's): imports run down the layers and
+never in a circle, counting imports inside functions too; no module over MAX_LINES lines; every package folder named
+in the README's design map."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from test_package import ROOT, _cycle, _modules
+
+MAX_LINES = 300
+
+# Top to bottom: a module may import its own layer or those below it, never one above. A layer is named by the first
+# part of a module's path under flexh2o/ (a folder or a module); `__main__` modules are entry points wherever they are.
+LAYERS = (
+    ("entry points", {"cli", "__main__"}),
+    ("tools that run the engine", {"tuning", "eval"}),
+    ("jobs", {"job", "pipeline"}),
+    ("the engine", {"engine", "generation"}),
+    ("the runtime plan", {"planning", "run_config"}),
+    ("the run's parts", {"weights", "kv", "models", "placement", "schedule"}),
+    ("tiers and codecs", {"storage", "compress"}),
+    ("leaves", {"config", "units", "dtypes", "tensors", "jsonfile", "tokenizer", "prompts", "sampling", "metrics",
+                "errors"}),
+)
+
+
+def imports_of(module: str, path: Path, known: set) -> set:
+    """flexh2o modules that `module` imports anywhere in its file: at module level and inside functions, absolute
+    or relative ("from flexh2o.x import y" counts flexh2o.x, and flexh2o.x.y where that is a module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    got = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        got |= {n for n in names if n in known}
+    return got - {module, "flexh2o"}  # the root package's __init__ holds nothing
+
+
+def import_graph() -> dict:
+    mods = _modules()
+    return {m: imports_of(m, p, set(mods)) for m, p in mods.items()}
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS (0 = top) of a flexh2o module; ValueError names a module in no layer."""
+    parts = module.split(".")[1:]
+    key = "__main__" if parts and parts[-1] == "__main__" else (parts[0] if parts else "")
+    for i, (_, names) in enumerate(LAYERS):
+        if key in names:
+            return i
+    raise ValueError(f"{module} is in no layer: add {key!r} to LAYERS in tests/test_structure.py")
+
+
+def upward_imports(graph: dict) -> list:
+    """'a (layer) -> b (layer)' for every import from a lower layer to a higher one."""
+    return [f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+            for a, targets in sorted(graph.items()) for b in sorted(targets) if layer_of(b) < layer_of(a)]
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    graph = import_graph()
+    found = _cycle(graph)
+    assert found is None, " -> ".join(found)
+
+
+def test_every_module_is_in_a_layer():
+    missing = []
+    for m in sorted(_modules()):
+        if m == "flexh2o":
+            continue
+        try:
+            layer_of(m)
+        except ValueError as e:
+            missing.append(str(e))
+    assert not missing, "\n".join(missing)
+
+
+def test_no_import_runs_up_a_layer():
+    up = upward_imports(import_graph())
+    assert not up, "imports from a lower layer to a higher one:\n" + "\n".join(up)
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    pkg = tmp_path / "flexh2o"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "a.py").write_text("def f():\n    from flexh2o.cli import run\n    from . import b\n")
+    known = {"flexh2o.cli", "flexh2o.cli.run", "flexh2o.sub.b", "flexh2o.sub.a"}
+    assert imports_of("flexh2o.sub.a", pkg / "sub" / "a.py", known) == {"flexh2o.cli", "flexh2o.cli.run",
+                                                                         "flexh2o.sub.b"}
+    up = upward_imports({"flexh2o.units": {"flexh2o.cli.run"}, "flexh2o.cli.run": {"flexh2o.units"}})
+    assert up == ["flexh2o.units (leaves) -> flexh2o.cli.run (entry points)"]
+    with pytest.raises(ValueError, match="no layer"):
+        layer_of("flexh2o.somewhere_new")
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")))
+def test_no_module_over_max_lines(path):
+    lines = len((ROOT.parent / path).read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path} has {lines} lines (at most {MAX_LINES}): split it by responsibility"
+
+
+def package_folders() -> list:
+    """Every package folder under flexh2o/ (an __init__.py inside), as a path like 'kv/policies'."""
+    return sorted(str(d.parent.relative_to(ROOT)) for d in ROOT.rglob("__init__.py") if d.parent != ROOT)
+
+
+def design_map() -> str:
+    """The README's '## Design' section."""
+    text = (ROOT.parent / "README.md").read_text()
+    start = text.index("\n## Design")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def test_the_readme_design_map_names_every_package_folder():
+    text = design_map()
+    missing = [f"{d}/" for d in package_folders() if f"`{d}/" not in text]
+    assert not missing, f"README.md's design map does not name {', '.join(missing)}: add a row for each"
