@@ -15,7 +15,7 @@ class ModelConfig:
     """Shape of a decoder-only model. `family` picks the compute module in flexh2o.models."""
 
     name: str
-    family: str  # "opt" or "llama"
+    family: str  # a name in FAMILIES
     hidden: int
     num_layers: int
     num_heads: int
@@ -31,12 +31,27 @@ class ModelConfig:
     pad_token_id: int = 1
     bos_token_id: int = 2
     eos_token_id: int = 2
+    # what the families after Llama add (flexh2o/models/__init__.py lists which family uses which)
+    head_size: Optional[int] = None  # explicit head dimension (qwen3, gemma); None: hidden // num_heads
+    attn_bias: bool = False  # q/k/v projections carry biases (qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (qwen3, gemma3)
+    rope_type: str = "default"  # "default", "linear" (positions / rope_factor) or "llama3" (Llama 3.1 scaling)
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max: int = 8192  # llama3 only: original_max_position_embeddings
+    local_rope_theta: Optional[float] = None  # gemma3: the RoPE base of sliding layers (default scaling there)
+    sliding_window: Optional[int] = None  # tokens a windowed layer's query sees, itself included
+    layer_kinds: str = ""  # one letter per layer, "s" windowed, "f" full; "" = every layer windowed when sliding_window
+    attn_softcap: Optional[float] = None  # gemma2: attention logits -> cap * tanh(logits / cap)
+    final_softcap: Optional[float] = None  # gemma2: the same on the output logits
+    query_scalar: Optional[float] = None  # gemma: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim)
 
     def __post_init__(self):
         _check_fields(self)
-        if self.family not in ("opt", "llama"):
-            raise ValueError(f"unknown model family {self.family!r}: use opt or llama")
-        if self.hidden % self.num_heads:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}: use one of {', '.join(FAMILIES)}")
+        if self.head_size is None and self.hidden % self.num_heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by num_heads {self.num_heads}")
         if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
@@ -47,7 +62,21 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+        return self.head_size or self.hidden // self.num_heads
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of decoder layer `layer` (0-based), None for a layer that sees every token."""
+        if self.sliding_window is None or (self.layer_kinds and self.layer_kinds[layer] != "s"):
+            return None
+        return self.sliding_window
+
+    def cache_slots(self, policy_slots: int) -> int:
+        """Cache slots per sequence and KV head, given the KV policy's (budget + 1, or the whole sequence): no more
+        than the window when every layer is windowed (a window of W needs W slots: W - 1 kept + the new token)."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        if None in windows:
+            return policy_slots
+        return min(policy_slots, max(windows))
 
     @property
     def embed_dim(self) -> int:
@@ -62,6 +91,9 @@ class ModelConfig:
         return ModelConfig(**{k: v for k, v in d.items() if k in known})
 
 
+FAMILIES = ("opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ROPE_TYPES = ("default", "linear", "llama3")
+OPTIONAL_NUMBERS = ("local_rope_theta", "attn_softcap", "final_softcap", "query_scalar")
 SIZE_FIELDS = ("hidden", "num_layers", "num_heads", "ffn", "vocab", "max_positions")
 
 
@@ -73,11 +105,23 @@ def _check_fields(c: ModelConfig) -> None:
         v = getattr(c, f)
         if (v is not None or f in SIZE_FIELDS) and not (is_int(v) and v >= 1):
             raise ValueError(f"{f} is {v!r}: it must be a positive integer")
-    for f in ("norm_eps", "rope_theta"):
+    for f in ("head_size", "sliding_window", "rope_original_max"):
         v = getattr(c, f)
+        if v is not None and not (is_int(v) and v >= 1):
+            raise ValueError(f"{f} is {v!r}: it must be a positive integer")
+    for f in ("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "local_rope_theta", "attn_softcap", "final_softcap", "query_scalar"):
+        v = getattr(c, f)
+        if v is None and f in OPTIONAL_NUMBERS:
+            continue
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
             raise ValueError(f"{f} is {v!r}: it must be a positive finite number")
-    for f in ("norm_before", "tie_embeddings"):
+    if c.rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type is {c.rope_type!r}: it must be one of {', '.join(ROPE_TYPES)}")
+    if not isinstance(c.layer_kinds, str) or (c.layer_kinds and (len(c.layer_kinds) != c.num_layers or
+                                                                 set(c.layer_kinds) - set("sf"))):
+        raise ValueError(f"layer_kinds is {c.layer_kinds!r}: it must be empty or one letter s/f per layer")
+    for f in ("norm_before", "tie_embeddings", "attn_bias", "qk_norm"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"{f} is {getattr(c, f)!r}: it must be true or false")
     for f in ("bos_token_id", "eos_token_id"):
@@ -142,47 +186,3 @@ def load_converted_config(path: str) -> ModelConfig:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{f} is corrupt ({e}): run flexh2o-convert again") from None
 
-
-def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
-    """Hugging Face config.json (OPT or Llama) -> ModelConfig."""
-    mt = d.get("model_type", "")
-    if mt == "opt":
-        hidden = d["hidden_size"]
-        wed = d.get("word_embed_proj_dim", hidden)
-        return ModelConfig(
-            name=name, family="opt", hidden=hidden, num_layers=d["num_hidden_layers"],
-            num_heads=d["num_attention_heads"], ffn=d["ffn_dim"], vocab=d["vocab_size"],
-            max_positions=d.get("max_position_embeddings", 2048),
-            word_embed_dim=None if wed == hidden else wed,
-            norm_before=d.get("do_layer_norm_before", True),
-            pad_token_id=d.get("pad_token_id", 1) if d.get("pad_token_id") is not None else 1,
-            bos_token_id=d.get("bos_token_id", 2), eos_token_id=d.get("eos_token_id", 2),
-            tie_embeddings=d.get("tie_word_embeddings", True))
-    if mt in ("llama", "mistral", "qwen2"):
-        hd = d.get("head_dim")
-        if hd and hd != d["hidden_size"] // d["num_attention_heads"]:
-            raise ValueError(f"head_dim {hd} differs from hidden_size / num_attention_heads: not supported")
-        scaling = d.get("rope_scaling") or (d.get("rope_parameters") or {}).get("rope_type", "default")
-        if scaling not in (None, "default") and not (isinstance(scaling, dict) and
-                                                     scaling.get("rope_type", "default") == "default"):
-            raise ValueError(f"rope scaling {scaling!r} is not supported (plain RoPE only)")
-        return ModelConfig(
-            name=name, family="llama", hidden=d["hidden_size"], num_layers=d["num_hidden_layers"],
-            num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads"),
-            ffn=d["intermediate_size"], vocab=d["vocab_size"],
-            max_positions=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(d), tie_embeddings=d.get("tie_word_embeddings", False),
-            pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else 0,
-            bos_token_id=d.get("bos_token_id") if d.get("bos_token_id") is not None else 1,
-            eos_token_id=_first(d.get("eos_token_id", 2)))
-    raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports opt and llama")
-
-
-def _first(x):
-    return x[0] if isinstance(x, list) else x
-
-
-def _rope_theta(d: dict) -> float:
-    """transformers 5 writes rope_parameters: {rope_theta: ...}; older files a top-level rope_theta."""
-    params = d.get("rope_parameters") or {}
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))

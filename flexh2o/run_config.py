@@ -101,7 +101,7 @@ class RunConfig:
         return new
 
     def cache_slots(self) -> int:
-        return self.kv.slots(self.prompt_len, self.gen_len, self.model.num_layers)
+        return self.model.cache_slots(self.kv.slots(self.prompt_len, self.gen_len, self.model.num_layers))
 
     def prefill_rows(self) -> int:
         """Sequences prefilled together, so a layer's transient buffers (q, k, v, output, MLP) stay near

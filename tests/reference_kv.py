@@ -96,16 +96,16 @@ class RefPolicy:
         extra = sorted(range(L), key=lambda i: (-(free * w[i] % sum(w)), i))[:left]
         return self.num_sinks + floor[layer] + (layer in extra)
 
-    def prefill(self, n: int, hist: History, layer: int, head: int) -> set:
-        """Positions kept out of an n-token prompt."""
-        everything = set(range(n))
+    def prefill(self, n: int, hist: History, layer: int, head: int, first: int = 0) -> set:
+        """Positions kept out of an n-token prompt whose positions below `first` are gone (a sliding window)."""
+        everything = set(range(first, n))
         budget = self.budget_at(layer)
-        if budget is None or n <= budget:
+        if budget is None or len(everything) <= budget:
             return everything
         if self.name == "local":
             return set(range(n - self.budget, n))
         if self.name == "streaming":
-            return set(range(self.num_sinks)) | set(range(n - (self.budget - self.num_sinks), n))
+            return (set(range(self.num_sinks)) & everything) | set(range(n - (self.budget - self.num_sinks), n))
         if self.name == "tova":
             return set(sorted(everything, key=lambda t: (self._value(t, n - 1, hist, layer, head), t),
                               reverse=True)[:self.budget])  # ties keep the newer
@@ -281,7 +281,8 @@ def opt_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0)
 
 def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0),
                   merges: Optional[list] = None) -> tuple:
-    """Llama with grouped KV heads. -> (logits of the last position (vocab,), [(probs, vnorm) per layer])."""
+    """Llama with grouped KV heads; Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorm when the weights have
+    them; a sliding window is in `visible`. -> (logits of the last position (vocab,), [(probs, vnorm) per layer])."""
     T, d = len(ids), cfg.head_dim
     x = w["model.embed_tokens.weight"][ids]  # (T, h)
     cos, sin = _rope(T, d, cfg.rope_theta)  # (T, d)
@@ -289,7 +290,11 @@ def llama_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         y = _rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
-        q, k, v = (y @ w[f"{p}self_attn.{name}_proj.weight"].T for name in "qkv")
+        q, k, v = (y @ w[f"{p}self_attn.{name}_proj.weight"].T + w.get(f"{p}self_attn.{name}_proj.bias", 0)
+                   for name in "qkv")
+        if p + "self_attn.q_norm.weight" in w:  # each head's vector normed on its own
+            q, k = (_rms_norm(x.view(T, -1, d), w[f"{p}self_attn.{n}_norm.weight"], cfg.norm_eps).view(T, -1)
+                    for x, n in ((q, "q"), (k, "k")))
         q, k = _rotate(q, cos, sin, d), _rotate(k, cos, sin, d)
         o, probs = attention(q, k, v, visible[i], cfg.num_heads, cfg.kv_heads, *quant, merges and merges[i])
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
@@ -329,7 +334,8 @@ def _rotate(x, cos, sin, d: int):
     return (x * cos[:, None] + half * sin[:, None]).reshape(T, -1)
 
 
-FORWARD = {"opt": opt_forward, "llama": llama_forward}
+FORWARD = {"opt": opt_forward, "llama": llama_forward, "mistral": llama_forward, "qwen2": llama_forward,
+           "qwen3": llama_forward}
 
 
 # ---- generation -------------------------------------------------------------------------------------------------
@@ -359,7 +365,7 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
         cur = T - 1
         if step == 0:
             for layer in range(L):
-                visible[layer][:, :T, :T] = torch.ones(T, T, dtype=torch.bool).tril()
+                visible[layer][:, :T, :T] = _causal(T, cfg.window(layer) if hasattr(cfg, "window") else None)
         else:
             for layer in range(L):
                 for head in range(H):
@@ -371,7 +377,8 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
             for head in range(H):
                 _record(hist[layer][head], probs[head], visible[layer][head, :T, :T], vnorm[head],
                         range(T) if step == 0 else [cur])
-            _apply_layer(policy, kept[layer], step, cur, hist[layer], layer)
+            _apply_layer(policy, kept[layer], step, cur, hist[layer], layer,
+                         cfg.window(layer) if hasattr(cfg, "window") else None)
             for head in range(H) if policy.name in MERGING else ():
                 merges[layer][head] += merge_events(kept[layer][head], before[head] - kept[layer][head], cur,
                                                     hist[layer][head], keys[head])
@@ -391,12 +398,21 @@ def _record(hist: History, probs: torch.Tensor, visible: torch.Tensor, vnorm: to
             hist.seen(q, t, float(probs[q, t]))
 
 
-def _apply_layer(policy: RefPolicy, kept: list, step: int, cur: int, hists: list, layer: int):
-    """Update one layer's kept sets (one per KV head) in place after the attention of `step`."""
+def _causal(T: int, window: Optional[int]) -> torch.Tensor:
+    """(T, T) bool: query q sees keys k <= q, and only k > q - window in a sliding-window layer."""
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return (k <= q) & (k > q - window) if window is not None else k <= q
+
+
+def _apply_layer(policy: RefPolicy, kept: list, step: int, cur: int, hists: list, layer: int,
+                 window: Optional[int] = None):
+    """Update one layer's kept sets (one per KV head) in place after the attention of `step`. A sliding window
+    first drops what the next query (cur + 1) cannot see; the policy then chooses among the rest."""
     if policy.name not in SHARED_HEADS:
         for head, k in enumerate(kept):
-            _apply_policy(policy, k, step, cur, hists[head], layer, head)
+            _apply_policy(policy, k, step, cur, hists[head], layer, head, window)
         return
+    assert window is None, "the reference windows only policies whose heads decide alone"
     if step == 0:
         kept[:] = policy.layer_prefill(cur + 1, hists, layer)
         return
@@ -405,11 +421,14 @@ def _apply_layer(policy: RefPolicy, kept: list, step: int, cur: int, hists: list
     policy.layer_evict(kept, cur, hists, layer)
 
 
-def _apply_policy(policy: RefPolicy, kept: set, step: int, cur: int, hist: History, layer: int, head: int):
+def _apply_policy(policy: RefPolicy, kept: set, step: int, cur: int, hist: History, layer: int, head: int,
+                  window: Optional[int] = None):
     """Update one (layer, KV head)'s kept set in place after the attention of `step`."""
+    first = 0 if window is None else max(0, cur + 2 - window)  # the oldest position the next query sees
     if step == 0:
-        kept |= policy.prefill(cur + 1, hist, layer, head)
+        kept |= policy.prefill(cur + 1, hist, layer, head, first)
         return
     kept.add(cur)
+    kept -= {t for t in kept if t < first}
     while policy.budget is not None and len(kept) > policy.budget_at(layer):
         kept.remove(policy.evict(kept, cur, hist, layer, head))

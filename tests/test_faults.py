@@ -295,7 +295,7 @@ def _hf_folder(src, fill=None) -> None:
     every byte of every tensor."""
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
-    from flexh2o.config import from_hf_config
+    from flexh2o.weights.hf_config import from_hf_config
     from flexh2o.models import unique_specs
     os.makedirs(src)
     json.dump(HF_OPT, open(os.path.join(src, "config.json"), "w"))

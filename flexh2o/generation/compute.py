@@ -18,6 +18,10 @@ class LayerCompute:
         self.family, self.cfg, self.rc, self.policy = family, cfg, rc, policy
         self.slots, self.evicts = slots, evicts
 
+    def shape(self, layer: int) -> tuple:
+        """The model's facts of a layer's attention: (sliding window or None, logit soft-cap or None)."""
+        return self.cfg.window(layer), self.cfg.attn_softcap
+
     def embed(self, w: dict, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.family.embed(self.cfg, w, ids, pos.clamp(min=0))
 
@@ -34,7 +38,8 @@ class LayerCompute:
         policy = self.policy if policy is None else policy
 
         def attend(q, k, v):
-            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer, self.evicts)
+            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer, *self.shape(cache_layer),
+                                    evicts=self.evicts)
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int = 1) -> tuple:
@@ -48,7 +53,7 @@ class LayerCompute:
         if copies > 1:
             def attend_all(q, k, v):
                 return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk,
-                                         self.evicts, copies)
+                                         self.evicts, copies, *self.shape(cache_layer))
             return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend_all), blk
         outs, rows = [], self.rc.prefill_rows()
         for r in range(0, b, rows):
@@ -56,6 +61,6 @@ class LayerCompute:
 
             def attend(q, k, v, sl=sl):
                 return attention.prefill(q, k, v, pos[sl], self.policy, cache_layer, blk.rows(sl),
-                                         self.rc.attn_chunk, self.evicts)
+                                         self.rc.attn_chunk, self.evicts, 1, *self.shape(cache_layer))
             outs.append(self.family.block(self.cfg, w, cache_layer, x[sl], pos[sl].clamp(min=0), attend))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), blk

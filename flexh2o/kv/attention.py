@@ -25,7 +25,7 @@ def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
 
 
 def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int, scores: bool = True,
-            copies: int = 1):
+            copies: int = 1, window: Optional[int] = None, softcap: Optional[float] = None):
     """q (b, n, t, d), k/v (b, kv, t, d), pos (b, t) int64 (-1 = padding) -> out (b, n, t, d); the kept tokens
     are packed into `blk` (an empty block, or rows of one).
 
@@ -34,7 +34,11 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     under its own policy, with the scores its own query weights give (computed once per distinct weights).
 
     Probabilities are materialised (chunk by chunk) only when the policy scores tokens and `scores` says an
-    eviction can happen; otherwise the fused attention kernel runs."""
+    eviction can happen, or logits are soft-capped; otherwise the fused attention kernel runs.
+
+    window (a sliding-window layer): query p sees the keys of positions p - window < k <= p, and the block keeps
+    only what the next query sees (positions > newest + 1 - window), the policy choosing among those alone.
+    softcap: attention logits become softcap * tanh(logits / softcap) before the mask (Gemma 2)."""
     b, n, t, d = q.shape
     kv = k.shape[1]
     g = n // kv
@@ -53,27 +57,36 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
         allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
+        if window is not None:  # left padding shifts index and position alike: the window holds in either
+            allowed = allowed & (idx[None, :] > idx[s:e, None] - window)[None]
         allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
-        if not wanted:  # no probabilities needed: the fused kernel
+        if not wanted and softcap is None:  # no probabilities needed: the fused kernel
             out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k, v, attn_mask=allowed[:, None],
                                                             enable_gqa=g > 1)
             continue
-        att = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float()  # (b, kv, g, c, t)
+        att = _capped(torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float(), softcap)
         att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
         out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
-        for j, w in enumerate(weights):
+        for j, w in enumerate(weights if wanted else ()):
             score[j] += torch.einsum("bhgqk,bq->bhk", att, w[:, s:e])  # padding queries add nothing
     score = score[0] if copies == 1 else score[which].view(rows, kv, t)
     if copies > 1:
         k, v = k.repeat(copies, 1, 1, 1), v.repeat(copies, 1, 1, 1)
     kpos = every[:, None, :].expand(rows, kv, t)
     cur = every.max(-1).values  # (rows,)
+    if window is not None:  # what the next query cannot see is gone before the policy chooses
+        kpos = torch.where(kpos > (cur + 1 - window)[:, None, None], kpos, -1)
     keep = policy.prefill_keep(kpos, score, layer, cur, v)
     if policy.merges and scores:  # the dropped prompt tokens' values go into kept ones (the policy says where)
         target, mass = policy.merge_plan(kpos, score, k.float(), (kpos >= 0) & ~keep)
         v = merged_values(v.float(), target, mass)[0].to(v.dtype)
     _pack(k, v, kpos, score, keep, blk)
     return out
+
+
+def _capped(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """Soft-capped attention logits (Gemma 2): softcap * tanh(logits / softcap); unchanged without a cap."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def _distinct(x: torch.Tensor) -> tuple:
@@ -100,21 +113,24 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
 MAX_SEGMENTS = 8  # row segments of one decode attention; more runs are merged, the cheapest neighbours first
 
 
-def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, evicts: bool = True) -> torch.Tensor:
+def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window: Optional[int] = None,
+           softcap: Optional[float] = None, evicts: bool = True) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
     runs there, each segment of rows over the slots its rows use (`used_segments`: empty slots past the last used
     one are skipped, not just masked); scores are updated and at most one token per row is evicted (its slot is
     free for the next step). The policy sees the block's slots up to the last one any row uses (`KVBlock.front`).
-    evicts False: the run never evicts (LayerCompute.evicts), so every row holds its positions 0..cur_pos in slots
-    0..cur_pos and the block's bookkeeping is read from cur_pos instead of searched (`in_order_extents`).
+    window, softcap: as in prefill; after the attention a windowed layer drops the token the next query will not
+    see before the policy chooses (the block holds window - 1 tokens at most between steps).
+    evicts False (LayerCompute.evicts) and no window: nothing is ever dropped, so every row holds its positions
+    0..cur_pos in slots 0..cur_pos and the block's free slot and extents are read from cur_pos, not searched.
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
-    in_order = not evicts and dev.type == "cpu"
+    in_order = not evicts and window is None and dev.type == "cpu"
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order)
     qg = q.view(b, kv, n // kv, d)
     # per row, its slots up to the last used one (once per step: the policy too)
@@ -126,13 +142,14 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, evicts:
     out = torch.empty(b, kv, n // kv, d, dtype=q.dtype, device=dev)
     att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=dev)
     for r0, r1, used in segments:
-        if not policy.needs_scores:  # no scores wanted: one fused kernel, the query heads of a KV head as rows
+        if not policy.needs_scores and softcap is None:  # one fused kernel, the query heads of a KV head as rows
             full = in_order and min(extents[r0:r1]) == used  # in order, every row of the segment fills `used`
             keep = None if full else (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # each row holds its new token
             out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
                                                         attn_mask=keep)
             continue
-        att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float() * d ** -0.5
+        att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float()
+        att = _capped(att * d ** -0.5, softcap)
         att = att.masked_fill((front.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)
         out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), values[r0:r1, :, :used])  # (r, kv, g, d)
         if att_sum is not None:
@@ -141,6 +158,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, evicts:
             att_sum = att.sum(2)
     if policy.needs_scores:
         policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
+    if window is not None:
+        front.evict((front.pos >= 0) & (front.pos <= (cur_pos + 1 - window).view(-1, 1, 1)))
     values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
     evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values, extents=extents)
     if policy.merges and evict is not None:

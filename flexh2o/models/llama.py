@@ -1,10 +1,14 @@
-"""Llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention, optional tied embeddings)."""
+"""Llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention, optional tied embeddings), and its small variants
+that share the weight names: Mistral (a sliding window: ModelConfig.window, applied by kv/attention.py), Qwen2
+(q/k/v biases: attn_bias), Qwen3 (per-head q/k RMSNorm: qk_norm, and an explicit head_dim: head_size); Llama 3's
+rope scaling is models/rope.py."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
+from flexh2o.models.rope import cos_sin, rotate
 from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
 
 P = "model."
@@ -19,17 +23,29 @@ def layer_specs(cfg: ModelConfig) -> list:
 
 
 def _block_specs(cfg: ModelConfig, i: int) -> list:
-    h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_heads * cfg.head_dim
+    h, f = cfg.hidden, cfg.ffn
     p = f"{P}layers.{i}."
-    return [WeightSpec(p + "input_layernorm.weight", (h,), "ones"),
-            WeightSpec(p + "self_attn.q_proj.weight", (h, h)),
-            WeightSpec(p + "self_attn.k_proj.weight", (kv, h)),
-            WeightSpec(p + "self_attn.v_proj.weight", (kv, h)),
-            WeightSpec(p + "self_attn.o_proj.weight", (h, h)),
-            WeightSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
-            WeightSpec(p + "mlp.gate_proj.weight", (f, h)),
-            WeightSpec(p + "mlp.up_proj.weight", (f, h)),
-            WeightSpec(p + "mlp.down_proj.weight", (h, f))]
+    return ([WeightSpec(p + "input_layernorm.weight", (h,), "ones")] + attention_specs(cfg, p + "self_attn.") +
+            [WeightSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
+             WeightSpec(p + "mlp.gate_proj.weight", (f, h)),
+             WeightSpec(p + "mlp.up_proj.weight", (f, h)),
+             WeightSpec(p + "mlp.down_proj.weight", (h, f))])
+
+
+def attention_specs(cfg: ModelConfig, a: str, fused: bool = False) -> list:
+    """q/k/v/o projections (fused: one qkv_proj, Phi-3), their biases (attn_bias) and q/k norms (qk_norm)."""
+    h, q, kv = cfg.hidden, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    if fused:
+        specs = [WeightSpec(a + "qkv_proj.weight", (q + 2 * kv, h))]
+    else:
+        specs = [WeightSpec(a + "q_proj.weight", (q, h)), WeightSpec(a + "k_proj.weight", (kv, h)),
+                 WeightSpec(a + "v_proj.weight", (kv, h))]
+    if cfg.attn_bias:
+        specs += [WeightSpec(a + f"{n}_proj.bias", (size,), "zeros") for n, size in (("q", q), ("k", kv), ("v", kv))]
+    if cfg.qk_norm:
+        specs += [WeightSpec(a + "q_norm.weight", (cfg.head_dim,), "ones"),
+                  WeightSpec(a + "k_norm.weight", (cfg.head_dim,), "ones")]
+    return specs + [WeightSpec(a + "o_proj.weight", (h, q))]
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -40,37 +56,38 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     """One decoder layer; keys are rotated at their own positions before they reach the cache."""
     p = f"{P}layers.{i}."
     a = p + "self_attn."
-    y = _rms(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
-    q = split_heads(linear(y, w[a + "q_proj.weight"]), cfg.num_heads)  # (b, n, t, d)
-    k = split_heads(linear(y, w[a + "k_proj.weight"]), cfg.kv_heads)  # (b, kv, t, d)
-    v = split_heads(linear(y, w[a + "v_proj.weight"]), cfg.kv_heads)
-    cos, sin = _rope(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # (b, 1, t, d)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    x = x + linear(merge_heads(attend(q, k, v)), w[a + "o_proj.weight"])
-    y = _rms(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
+    y = rms(x, w[p + "input_layernorm.weight"], cfg.norm_eps)
+    q, k, v = (linear(y, w[a + f"{n}_proj.weight"], w.get(a + f"{n}_proj.bias")) for n in "qkv")
+    x = x + self_attention(cfg, w, i, q, k, v, positions, attend)
+    y = rms(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
     gate, up, down = (w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
     return x + rowwise(lambda r: linear(F.silu(linear(r, gate)) * linear(r, up), down), y, cfg.ffn)
 
 
+def self_attention(cfg: ModelConfig, w: dict, i: int, q, k, v, positions: torch.Tensor, attend,
+                   norm=None) -> torch.Tensor:
+    """Projected q (b, t, n*d), k, v (b, t, kv*d) -> the attention block's output (b, t, h) after o_proj: heads
+    split, q/k normed per head (qk_norm; `norm` replaces rms, Gemma 3), rotated, attended (the callback owns the
+    cache), merged. A query_scalar scales q so that attention's head_dim ** -0.5 gives query_scalar ** -0.5."""
+    a = f"{P}layers.{i}.self_attn."
+    q, k, v = split_heads(q, cfg.num_heads), split_heads(k, cfg.kv_heads), split_heads(v, cfg.kv_heads)
+    if cfg.qk_norm:
+        norm = norm or rms
+        q, k = norm(q, w[a + "q_norm.weight"], cfg.norm_eps), norm(k, w[a + "k_norm.weight"], cfg.norm_eps)
+    cos, sin = cos_sin(cfg, i, positions, q.dtype)  # (b, 1, t, d)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    if cfg.query_scalar is not None:
+        q = q * (cfg.head_dim / cfg.query_scalar) ** 0.5
+    return linear(merge_heads(attend(q, k, v)), w[a + "o_proj.weight"])
+
+
 def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
-    x = _rms(x, w[P + "norm.weight"], cfg.norm_eps)
+    x = rms(x, w[P + "norm.weight"], cfg.norm_eps)
     out = w[P + "embed_tokens.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
     return head_linear(x, out).float()  # (b, t, vocab)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def _rope(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple:
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
-    ang = positions.float()[..., None] * inv  # (b, t, d/2)
-    emb = torch.cat([ang, ang], dim=-1)[:, None]  # (b, 1, t, d)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)

@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
-from flexh2o.config import ModelConfig, from_hf_config
+from flexh2o.config import ModelConfig
+from flexh2o.weights.hf_config import from_hf_config
 from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import parse_dtype
 from flexh2o.weights.format import CheckpointWriter
@@ -162,7 +163,7 @@ def _engine_name(cfg: ModelConfig, key: str) -> Optional[str]:
         return None if cfg.tie_embeddings else key
     if cfg.family == "opt" and key.startswith("decoder."):  # saved from OPTModel
         return "model." + key
-    if cfg.family == "llama" and not key.startswith("model."):  # saved from LlamaModel
+    if cfg.family != "opt" and not key.startswith("model."):  # saved from LlamaModel (or another base model)
         return "model." + key
     return key
 

@@ -1,0 +1,147 @@
+"""Hugging Face config.json -> ModelConfig, per model type. Every field is read, or checked to change nothing, or
+listed as inert (flexh2o/weights/hf_fields.py); anything else is refused in one line naming the field and its value."""
+from __future__ import annotations
+
+from flexh2o.config import ModelConfig
+from flexh2o.weights.hf_fields import USED, check_fields, check_rope
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+FAMILY_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
+def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
+    """Hugging Face config.json (OPT, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) -> ModelConfig."""
+    mt = d.get("model_type", "")
+    if mt == "opt":
+        return _opt(d, name)
+    if mt == "gemma3":
+        raise ValueError("model_type 'gemma3' is the multimodal Gemma 3: convert a Gemma3ForCausalLM (text) "
+                         "checkpoint, whose model_type is gemma3_text")
+    if mt not in USED:
+        raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports opt, "
+                         f"{', '.join(USED)}")
+    check_fields(d)
+    family = FAMILY_OF[mt]
+    kw = dict(name=name, family=family, hidden=d["hidden_size"], num_layers=d["num_hidden_layers"],
+              num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads"),
+              ffn=d["intermediate_size"], vocab=d["vocab_size"],
+              max_positions=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
+              tie_embeddings=d.get("tie_word_embeddings", family.startswith("gemma")),
+              pad_token_id=_or(d.get("pad_token_id"), 0), bos_token_id=_or(d.get("bos_token_id"), 1),
+              eos_token_id=_or(_first(d.get("eos_token_id")), 2))
+    hd = d.get("head_dim")
+    if hd and hd != d["hidden_size"] // d["num_attention_heads"]:
+        kw["head_size"] = hd
+    kw.update(_window(d, family))
+    if family.startswith("gemma"):
+        kw.update(_gemma(d, family))
+    else:
+        kw.update(_rope(_rope_params(d)))
+    if family == "qwen2":
+        kw["attn_bias"] = True
+    if family in ("qwen3", "gemma3"):
+        kw["qk_norm"] = True
+    return ModelConfig(**kw)
+
+
+def _opt(d: dict, name: str) -> ModelConfig:
+    hidden = d["hidden_size"]
+    wed = d.get("word_embed_proj_dim", hidden)
+    return ModelConfig(
+        name=name, family="opt", hidden=hidden, num_layers=d["num_hidden_layers"],
+        num_heads=d["num_attention_heads"], ffn=d["ffn_dim"], vocab=d["vocab_size"],
+        max_positions=d.get("max_position_embeddings", 2048),
+        word_embed_dim=None if wed == hidden else wed,
+        norm_before=d.get("do_layer_norm_before", True),
+        pad_token_id=d.get("pad_token_id", 1) if d.get("pad_token_id") is not None else 1,
+        bos_token_id=d.get("bos_token_id", 2), eos_token_id=d.get("eos_token_id", 2),
+        tie_embeddings=d.get("tie_word_embeddings", True))
+
+
+def _rope_params(d: dict) -> dict:
+    """transformers 5 writes rope_parameters ({rope_type, rope_theta, ...}); older files rope_scaling + rope_theta."""
+    params = d.get("rope_parameters")
+    if params is not None and d.get("rope_scaling"):
+        raise ValueError(f"rope_scaling = {d['rope_scaling']!r} beside rope_parameters: keep one of them")
+    if params is None:
+        params = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 10000.0)}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters = {params!r} must be a mapping")
+    return params
+
+
+def _rope(params: dict, where: str = "rope_parameters") -> dict:
+    """ModelConfig's rope fields from one rope_parameters mapping (refused when it asks for more)."""
+    check_rope(params, where)
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = {"rope_theta": float(params.get("rope_theta", 10000.0)), "rope_type": kind}
+    if kind in ("linear", "llama3"):
+        out["rope_factor"] = float(params["factor"])
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max=int(params["original_max_position_embeddings"]))
+    return out
+
+
+def _window(d: dict, family: str) -> dict:
+    """sliding_window and which layers it covers (layer_types, or each family's own default rule)."""
+    window = d.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None  # transformers' Qwen configs drop the window unless use_sliding_window
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        types = _default_layer_types(d, family, n, window)
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types = {types!r}: expected {n} entries of sliding_attention / full_attention")
+    if window is None:
+        if "sliding_attention" in types and family not in ("qwen2", "qwen3"):
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        return {}
+    kinds = "".join("s" if t == "sliding_attention" else "f" for t in types)
+    return {"sliding_window": int(window), "layer_kinds": "" if set(kinds) == {"s"} else kinds}
+
+
+def _default_layer_types(d: dict, family: str, n: int, window) -> list:
+    if window is None:
+        return ["full_attention"] * n
+    if family in ("qwen2", "qwen3"):
+        first = d.get("max_window_layers", n)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if family == "gemma2":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if family == "gemma3":
+        every = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    return ["sliding_attention"] * n
+
+
+def _gemma(d: dict, family: str) -> dict:
+    for key in ("hidden_activation", "hidden_act"):
+        if d.get(key) is not None and d[key] not in GELU_TANH:
+            raise ValueError(f"{key} = {d[key]!r} is not supported (gemma's MLP is gelu_pytorch_tanh)")
+    out = {"query_scalar": float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256),
+           "attn_softcap": d.get("attn_logit_softcapping"), "final_softcap": d.get("final_logit_softcapping")}
+    params = _rope_params(d)
+    if family == "gemma3" and "full_attention" in params:
+        local = params.get("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters sliding_attention = {local!r}: only default RoPE is supported there")
+        check_rope(local, "rope_parameters sliding_attention")
+        out["local_rope_theta"] = float(local.get("rope_theta", 10000.0))
+        out.update(_rope(params["full_attention"], "rope_parameters full_attention"))
+    else:
+        out.update(_rope(params))
+        if family == "gemma3":
+            out["local_rope_theta"] = float(d.get("rope_local_base_freq", 10000.0))
+    return out
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) else x
+
+
+def _or(x, default):
+    return default if x is None else x
