@@ -270,6 +270,10 @@ def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list
     rc = _choose_dtypes(args, rc, fits=fits)
     found = tried[rc] if rc in tried else search(rc, hw, max_seqs=cap)
     if not found:
+        from flexh2o.tuning.least import least_message
+        least = least_message(rc)  # what the least placement needs, not the default placement's need
+        if least:
+            raise ValueError(f"--policy auto: {least}")
         plan_memory(rc).check()
         raise ValueError("--policy auto found no placement that fits: raise --gpu-mem/--cpu-mem/--disk-mem")
     best, pred = found[0]

@@ -38,7 +38,8 @@ class LayerCompute:
         policy = self.policy if policy is None else policy
 
         def attend(q, k, v):
-            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer, *self.shape(cache_layer))
+            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer, *self.shape(cache_layer),
+                                    evicts=self.evicts)
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int = 1) -> tuple:

@@ -115,7 +115,7 @@ MAX_SEGMENTS = 8  # row segments of one decode attention; more runs are merged, 
 
 
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window: Optional[int] = None,
-           softcap: Optional[float] = None) -> torch.Tensor:
+           softcap: Optional[float] = None, evicts: bool = True) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
@@ -124,14 +124,18 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     free for the next step). The policy sees the block's slots up to the last one any row uses (`KVBlock.front`).
     window, softcap: as in prefill; after the attention a windowed layer drops the token the next query will not
     see before the policy chooses (the block holds window - 1 tokens at most between steps).
+    evicts False (LayerCompute.evicts) and no window: nothing is ever dropped, so every row holds its positions
+    0..cur_pos in slots 0..cur_pos and the block's free slot and extents are read from cur_pos, not searched.
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
-    blk.append(k[:, :, 0], v[:, :, 0], cur_pos)
+    in_order = not evicts and window is None and dev.type == "cpu"
+    blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order)
     qg = q.view(b, kv, n // kv, d)
-    extents = row_extents(blk.pos)  # per row, its slots up to the last used one (once per step: the policy too)
+    # per row, its slots up to the last used one (once per step: the policy too)
+    extents = (cur_pos + 1).tolist() if in_order else row_extents(blk.pos)
     segments = used_segments(blk.pos, extents)
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
     front = blk.front(top)  # all the step reads and the policy sees
@@ -140,7 +144,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=dev)
     for r0, r1, used in segments:
         if not policy.needs_scores and softcap is None:  # one fused kernel, the query heads of a KV head as rows
-            keep = (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # every row holds at least the token just appended
+            full = in_order and min(extents[r0:r1]) == used  # in order, every row of the segment fills `used`
+            keep = None if full else (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # each row holds its new token
             out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
                                                         attn_mask=keep)
             continue

@@ -30,11 +30,16 @@ class KVBlock:
     score: torch.Tensor
     written: Optional[torch.Tensor] = field(default=None, compare=False)  # (b, kv[, n]) slots written since load
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor) -> torch.Tensor:
+    def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor, in_order: bool = False) -> torch.Tensor:
         """Write one token per row (k/v (b, kv, d), cur_pos (b,)) into each row's first free slot, in place;
-        remember and return the slots (b, kv), so storing the block home writes only them."""
+        remember and return the slots (b, kv), so storing the block home writes only them. in_order: the caller
+        knows that no token was ever evicted, so slot i holds position i and the first free slot is cur_pos (the
+        block is not searched)."""
         b, kv = self.pos.shape[:2]
-        slot = (self.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
+        if in_order:
+            slot = cur_pos.view(b, 1).expand(b, kv)
+        else:
+            slot = (self.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
         bi = torch.arange(b, device=self.pos.device)[:, None]
         hi = torch.arange(kv, device=self.pos.device)[None, :]
         assign(self.k, (bi, hi, slot), k)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block

@@ -51,8 +51,31 @@ def rowwise(fn, x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    """F.linear for a weight that is a plain tensor, or a PackedWeight run by the int4 kernel."""
-    return w.linear(x, bias) if isinstance(w, PackedWeight) else F.linear(x, w, bias)
+    """F.linear for a weight that is a plain tensor, or a PackedWeight run by the int4 kernel; a few rows times a
+    large fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
+    if isinstance(w, PackedWeight):
+        return w.linear(x, bias)
+    return skinny_linear(x, w, bias) if is_skinny(x, w) else F.linear(x, w, bias)
+
+
+SKINNY_ROWS = 64  # rows of x at most, for the transposed product
+SKINNY_ELEMENTS = 1 << 21  # weight elements at least (opt-125m's fc1/fc2 and every vocabulary head)
+
+
+def is_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T runs faster as (w @ x.T).T: an fp32 weight of at least SKINNY_ELEMENTS on a CPU times at
+    most SKINNY_ROWS rows (a decode step). MKL's sgemm on an AVX2 Zen 3, 2 threads, 8 / 64 rows: 3072 x 768
+    1.6 / 1.5x, 768 x 3072 1.6 / 1.4x, 50272 x 768 2.9 / 1.8x faster; one thread 1.65 / 1.2x, 0.91 / 0.93x,
+    1.7 / 1.4x (benchmarks/RESULTS.md, session of issue 28). Smaller weights gained nothing reliable."""
+    return (w.dtype == torch.float32 and w.device.type == "cpu" and x.dtype == w.dtype
+            and x.numel() <= SKINNY_ROWS * x.shape[-1] and w.numel() >= SKINNY_ELEMENTS)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear(x, w, bias) computed as (w @ x.T).T: x (..., k), w (n, k) -> (..., n), a transposed view."""
+    rows = x.reshape(-1, x.shape[-1])  # (r, k)
+    out = torch.mm(w, rows.t()) if bias is None else torch.addmm(bias[:, None], w, rows.t())  # (n, r)
+    return out.t().view(*x.shape[:-1], w.shape[0])
 
 
 HEAD_CHUNK_BYTES = 1 << 20  # on a CPU, an fp32 head's weight is multiplied this many bytes of rows at a time
@@ -64,8 +87,9 @@ def head_linear(x: torch.Tensor, w) -> torch.Tensor:
     1.4-1.7x faster than one call on an AVX2 Zen 3, 1.04-1.24x on an AVX-512 Zen 4; a bf16 head there ran
     1.1-1.25x slower in slices, so other dtypes are one call. Each output is the same dot product, summed in the
     order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding (bit-equal at the row
-    counts measured but 1, 2, 3 and 7). A PackedWeight, or a weight off the CPU, is one call."""
-    if isinstance(w, PackedWeight) or w.device.type != "cpu" or w.dtype != torch.float32:
+    counts measured but 1, 2, 3 and 7). A PackedWeight, a weight off the CPU, or a skinny product (`is_skinny`:
+    up to SKINNY_ROWS rows, where the transposed product beat the slices at 2 threads) is one call."""
+    if isinstance(w, PackedWeight) or w.device.type != "cpu" or w.dtype != torch.float32 or is_skinny(x, w):
         return linear(x, w)
     rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))
     if w.shape[0] <= rows:

@@ -39,7 +39,10 @@ def suggestion(rc, hw: Optional[dict], progress: bool = False) -> str:
         if bar is not None:
             bar.close()
     if not found:
-        return "Nothing fits even one sequence at any --percent: raise --gpu-mem/--cpu-mem/--disk-mem"
+        from flexh2o.tuning.least import least_message
+        least = least_message(rc)
+        return (least[0].upper() + least[1:]) if least else (
+            "Nothing fits even one sequence at any --percent: raise --gpu-mem/--cpu-mem/--disk-mem")
     best, pred = found[0]
     return (f"This fits here: --percent {best.percent} --gpu-batch-size {best.gpu_batch_size} --num-gpu-batches "
             f"{best.num_gpu_batches}" + (" --cpu-cache-compute" if best.cpu_cache_compute else "")

@@ -1,0 +1,84 @@
+"""When no placement fits: the least each tier would need, and what that least is made of.
+
+The least placement puts every weight, cache block and activation block off the tier that overflows where it can
+(weights on cpu or disk, the cache on gpu, cpu or disk, activations on gpu or cpu) and runs one sequence; what is
+left on the gpu tier is then the working buffers, chiefly two layers of weights in flight at the compute dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from flexh2o.models import layer_specs
+from flexh2o.placement import TIERS, Percent, Placement
+from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory
+from flexh2o.run_config import RunConfig
+from flexh2o.units import fmt_bytes
+from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
+
+WEIGHTS = ((0, 100), (0, 0))  # weights on cpu, or on disk
+CACHES = ((100, 0), (0, 100), (0, 0))
+ACTIVATIONS = ((100, 0), (0, 100))
+
+
+def least_plans(rc: RunConfig) -> list:
+    """The memory plans of one sequence in one GPU batch at every placement that keeps the weights off the gpu
+    tier (the cache and activations anywhere; --cpu-cache-compute both ways on CUDA)."""
+    specs, memo, out = layer_specs(rc.model), {}, []
+    cuda = rc.device.startswith("cuda")
+    for w in WEIGHTS:
+        for c in CACHES:
+            for a in ACTIVATIONS:
+                for ccc in ([False, True] if cuda and c[1] > 0 else [False]):
+                    percent = Percent(*w, *c, *a)
+                    one = rc.with_(percent=percent, num_gpu_batches=1, gpu_batch_size=1, cpu_cache_compute=ccc)
+                    out.append(plan_memory(one.placed(Placement.build(specs, percent, 1, memo))))
+    return out
+
+
+def least_plan(rc: RunConfig) -> MemoryPlan:
+    """Of least_plans: the one fitting the most tiers in order (gpu first), then needing the least of the first
+    tier it overflows."""
+    def key(plan: MemoryPlan) -> tuple:
+        over = plan.overflow()
+        if over is None:
+            return (len(TIERS), 0)
+        return (TIERS.index(over[0]), -over[1])
+    return max(least_plans(rc), key=key)
+
+
+def least_message(rc: RunConfig) -> Optional[str]:
+    """One line: the tier that no placement fits, the least it needs and of what; None when the least placement
+    fits (then a search that found nothing was limited elsewhere, e.g. by --max-seqs)."""
+    plan = least_plan(rc)
+    over = plan.overflow()
+    if over is None:
+        return None
+    tier, need, have = over
+    parts = [f"{kind} {fmt_bytes(plan.bytes[tier][kind])}" for kind in KINDS if plan.bytes[tier][kind]]
+    detail = in_flight(plan.rc) if tier == "gpu" else ""
+    return (f"no placement fits: even one sequence with {least_where(plan.rc.percent)} needs "
+            f"{fmt_bytes(need)} in the {tier} tier ({', '.join(parts)}{detail}) but --{tier}-mem allows "
+            f"{fmt_bytes(have)}: raise --{tier}-mem to at least {fmt_bytes(need)} ({need} bytes)")
+
+
+def in_flight(rc: RunConfig) -> str:
+    """'; the buffers hold two layers of weights in flight, 2 x N (layer i at the compute dtype; its largest
+    weight W (shape): N at the prefill compute dtype)' for the layer the plan sizes them by."""
+    kernel = planned_kernel(rc)
+    per_phase = [compute_side_bytes(rc, rc.placement.weights, kernel, p) for p in PHASES]
+    sizes = max(per_phase, key=max)
+    layer = max(range(len(sizes)), key=sizes.__getitem__)
+    specs = layer_specs(rc.model)[layer]
+    big = max(specs, key=lambda s: s.numel)
+    share = big.numel * rc.compute.itemsize
+    return (f"; the buffers hold two layers of weights in flight, 2 x {fmt_bytes(sizes[layer])} (layer {layer}; "
+            f"its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})")
+
+
+def least_where(p: Percent) -> str:
+    """The least placement in words, e.g. 'weights on disk, cache on cpu, activations on cpu'."""
+    def tier(what: str) -> str:
+        g, c, _ = p.shares(what)
+        return "gpu" if g == 100 else "cpu" if c == 100 else "disk"
+    return ", ".join(f"{what} on {tier(what)}" for what in ("weights", "cache", "activations")) + \
+        " (--percent " + str(p) + ")"
