@@ -24,7 +24,7 @@ from flexh2o.weights.kept_run import with_checkpoint
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-from tiny_gguf import TYPES, random_blocks, write_tiny_gguf  # noqa: E402
+from tiny_gguf import HEADS, HIDDEN, TYPES, random_blocks, write_tiny_gguf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
@@ -187,3 +187,31 @@ def test_smollm2_tensors_bit_exact():
 
 def test_types_cover_every_kept_kind():
     assert set(TYPES.values()) | {"Q8_0"} == set(KINDS) == set(blocks.KEPT)
+
+
+@pytest.mark.parametrize("what", ["rope_freqs", "yarn"])
+def test_gguf_rope_scaling_is_refused_not_ignored(tmp_path, what):
+    """A Llama 3.1 GGUF carries its rope scaling as a rope_freqs tensor (or a scaling type in the metadata) that
+    the GGUF reader does not apply: conversion refuses it in one line, naming the Hugging Face route, and writes
+    nothing."""
+    def extra(w):
+        if what == "rope_freqs":
+            w.add_tensor("rope_freqs.weight", np.ones(HIDDEN // HEADS // 2, dtype=np.float32))
+        else:
+            w.add_string("llama.rope.scaling.type", "yarn")
+    src = write_tiny_gguf(str(tmp_path / "scaled.gguf"), extra=extra)
+    dst = tmp_path / "out"
+    with pytest.raises(ValueError, match="rope scaling .*Hugging Face folder") as e:
+        convert(src, str(dst))
+    assert "\n" not in str(e.value)
+    assert not dst.exists() or not any(dst.iterdir())
+
+
+def test_gguf_linear_rope_scaling_is_read(tmp_path):
+    def extra(w):
+        w.add_string("llama.rope.scaling.type", "linear")
+        w.add_float32("llama.rope.scaling.factor", 4.0)
+    src = write_tiny_gguf(str(tmp_path / "linear.gguf"), extra=extra)
+    convert(src, str(tmp_path / "out"))
+    cfg = CheckpointReader(str(tmp_path / "out")).config
+    assert (cfg.rope_type, cfg.rope_factor) == ("linear", 4.0)

@@ -22,8 +22,9 @@ def random_blocks(kind: str, rows: int, k: int, rng: np.random.Generator) -> np.
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path: str, seed: int = 0) -> str:
-    """A 2-layer llama GGUF (hidden 256, GQA 4/2 heads, ffn 512, tied embeddings in Q8_0) at `path`."""
+def write_tiny_gguf(path: str, seed: int = 0, extra=None) -> str:
+    """A 2-layer llama GGUF (hidden 256, GQA 4/2 heads, ffn 512, tied embeddings in Q8_0) at `path`; extra(writer),
+    if given, adds metadata or tensors before the file is written."""
     import gguf
     from gguf.quants import quantize
     rng = np.random.default_rng(seed)
@@ -54,6 +55,8 @@ def write_tiny_gguf(path: str, seed: int = 0) -> str:
             w.add_tensor(f"blk.{i}.{part}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
         for part, kind in TYPES.items():
             add(f"blk.{i}.{part}.weight", kind, shapes[part])
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

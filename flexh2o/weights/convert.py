@@ -30,7 +30,7 @@ GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "ou
 GGUF_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-GGUF_SKIP = ("rope_freqs.weight",)  # llama3 rope-scaling factors: not a weight the engine uses
+GGUF_SKIP = ("rope_freqs.weight",)  # llama3 rope-scaling factors: refused by _gguf_config, never a weight
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,13 @@ def _gguf_config(path: str, reader) -> ModelConfig:
     if int(get("llama.attention.key_length", hidden // heads)) != hidden // heads:
         raise ValueError(f"{path}: head size differs from hidden/heads, which flexh2o does not support")
     eos = get("tokenizer.ggml.eos_token_id", 2)
+    scaling = str(get("llama.rope.scaling.type", "none"))
+    if "rope_freqs.weight" in tensors or scaling not in ("none", "linear"):
+        what = "rope_freqs.weight (Llama 3.1 rope scaling)" if "rope_freqs.weight" in tensors else scaling
+        raise ValueError(f"{path}: GGUF rope scaling {what} is not read from GGUF files: convert the model's "
+                         "Hugging Face folder instead (flexh2o-convert FOLDER NAME reads its rope_scaling)")
+    linear = ({"rope_type": "linear", "rope_factor": float(get("llama.rope.scaling.factor"))}
+              if scaling == "linear" else {})
     return ModelConfig(
         name=os.path.splitext(os.path.basename(path))[0], family="llama", hidden=hidden,
         num_layers=int(get("llama.block_count")), num_heads=heads,
@@ -216,7 +223,7 @@ def _gguf_config(path: str, reader) -> ModelConfig:
         norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("llama.rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in tensors,
         pad_token_id=int(get("tokenizer.ggml.padding_token_id", 0)),
-        bos_token_id=int(get("tokenizer.ggml.bos_token_id", 1)), eos_token_id=int(eos))
+        bos_token_id=int(get("tokenizer.ggml.bos_token_id", 1)), eos_token_id=int(eos), **linear)
 
 
 def _gguf_tensors(path: str, reader, cfg: ModelConfig, keep_blocks: bool = False) -> Source:
