@@ -8,7 +8,7 @@ import torch
 
 from flexh2o.config import ModelConfig
 from flexh2o.eval.common import EvalModel, forced_run, lanes_run, spec_of
-from flexh2o.eval.ppl import lane_passes
+from flexh2o.eval.common import lane_passes
 from flexh2o.kv.policies import Budget
 from flexh2o.kv.spec import KVSpec, make_policy
 from flexh2o.kv.policies.lanes import LanePolicy

@@ -52,7 +52,7 @@ def _rc(cfg, storage, compute, decode, offload_dir, mode="auto") -> RunConfig:
 def _engine(monkeypatch, cfg, dtypes, kernel: tuple, offload_dir) -> Engine:
     """An engine whose phases run the kernel as `kernel` (prefill, decode) says, forced."""
     forced = {"prefill": kernel[0], "decode": kernel[1]}
-    monkeypatch.setattr("flexh2o.engine.kernel_phases", lambda *a, **k: dict(forced))
+    monkeypatch.setattr("flexh2o.planning.kernel_phases.kernel_phases", lambda *a, **k: dict(forced))
     eng = Engine(_rc(cfg, *dtypes, offload_dir))
     assert eng.kernel == forced
     specs = {s.name for layer in eng.rc.placement.weights.layer_specs for s in layer}

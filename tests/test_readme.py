@@ -47,7 +47,7 @@ MISSION = ["--model", "opt-30b", "--percent", "0", "100", "100", "0", "--hh-rati
 
 
 def test_a_dry_run_where_nothing_fits_says_why_and_what_holds_one_sequence(capsys, offload_dir):
-    assert cli.main(MISSION + ["--cpu-mem", "8GB", "--offload-dir", offload_dir]) == 0
+    assert cli.main(MISSION + ["--cpu-mem", "8GB", "--offload-dir", offload_dir]) == 2  # a plan that does not fit
     out = capsys.readouterr().out.splitlines()
     at = out.index("largest --gpu-batch-size that fits: h2o 0, full 0")
     why = out[at + 1]

@@ -59,22 +59,25 @@ def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted
 
 @contextlib.contextmanager
 def stop_signals_as_interrupts():
-    """While inside, SIGTERM/SIGHUP raise Terminated and SIGINT KeyboardInterrupt in the main thread (then all three
-    are ignored until the exit, so a second signal cannot cut the cleanup short); the previous handlers come back
-    after. No-op off the main thread."""
+    """While inside, SIGTERM/SIGHUP raise Terminated and SIGINT KeyboardInterrupt in the main thread; after the first
+    such signal all three stay ignored until the process exits (a second one can cut short neither the cleanup nor
+    the interpreter's shutdown, where Python would otherwise die of it). Without a signal the previous handlers come
+    back after. No-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    got = []
 
     def on_signal(signum, frame):
         for s in STOP_SIGNALS + (signal.SIGINT,):
             signal.signal(s, signal.SIG_IGN)
+        got.append(signum)
         raise Terminated(signum) if signum != signal.SIGINT else KeyboardInterrupt()
-    # SIGINT too: after the first Ctrl-C the rest are ignored, so an impatient second one cannot cut the cleanup short
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS + (signal.SIGINT,)}
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if not got:
+            for s, h in old.items():
+                signal.signal(s, h)
 
