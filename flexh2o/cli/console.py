@@ -3,6 +3,7 @@ Ctrl-C as exit status 130 (SIGTERM and SIGHUP the same way: 128 + the signal), n
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import signal
 import sys
@@ -59,10 +60,10 @@ def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted
 
 @contextlib.contextmanager
 def stop_signals_as_interrupts():
-    """While inside, SIGTERM/SIGHUP raise Terminated and SIGINT KeyboardInterrupt in the main thread; after the first
-    such signal all three stay ignored until the process exits (a second one can cut short neither the cleanup nor
-    the interpreter's shutdown, where Python would otherwise die of it). Without a signal the previous handlers come
-    back after. No-op off the main thread."""
+    """While inside, SIGTERM/SIGHUP raise Terminated and SIGINT KeyboardInterrupt in the main thread (then all three
+    are ignored, so a second signal cannot cut the cleanup short); the previous handlers come back after, and once a
+    signal arrived, the interpreter's shutdown ignores all three too (Python's exit would otherwise die of an
+    impatient second Ctrl-C). No-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -77,7 +78,14 @@ def stop_signals_as_interrupts():
     try:
         yield
     finally:
-        if not got:
-            for s, h in old.items():
-                signal.signal(s, h)
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            atexit.unregister(_ignore_stop_signals)  # registered once however many runs were interrupted
+            atexit.register(_ignore_stop_signals)
+
+
+def _ignore_stop_signals() -> None:
+    for s in STOP_SIGNALS + (signal.SIGINT,):
+        signal.signal(s, signal.SIG_IGN)
 
