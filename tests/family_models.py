@@ -61,20 +61,3 @@ def hf_model(name: str):
 def save(model, folder: str) -> str:
     model.save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-def hf_step_logits(model, prompts: list, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits (n, gen_len, vocab) transformers gives at each generation step, reading prompt + tokens[:, :-1] in
-    one left-padded forward pass with an attention mask and matching position ids."""
-    n, gen = tokens.shape
-    t = max(len(p) for p in prompts)
-    ids = torch.zeros(n, t + gen - 1, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, t - len(p):t] = torch.tensor(p)
-        mask[i, t - len(p):] = 1
-    ids[:, t:] = tokens[:, :-1]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    return out[:, t - 1:].float()

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import family_models as fm  # noqa: E402
 import reference_kv as ref  # noqa: E402
+from test_llama import hf_step_logits  # noqa: E402  (the one reference forward pass over prompt + tokens)
 from flexh2o.engine import Engine  # noqa: E402
 from flexh2o.kv.policies import Budget  # noqa: E402
 from flexh2o.kv.spec import KVSpec  # noqa: E402
@@ -62,7 +63,7 @@ def _generate(cfg, ckpt: str, prompts: list, percent: list, tmp_path, kv: KVSpec
 def test_greedy_tokens_equal_transformers(name, place, family, prompts, tmp_path):
     model, ckpt, cfg = family(name)
     gen = _generate(cfg, ckpt, prompts, PLACES[place], tmp_path)
-    want = fm.hf_step_logits(model, prompts, gen.tokens)
+    want = hf_step_logits(model, prompts, gen.tokens)
     steps = torch.stack(gen.step_logits, 1)
     assert steps.abs().max() > 1.0  # not a degenerate model
     torch.testing.assert_close(steps, want, atol=ATOL, rtol=RTOL)
@@ -89,7 +90,7 @@ def test_window_changes_the_tokens(family, prompts, tmp_path):
     from dataclasses import replace
     model, ckpt, cfg = family("mistral")
     gen = _generate(replace(cfg, sliding_window=None), ckpt, prompts, PLACES["memory"], tmp_path)
-    want = fm.hf_step_logits(model, prompts, gen.tokens)
+    want = hf_step_logits(model, prompts, gen.tokens)
     assert (torch.stack(gen.step_logits, 1) - want).abs().max() > 1e-2
 
 
@@ -134,5 +135,5 @@ def test_reference_full_equals_transformers(name, family, prompts):
     """The reference itself (policy full, its window) gives transformers' logits on an unpadded prompt."""
     model, _, cfg = family(name)
     r = ref.generate(cfg, _ref_weights(model), prompts[0], 4, ref.RefPolicy("full"))
-    want = fm.hf_step_logits(model, prompts[:1], torch.tensor([r.tokens]))[0]
+    want = hf_step_logits(model, prompts[:1], torch.tensor([r.tokens]))[0]
     torch.testing.assert_close(torch.stack(r.step_logits), want, atol=ATOL, rtol=RTOL)

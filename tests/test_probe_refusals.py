@@ -9,18 +9,10 @@ import pytest
 from flexh2o.cli import eval as eval_cli
 from flexh2o.cli import plan as plan_cli
 from flexh2o.cli import run as cli
+from test_validation import _fails
 from tiny_models import tiny_opt, write_tiny_checkpoint
 
 DRY = ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dry-run"]
-
-
-def _fails(capsys, main, argv, *needles, prog="flexh2o-run") -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: "), err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 @pytest.mark.parametrize("flag", ["--gpu-batch-size", "--model"])
