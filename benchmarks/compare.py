@@ -40,7 +40,8 @@ from memcap import MemCap, drop_cached
 from flexh2o.units import parse_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("full", "h2o", "accelerate", "transformers")
+PEERS = ("accelerate", "transformers")
+SYSTEMS = ("full", "h2o", "h2o-q4", "accelerate", "transformers")  # h2o-q4: h2o + 4-bit weights and cache
 
 
 def prepare_checkpoint(args, env: dict, workdir: str) -> str:
@@ -68,6 +69,9 @@ def commands(args, batches: dict, ckpt: str) -> dict:
         "full": (run_flexh2o, flag_args({**base, "kv_policy": "full", "gpu_batch_size": batches["full"]}) + hw),
         "h2o": (run_flexh2o, flag_args({**base, **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len,
                                                              args.gen_len), "gpu_batch_size": batches["h2o"]}) + hw),
+        "h2o-q4": (run_flexh2o, flag_args({**base, **h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len,
+                                                                args.gen_len), "gpu_batch_size": batches["h2o"],
+                                           "compress_weight": True, "compress_cache": True}) + hw),
         "accelerate": (run_peer, ["--mode", "accelerate"] + peer),
         "transformers": (run_peer, ["--mode", "plain"] + peer),
     }
@@ -118,7 +122,8 @@ COLUMNS = (("system", "system"), ("weights", "where"), ("runs ok", "runs"), ("ba
 
 
 def ratio_lines(rows: dict, paired: dict) -> list:
-    pairs = [("full", "accelerate"), ("full", "transformers"), ("h2o", "full"), ("h2o", "accelerate")]
+    pairs = [("full", "accelerate"), ("full", "transformers"), ("h2o", "full"), ("h2o", "accelerate"),
+             ("h2o-q4", "accelerate")]
     out = []
     for a, b in pairs:
         if "total" in rows.get(a, {}) and "total" in rows.get(b, {}):
@@ -127,6 +132,16 @@ def ratio_lines(rows: dict, paired: dict) -> list:
                        f"{', '.join(f'{r:.2f}' for r in per_round)}; median of per-round "
                        f"{median(per_round):.2f}x)")
     return out
+
+
+def regime(args, systems: list, mem_cap: int) -> list:
+    """fair.check_regime for each system's storage dtype (flexh2o's auto: bfloat16, the least it stores)."""
+    from fair import check_regime
+    two = {"auto": "bfloat16"}
+    return check_regime(args.model, {s: "int4" if s == "h2o-q4" else two.get(args.peer_dtype if s in PEERS else
+                                                                                args.dtype, args.peer_dtype if s in
+                                                                                PEERS else args.dtype)
+                                     for s in systems}, mem_cap)
 
 
 def main(argv=None) -> int:
@@ -149,7 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fair", action="store_true", help="with --mem-cap: every system at its best configuration "
                     "under the cap (fair.py: flexh2o's own search inside the cap, Accelerate's largest completing "
                     "batch)")
-    ap.add_argument("--fair-overhead", default="650MB", help="process memory outside flexh2o's tiers (--fair)")
+    ap.add_argument("--fair-overhead", default="measure", help="process memory outside flexh2o's tiers (--fair; "
+                    "default: measured by one short run under the cap, fair.measured_overhead)")
     ap.add_argument("--fair-max-batch", type=int, default=256, help="most sequences at once (--fair): the largest "
                     "Accelerate batch tried and flexh2o's search limit (--max-seqs)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -159,7 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--log-file", default=os.path.join(HERE, "results", "compare.jsonl"))
     args = ap.parse_args(argv)
     env = bench_env(args.threads)
-    systems = (args.systems or ",".join(s for s in SYSTEMS if not (args.mem_cap and s == "transformers"))).split(",")
+    systems = (args.systems or ",".join(s for s in SYSTEMS if s != "h2o-q4" and not (args.mem_cap and
+                                                                                      s == "transformers"))).split(",")
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         print(f"compare.py: error: unknown system {bad[0]!r} in --systems; choose from {', '.join(SYSTEMS)}",
@@ -169,6 +186,8 @@ def main(argv=None) -> int:
         mem_cap = parse_bytes(args.mem_cap) if args.mem_cap else None
         if args.fair and not mem_cap:
             raise ValueError("--fair needs --mem-cap (the cap every system is sized to)")
+        if args.fair:
+            regime(args, systems, mem_cap)  # refused before the dry runs (peers' auto dtype: 2 bytes at the least)
         if mem_cap:
             MemCap(mem_cap, "probe").close()  # fails early, with what to do, where cgroups are not writable
     except (ValueError, RuntimeError) as e:
@@ -186,6 +205,8 @@ def main(argv=None) -> int:
     if args.peer_dtype == "auto":  # resolved once, so the peers' checkpoint and runs agree
         from flexh2o.planning.dtype_choice import fastest_uniform
         args.peer_dtype = fastest_uniform(args.peer_batch or batches["full"], args.prompt_len, args.gen_len)
+    if args.fair:
+        args.regime = regime(args, systems, mem_cap)
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
     offload = os.path.join(os.path.expanduser("~"), "flexh2o_offload")
     os.makedirs(offload, exist_ok=True)
@@ -197,7 +218,7 @@ def main(argv=None) -> int:
 
 
 def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: str) -> int:
-    peers = [s for s in systems if s in ("accelerate", "transformers")]
+    peers = [s for s in systems if s in PEERS]
     ckpt = prepare_checkpoint(args, env, workdir) if peers else os.path.join(workdir, "ckpt")
     cmds = commands(args, batches, ckpt)
     if args.fair:
@@ -242,6 +263,10 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
           f"{env.get('OMP_NUM_THREADS', 'default')}  OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}  run {run_id}  "
           f"[{regime({'policy': {'percent': args.percent}})}]")
     print(f"largest batch that fits: {batches}")
+    for s, d, b, x in getattr(args, "regime", []):
+        print(f"regime: {s} weights at {d} {b / 2**30:.2f} GiB = {x:.2f}x the cap"
+              + (" (flexh2o --dtype auto: the 2-byte storage it picks at the least)" if d == "bfloat16" and
+                 args.dtype == "auto" and s not in PEERS else ""))
     print(table([rows[s] for s in systems], COLUMNS))
     print("\n".join(ratio_lines(rows, paired)))
     print(f"disk tier read rate before each round (direct I/O): {', '.join(gbs(p) for p in probes)}")
