@@ -2,7 +2,8 @@
 
     python benchmarks/decode_step.py --model opt-125m --batch 8 --prompt-len 128 --gen-len 12 --rounds 2
 
-flexh2o: Engine.generate with every weight, cache block and activation in the gpu tier (fp32, KV policy full),
+flexh2o: Engine.generate with every weight, cache block and activation in the gpu tier (--dtype, default fp32,
+KV policy full),
 decode seconds per step from its own timings; transformers: OPTForCausalLM (tests/conftest.hf_opt) over the same
 weights with its KV cache, greedy, the prefill outside the timing. Rounds alternate the two; prints each round's
 ms per step and the median ratio. Timed in-process: on a shared machine quote the ratio.
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from conftest import hf_opt  # noqa: E402
 from flexh2o.config import from_name  # noqa: E402
+from flexh2o.dtypes import parse_dtype  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
 from flexh2o.placement import Percent  # noqa: E402
 from flexh2o.run_config import RunConfig  # noqa: E402
@@ -42,19 +44,21 @@ def hf_decode(model, prompts: list, gen_len: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="opt-125m")
+    ap.add_argument("--dtype", default="float32", help="both systems' weights and compute (flexh2o: --dtype and "
+                    "--compute-dtype alike)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    cfg = from_name(args.model)
+    cfg, dtype = from_name(args.model), parse_dtype(args.dtype)
     prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.batch)]
     rc = RunConfig(model=cfg, percent=Percent.parse([100, 0, 100, 0, 100, 0]), gpu_batch_size=args.batch,
-                   prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=torch.float32,
-                   compute_dtype=torch.float32)
+                   prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=dtype,
+                   compute_dtype=dtype)
     ours, theirs = [], []
     with Engine(rc) as eng:
-        model = hf_opt(cfg, dict(eng.weights.handles))
+        model = hf_opt(cfg, dict(eng.weights.handles)).to(dtype)
         eng.generate(prompts, 2)  # warm-up
         for r in range(args.rounds):
             g = eng.generate(prompts, args.gen_len)

@@ -4,7 +4,8 @@ depend on the machine's load).
     python benchmarks/op_count.py --model opt-125m --batch 8 --prompt-len 64
 
 Counts the top-level aten calls (torch.profiler) of one decode step of a memory-resident flexh2o run (weights in the
-cpu tier, cache and activations on the compute side, fp32, one GPU batch, overlap off, KV policy full) as the
+cpu tier, cache and activations on the compute side, --dtype (fp32 by default), one GPU batch, overlap off, KV
+policy full) as the
 difference between generations of 3 and 2 tokens, and of one cached forward of transformers' OPTForCausalLM on the
 same weights. Each call costs a few microseconds of dispatch whatever its size, so at small batches the difference
 is overhead an offloading engine should not add. Prints the totals and the most frequent calls of each.
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from conftest import hf_opt  # noqa: E402
 from flexh2o.config import from_name  # noqa: E402
+from flexh2o.dtypes import parse_dtype  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
 from flexh2o.placement import Percent  # noqa: E402
 from flexh2o.run_config import RunConfig  # noqa: E402
@@ -44,19 +46,21 @@ def top_level_calls(fn) -> collections.Counter:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="opt-125m")
+    ap.add_argument("--dtype", default="float32", help="both systems' weights and compute (flexh2o: --dtype and "
+                    "--compute-dtype alike)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
-    cfg = from_name(args.model)
+    cfg, dtype = from_name(args.model), parse_dtype(args.dtype)
     prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.batch)]
     rc = RunConfig(model=cfg, percent=Percent.parse([0, 100, 100, 0, 100, 0]), gpu_batch_size=args.batch,
-                   prompt_len=args.prompt_len, gen_len=3, dtype=torch.float32, compute_dtype=torch.float32,
+                   prompt_len=args.prompt_len, gen_len=3, dtype=dtype, compute_dtype=dtype,
                    overlap=False)
     with Engine(rc) as eng:
         eng.generate(prompts, 2)
         ours = top_level_calls(lambda: eng.generate(prompts, 3)) - top_level_calls(lambda: eng.generate(prompts, 2))
-        model = hf_opt(cfg, dict(eng.weights.handles))
+        model = hf_opt(cfg, dict(eng.weights.handles)).to(dtype)
     ids = torch.tensor(prompts)
     with torch.inference_mode():
         out = model(ids, use_cache=True)
