@@ -70,13 +70,16 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def layer_slots(self, policy_slots: int) -> tuple:
+        """Cache slots per sequence and KV head of each decoder layer, given the KV policy's (budget + 1, or the
+        whole sequence): a windowed layer's never exceed its window (a window of W needs W slots: W - 1 kept + the
+        new token), a full layer's are the policy's."""
+        return tuple(policy_slots if w is None else min(policy_slots, w)
+                     for w in map(self.window, range(self.num_layers)))
+
     def cache_slots(self, policy_slots: int) -> int:
-        """Cache slots per sequence and KV head, given the KV policy's (budget + 1, or the whole sequence): no more
-        than the window when every layer is windowed (a window of W needs W slots: W - 1 kept + the new token)."""
-        windows = [self.window(i) for i in range(self.num_layers)]
-        if None in windows:
-            return policy_slots
-        return min(policy_slots, max(windows))
+        """The largest layer's cache slots (layer_slots): the policy's unless every layer is windowed."""
+        return max(self.layer_slots(policy_slots))
 
     @property
     def embed_dim(self) -> int:
