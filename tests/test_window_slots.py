@@ -5,7 +5,8 @@ cache bytes are the sum over layers by hand), and the largest batch grows. The m
 the tiny Gemma 2/3 and Mistral checkpoints (tests/family_models.py) decode transformers' own tokens with the cache
 in memory, on the cpu tier and on disk, including a Mistral window longer than the prompt but shorter than prompt +
 generated; every KV policy gives the same tokens with the reduced slots as with a full-length block (plain and
-quantized cache, disk tier); H2O on a model with windowed and full layers equals tests/reference_kv.py."""
+quantized cache, disk tier); H2O on models with windowed and full layers (Qwen2's upper layers; Gemma 2, with
+tests/reference_gemma.py's forward pass) equals tests/reference_kv.py."""
 from __future__ import annotations
 
 import json
@@ -229,6 +230,30 @@ def test_h2o_on_windowed_and_full_layers_equals_reference(budget, family, prompt
     policy = ref.RefPolicy("h2o", budget.heavy, budget.recent)
     w = _ref_weights(model)
     refs = [ref.generate(cfg, w, p, GEN, policy) for p in prompts]
+    for i, r in enumerate(refs):
+        assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
+        torch.testing.assert_close(torch.stack(gen.step_logits)[:, i], torch.stack(r.step_logits), atol=ATOL,
+                                   rtol=RTOL)
+    for layer, n in gen.kept.items():
+        assert n == max(len(kept) for r in refs for kept in r.kept[layer]), f"layer {layer} kept count"
+
+
+@pytest.mark.parametrize("budget", [Budget(10, 10), Budget(3, 3)], ids=["h2o-20", "h2o-6"])
+def test_h2o_on_gemma2_equals_reference(budget, family, prompts, caches, tmp_path):
+    """Gemma 2 (local and global layers, soft-capped logits), weights and cache on disk: H2O's tokens, logits and
+    kept counts equal the reference with tests/reference_gemma.py's forward pass; the local layers' blocks hold
+    min(16, budget + 1) slots."""
+    from reference_gemma import gemma2_forward
+    model, ckpt, cfg = family("gemma2")
+    gen = _generate(cfg, ckpt, prompts, CACHE_PLACES["all-on-disk"], tmp_path, KVSpec("h2o", budget))
+    slots = budget.total + 1
+    assert [lay.slots for lay in caches[0][0].layouts] == [min(W, slots), slots, min(W, slots)]
+    policy = ref.RefPolicy("h2o", budget.heavy, budget.recent)
+    w = _ref_weights(model)
+    full = ref.generate(cfg, w, prompts[0], 4, ref.RefPolicy("full"), forward=gemma2_forward)
+    hf = hf_step_logits(model, prompts[:1], torch.tensor([full.tokens]))[0]
+    torch.testing.assert_close(torch.stack(full.step_logits), hf, atol=ATOL, rtol=RTOL)  # the reference itself
+    refs = [ref.generate(cfg, w, p, GEN, policy, forward=gemma2_forward) for p in prompts]
     for i, r in enumerate(refs):
         assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
         torch.testing.assert_close(torch.stack(gen.step_logits)[:, i], torch.stack(r.step_logits), atol=ATOL,
