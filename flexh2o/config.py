@@ -70,13 +70,16 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def layer_slots(self, policy_slots: int) -> tuple:
+        """Cache slots per sequence and KV head of each decoder layer, given the KV policy's (budget + 1, or the
+        whole sequence): a windowed layer's never exceed its window (a window of W needs W slots: W - 1 kept + the
+        new token), a full layer's are the policy's."""
+        return tuple(policy_slots if w is None else min(policy_slots, w)
+                     for w in map(self.window, range(self.num_layers)))
+
     def cache_slots(self, policy_slots: int) -> int:
-        """Cache slots per sequence and KV head, given the KV policy's (budget + 1, or the whole sequence): no more
-        than the window when every layer is windowed (a window of W needs W slots: W - 1 kept + the new token)."""
-        windows = [self.window(i) for i in range(self.num_layers)]
-        if None in windows:
-            return policy_slots
-        return min(policy_slots, max(windows))
+        """The largest layer's cache slots (layer_slots): the policy's unless every layer is windowed."""
+        return max(self.layer_slots(policy_slots))
 
     @property
     def embed_dim(self) -> int:
@@ -156,7 +159,18 @@ SMOLLM2_135M = ModelConfig(
     vocab=49152, max_positions=8192, norm_eps=1e-5, rope_theta=100000.0, tie_embeddings=True,
     pad_token_id=2, bos_token_id=1, eos_token_id=2)
 
-MODEL_SIZES = {**OPT_SIZES, SMOLLM2_135M.name: SMOLLM2_135M}
+# shapes of public checkpoints with sliding windows (their config.json), for plans and dummy-weight runs
+MISTRAL_7B = ModelConfig(  # Mistral-7B-v0.1: a 4096-token window on every layer
+    name="mistral-7b", family="mistral", hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn=14336,
+    vocab=32000, max_positions=32768, tie_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    sliding_window=4096)
+GEMMA2_9B = ModelConfig(  # gemma-2-9b: local (4096-token window) and global layers alternating
+    name="gemma-2-9b", family="gemma2", hidden=3584, num_layers=42, num_heads=16, num_kv_heads=8, ffn=14336,
+    vocab=256000, max_positions=8192, norm_eps=1e-6, head_size=256, pad_token_id=0, bos_token_id=2,
+    eos_token_id=1, sliding_window=4096, layer_kinds="sf" * 21, attn_softcap=50.0, final_softcap=30.0,
+    query_scalar=256.0)
+
+MODEL_SIZES = {**OPT_SIZES, SMOLLM2_135M.name: SMOLLM2_135M, MISTRAL_7B.name: MISTRAL_7B, GEMMA2_9B.name: GEMMA2_9B}
 
 
 def model_names() -> list:

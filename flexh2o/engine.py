@@ -113,7 +113,7 @@ class _Run:
         if t > rc.prompt_len or gen_len > rc.gen_len:
             raise ValueError(f"prompts of up to {t} tokens + {gen_len} generated exceed the planned "
                              f"{rc.prompt_len} + {rc.gen_len}: plan with the real lengths")
-        slots = cfg.cache_slots(rc.kv.slots(t, gen_len, cfg.num_layers))
+        slots = cfg.layer_slots(rc.kv.slots(t, gen_len, cfg.num_layers))  # per layer: windowed ones hold fewer
         cache = KVCache(eng.tiers, rc.placement.cache, rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim,
                         rc.dtype, rc.compress_cache)
         self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)

@@ -103,7 +103,12 @@ class RunConfig:
         return new
 
     def cache_slots(self) -> int:
-        return self.model.cache_slots(self.kv.slots(self.prompt_len, self.gen_len, self.model.num_layers))
+        """The largest layer's cache slots per sequence and KV head."""
+        return max(self.layer_slots())
+
+    def layer_slots(self) -> tuple:
+        """Cache slots per sequence and KV head of each decoder layer (ModelConfig.layer_slots of the policy's)."""
+        return self.model.layer_slots(self.kv.slots(self.prompt_len, self.gen_len, self.model.num_layers))
 
     def prefill_rows(self) -> int:
         """Sequences prefilled together, so a layer's transient buffers (q, k, v, output, MLP) stay near

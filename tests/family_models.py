@@ -39,11 +39,12 @@ def hf_configs() -> dict:
     }
 
 
-def hf_model(name: str):
-    """The seeded transformers model (fp32, eager attention) of family case `name`."""
+def hf_model(name: str, **overrides):
+    """The seeded transformers model (fp32, eager attention) of family case `name` (config fields `overrides`
+    replaced)."""
     import transformers
     cls_name, kw = hf_configs()[name]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **kw})
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kw, **overrides})
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()

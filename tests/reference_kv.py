@@ -390,11 +390,13 @@ class RefGeneration:
 
 
 def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
-             forced: Optional[list] = None, kv_quant: Optional[Callable] = None) -> RefGeneration:
+             forced: Optional[list] = None, kv_quant: Optional[Callable] = None,
+             forward: Optional[Callable] = None) -> RefGeneration:
     """Greedy (or teacher-forced with `forced`) generation of one unpadded prompt under `policy`, fp32.
-    `kv_quant`: the quantize-dequantize of a compressed cache, applied to the K/V generated tokens read."""
+    `kv_quant`: the quantize-dequantize of a compressed cache, applied to the K/V generated tokens read.
+    `forward`: the model's forward pass, as FORWARD's (default: FORWARD's of cfg.family; tests/reference_gemma.py)."""
     w = {name: t.float() for name, t in weights.items()}
-    forward = FORWARD[cfg.family]
+    forward = forward or FORWARD[cfg.family]
     n, L, H = len(prompt), cfg.num_layers, cfg.kv_heads
     size = n + gen_len
     visible = [torch.zeros(H, size, size, dtype=torch.bool) for _ in range(L)]  # per layer (kv, query, key)

@@ -115,19 +115,22 @@ def test_corrupt_kept_file_refused(tiny, tmp_path):
 
 def test_run_spec_and_plan_bytes(tiny):
     """The run's weight compression: each kept tensor's own spec (whatever --compress-group-size says), plain
-    tensors plain without --compress-weight; the plan counts the checkpoint's bytes."""
+    tensors plain without --compress-weight; the plan counts the checkpoint's bytes, but for the 8-bit head (the
+    tied Q8_0 embedding here), stored plain in fp32 (weights/kept_run.py; this test expected its blocks before)."""
     reader = CheckpointReader(tiny["kept"])
     run = with_checkpoint(None, tiny["kept"])
     assert isinstance(run, KeptBlocks) and not run.others
     flags = with_checkpoint(CompressionSpec(4, 64, 1), tiny["kept"])
+    head = "model.embed_tokens.weight"
     for name in reader.names():
         shape = reader.shape(name)
-        assert weight_spec(shape, run, name) == weight_spec(shape, flags, name) == reader.kept().get(name)
+        want = None if name == head else reader.kept().get(name)
+        assert weight_spec(shape, run, name) == weight_spec(shape, flags, name) == want
     assert with_checkpoint(None, tiny["fp32"]) is None and with_kept(None, {}) is None
     rc = _rc(tiny["kept"], "generic")
     homes = rc.placement.weights
     assert sum(homes.bytes_by_tier(rc.dtype, rc.compress_weight).values()) == sum(
-        e["nbytes"] for e in reader.entries.values())
+        e["nbytes"] for n, e in reader.entries.items() if n != head) + 4 * int(np.prod(reader.shape(head)))
 
 
 def _rc(path: str, mode: str, prompt_len: int = 24, gen_len: int = 6) -> RunConfig:
@@ -215,3 +218,18 @@ def test_gguf_linear_rope_scaling_is_read(tmp_path):
     convert(src, str(tmp_path / "out"))
     cfg = CheckpointReader(str(tmp_path / "out")).config
     assert (cfg.rope_type, cfg.rope_factor) == ("linear", 4.0)
+
+
+def test_head_expanded_once(tiny):
+    """The 8-bit head (tied Q8_0 embedding) is stored plain in its home tier, holding exactly its blocks' values,
+    and no load expands it again: the head layer's and layer 0's loads hand out the home tensor itself."""
+    rc = _rc(tiny["kept"], "generic")
+    head = "model.embed_tokens.weight"
+    want = dequantize(CheckpointReader(tiny["kept"]).read(head), torch.float32)
+    with Engine(rc) as eng:
+        store = eng.weights
+        assert head not in store.kernel_order and _same_bits(store.tensor(head), want)
+        for layer in (0, len(store.specs) - 1):
+            tensors, copied = store.load_layer(layer, "cpu", torch.float32, {}, "decode")
+            assert tensors[head].data_ptr() == store.handles[head].data_ptr()
+            store.release(tensors)

@@ -22,7 +22,7 @@ def describe_plan(rc: RunConfig, plan_of=plan_memory) -> str:
     plan = plan_of(rc)
     lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
              f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv.describe()}"
-             f"  cache slots {rc.cache_slots()}" + _compression_note(rc), _dtype_line(rc), plan.describe()]
+             f"  cache slots {_slots_text(rc)}" + _compression_note(rc), _dtype_line(rc), plan.describe()]
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
     best = {rc.kv.policy: (rc, largest_batch(rc, plan_of=plan_of))}
@@ -47,6 +47,13 @@ def why_no_batch(policy: str, rc: RunConfig, plan_of=plan_memory) -> str:
             f"{fmt_bytes(have)}): give --{tier}-mem {_gib_ceil(need)} or more{dtype}, or move --percent to another "
             "tier (a dry run may plan for a larger machine than this one, e.g. the paper's: --cpu-mem 200GB "
             "--dtype float16)")
+
+
+def _slots_text(rc: RunConfig) -> str:
+    """The largest layer's cache slots, and those of the windowed layers that hold fewer."""
+    slots = rc.layer_slots()
+    fewer = sorted({s for s in slots if s < max(slots)})
+    return f"{max(slots)}" + "".join(f" ({slots.count(s)} windowed layers {s})" for s in fewer)
 
 
 def _gib_ceil(n: int) -> str:

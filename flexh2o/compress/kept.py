@@ -16,7 +16,8 @@ KEPT_DEFAULT = CompressionSpec(4, 32, 1)  # the fields of a KeptBlocks without -
 @dataclass(frozen=True)
 class KeptBlocks(CompressionSpec):
     """CompressionSpec fields: --compress-weight's spec for the weights stored plain (used only where `others`);
-    `kept`: ((name, CompressionSpec), ...) the checkpoint's compressed weights, sorted by name."""
+    `kept`: ((name, CompressionSpec), ...) the checkpoint's compressed weights, sorted by name (spec None: a weight
+    the checkpoint keeps in blocks that the run stores plain, expanded once)."""
 
     kept: tuple = field(default=(), repr=False)
     others: bool = True
@@ -26,9 +27,8 @@ class KeptBlocks(CompressionSpec):
         return dict(self.kept)
 
     def for_weight(self, name: Optional[str]) -> Optional[CompressionSpec]:
-        own = self._table.get(name)
-        if own is not None:
-            return own
+        if name in self._table:
+            return self._table[name]
         return CompressionSpec(self.bits, self.group_size, self.group_dim, self.scale_dtype) if self.others else None
 
     def __hash__(self) -> int:  # the dataclass hash rehashes every kept spec; memo keys ask often
@@ -53,7 +53,7 @@ def describe_kept(spec: Optional[CompressionSpec]) -> str:
     """'' or what a run keeps of a checkpoint's blocks, e.g. 'kept blocks 210 x 4-bit/32, 1 x 8-bit/32'."""
     if not isinstance(spec, KeptBlocks):
         return ""
-    counts = Counter((s.bits, s.group_size) for _, s in spec.kept)
+    counts = Counter((s.bits, s.group_size) for _, s in spec.kept if s is not None)
     return "kept blocks " + ", ".join(f"{n} x {b}-bit/{g}" for (b, g), n in sorted(counts.items()))
 
 

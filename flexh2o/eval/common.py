@@ -177,10 +177,9 @@ def lane_passes(model: EvalModel, lanes: list, prompt_len: int, steps: int, rows
     cfg = model.cfg
     slots = {lane: spec_of(model, *lane).slots(prompt_len, steps, cfg.num_layers) for lane in lanes}
 
-    def cache_bytes(lanes_in_pass: int, top_slots: int) -> int:  # the pass's blocks, as their layout says
-        layout = CacheLayout(rows * lanes_in_pass, cfg.kv_heads, top_slots, cfg.head_dim, model.dtype,
-                             CacheQuant.of(model.compress_cache))
-        return cfg.num_layers * layout.nbytes
+    def cache_bytes(lanes_in_pass: int, top_slots: int) -> int:  # the pass's blocks, as their layouts say
+        return sum(CacheLayout(rows * lanes_in_pass, cfg.kv_heads, s, cfg.head_dim, model.dtype,
+                               CacheQuant.of(model.compress_cache)).nbytes for s in cfg.layer_slots(top_slots))
     passes, cur, top = [], [], 0
     for lane in sorted(lanes, key=lambda x: (x[1] is None, x[1] or 0)):
         if cur and cache_bytes(len(cur) + 1, max(top, slots[lane])) > mem:

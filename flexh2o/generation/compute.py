@@ -14,9 +14,9 @@ from flexh2o.kv.policies.base import KVPolicy
 class LayerCompute:
     """Calls the model family's pure functions; `attend` callbacks own the cache block of the (layer, batch)."""
 
-    def __init__(self, family, cfg, rc, policy: KVPolicy, slots: int, evicts: bool):
+    def __init__(self, family, cfg, rc, policy: KVPolicy, slots: tuple, evicts: bool):
         self.family, self.cfg, self.rc, self.policy = family, cfg, rc, policy
-        self.slots, self.evicts = slots, evicts
+        self.slots, self.evicts = slots, evicts  # slots: per decoder layer (ModelConfig.layer_slots)
 
     def shape(self, layer: int) -> tuple:
         """The model's facts of a layer's attention: (sliding window or None, logit soft-cap or None)."""
@@ -48,8 +48,8 @@ class LayerCompute:
         copies > 1: the block has copies x b rows over the same prompts (attention.prefill), the output stays b
         rows and the rows run in one piece."""
         b = x.shape[0]
-        blk = KVBlock.empty(b * copies, self.cfg.kv_heads, self.slots, self.cfg.head_dim, self.rc.dtype, x.device,
-                            self.rc.compress_cache)
+        blk = KVBlock.empty(b * copies, self.cfg.kv_heads, self.slots[cache_layer], self.cfg.head_dim, self.rc.dtype,
+                            x.device, self.rc.compress_cache)
         if copies > 1:
             def attend_all(q, k, v):
                 return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk,

@@ -1,7 +1,9 @@
 """KV cache blocks, one per (layer, GPU batch), each kept in its home tier.
 
 A block holds, per sequence and KV head, `slots` cached tokens. Slots are unordered: `pos` says which token
-a slot holds (-1 = empty), so eviction frees a slot and the next token is written into it in place.
+a slot holds (-1 = empty), so eviction frees a slot and the next token is written into it in place. A sliding-window
+layer's blocks hold at most `window` slots: attention drops the token the next query cannot see (kv/attention.py),
+which frees the slot the next token is written into, so they work as a ring whatever the policy and tier.
 """
 from __future__ import annotations
 
@@ -174,29 +176,34 @@ def merged_values(v: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> 
 
 class KVCache:
     """Home storage of every block: `homes[layer][batch]` names the tier; `tiers` maps names to Tier objects.
-    Each block's parts are those of its CacheLayout (kv/layout.py): with `compress` (a CacheQuant, or FlexGen's
-    CompressionSpec) K and V live quantized in their tier and move quantized (attention expands them)."""
+    Each block's parts are those of its layer's CacheLayout (kv/layout.py): with `compress` (a CacheQuant, or
+    FlexGen's CompressionSpec) K and V live quantized in their tier and move quantized (attention expands them).
+    slots: one count for every layer, or one per layer (ModelConfig.layer_slots: a windowed layer holds fewer);
+    `layout` and `shape` are the largest layer's."""
 
-    def __init__(self, tiers: dict, homes: list, b: int, heads: int, slots: int, head_dim: int, dtype: torch.dtype,
+    def __init__(self, tiers: dict, homes: list, b: int, heads: int, slots, head_dim: int, dtype: torch.dtype,
                  compress=None):
         self.tiers, self.homes = tiers, homes
-        self.layout = CacheLayout(b, heads, slots, head_dim, dtype, CacheQuant.of(compress))
+        per_layer = [slots] * len(homes) if isinstance(slots, int) else list(slots)
+        quant = CacheQuant.of(compress)
+        self.layouts = [CacheLayout(b, heads, s, head_dim, dtype, quant) for s in per_layer]
+        self.layout = CacheLayout(b, heads, max(per_layer), head_dim, dtype, quant)
         self.shape = self.layout.kv_shape
         self.dtype = dtype
         self.handles = {}
         try:
             for layer, row in enumerate(homes):
                 for batch, tier in enumerate(row):
-                    self.handles[layer, batch] = self._alloc(tiers[tier])
+                    self.handles[layer, batch] = self._alloc(tiers[tier], self.layouts[layer])
         except BaseException:
             self.close()
             raise
 
-    def _alloc(self, tier) -> dict:
+    def _alloc(self, tier, layout: CacheLayout) -> dict:
         """Part key (Part.key: "pos", "k" or "k.data", ...) -> the tier's handle of that part."""
         out = {}
         try:
-            for p in self.layout.parts():
+            for p in layout.parts():
                 out[p.key] = tier.alloc(p.shape, p.dtype)
         except BaseException:
             for h in out.values():
@@ -209,18 +216,18 @@ class KVCache:
 
     def load(self, layer: int, batch: int, device) -> KVBlock:
         """The block on `device` (a view of the home when it is already there)."""
-        tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
-        fields = {f: self.layout.assemble(f, {p.name: tier.load(hs[p.key], device)
-                                              for p in self.layout.field_parts(f)}) for f in FIELDS}
+        tier, hs, layout = self.tier_of(layer, batch), self.handles[layer, batch], self.layouts[layer]
+        fields = {f: layout.assemble(f, {p.name: tier.load(hs[p.key], device) for p in layout.field_parts(f)})
+                  for f in FIELDS}
         return KVBlock(**fields)
 
     def store(self, layer: int, batch: int, block: KVBlock) -> None:
         """Write a block home: only K/V at the slots its last append wrote (plus the small pos/score arrays and a
         per-channel key calibration), or all of it when it was built whole (prefill)."""
-        tier, hs = self.tier_of(layer, batch), self.handles[layer, batch]
+        tier, hs, layout = self.tier_of(layer, batch), self.handles[layer, batch], self.layouts[layer]
         for f in FIELDS:
-            tensors = self.layout.split(getattr(block, f))
-            for p in self.layout.field_parts(f):
+            tensors = layout.split(getattr(block, f))
+            for p in layout.field_parts(f):
                 tier.store(hs[p.key], tensors[p.name], block.written if p.sparse else None)
 
     def close(self) -> None:

@@ -104,10 +104,22 @@ class CacheLayout:
     quant: Optional[CacheQuant] = None
 
     @staticmethod
-    def of_run(rc) -> "CacheLayout":
-        """The layout of a RunConfig's blocks (its GPU batch, the model's KV heads, the policy's slots)."""
+    def of_run(rc, layer: Optional[int] = None) -> "CacheLayout":
+        """The layout of a RunConfig's blocks of decoder layer `layer` (its GPU batch, the model's KV heads, the
+        layer's slots: RunConfig.layer_slots); layer None: the largest layer's."""
+        return CacheLayout._of_run(rc, rc.cache_slots() if layer is None else rc.layer_slots()[layer])
+
+    @staticmethod
+    def layers_of_run(rc) -> tuple:
+        """The layout of each decoder layer's blocks (a windowed layer's hold fewer slots), equal ones shared."""
+        slots = rc.layer_slots()
+        by_slots = {s: CacheLayout._of_run(rc, s) for s in set(slots)}
+        return tuple(by_slots[s] for s in slots)
+
+    @staticmethod
+    def _of_run(rc, slots: int) -> "CacheLayout":
         cfg = rc.model
-        return CacheLayout(rc.gpu_batch_size, cfg.kv_heads, rc.cache_slots(), cfg.head_dim, rc.dtype,
+        return CacheLayout(rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim, rc.dtype,
                            CacheQuant.of(rc.compress_cache))
 
     @property

@@ -18,8 +18,24 @@ PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte
 
 
 def cache_block_bytes(rc: RunConfig) -> int:
-    """One (layer, GPU batch) cache block, as its layout (kv/layout.py) says."""
+    """One (layer, GPU batch) cache block of the largest layer, as its layout (kv/layout.py) says."""
     return CacheLayout.of_run(rc).nbytes
+
+
+def layer_block_bytes(rc: RunConfig) -> tuple:
+    """One cache block of each decoder layer, as its layout says (a windowed layer's holds fewer slots)."""
+    layouts = CacheLayout.layers_of_run(rc)
+    sizes = {lay: lay.nbytes for lay in set(layouts)}
+    return tuple(sizes[lay] for lay in layouts)
+
+
+def cache_bytes_by_tier(rc: RunConfig, where: Placement) -> dict:
+    """tier -> bytes of the cache blocks homed there, each block of its own layer's size."""
+    out, blocks = dict.fromkeys(TIERS, 0), layer_block_bytes(rc)
+    for layer, row in enumerate(where.cache_counts()):
+        for tier, n in row:
+            out[tier] += n * blocks[layer]
+    return out
 
 
 def act_block_bytes(rc: RunConfig) -> int:
@@ -69,9 +85,8 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None, kernel: Op
     where, plan = placement or rc.placement, MemoryPlan(rc)
     for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
         plan.bytes[tier]["weights"] += nbytes
-    block = cache_block_bytes(rc)
-    for tier in TIERS:
-        plan.bytes[tier]["cache"] = where.blocks_on(tier) * block
+    for tier, nbytes in cache_bytes_by_tier(rc, where).items():
+        plan.bytes[tier]["cache"] = nbytes
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
     plan.bytes["gpu"]["buffers"] = working_bytes(rc, where, planned_kernel(rc) if kernel is None else kernel)

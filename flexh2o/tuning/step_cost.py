@@ -17,6 +17,7 @@ Matmul rates depend on the rows multiplied at once (batch x tokens): the profile
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -57,6 +58,25 @@ def _div(nbytes: float, rate: Optional[float], what: str) -> float:
     return nbytes / rate
 
 
+@dataclass(frozen=True)
+class BlockFacts:
+    """One layer's cache block as the cost model reads it: slots per row and KV head, bytes, files on the disk tier
+    (one per part), their 4 KiB-padded bytes, and the K/V bytes a decode step stores per row and KV head (its
+    slot(s) and any per-row key calibration)."""
+
+    slots: int
+    nbytes: int
+    files: int
+    padded: int
+    slot_kv: int
+
+    @staticmethod
+    def of(layout: CacheLayout, merges: bool) -> "BlockFacts":
+        parts = layout.parts()
+        return BlockFacts(layout.slots, layout.nbytes, len(parts), sum(padded(p.nbytes) for p in parts),
+                          layout.kv_slot_bytes() * (2 if merges else 1) + layout.kv_row_bytes())
+
+
 class StepCost:
     """Everything predict() needs about one RunConfig, computed once."""
 
@@ -68,14 +88,12 @@ class StepCost:
         self.kernel = kernel or dict.fromkeys(PHASES, False)  # phase -> the blocks' matmuls run the int4 kernel
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
-        self.slots = rc.cache_slots()
-        layout = CacheLayout.of_run(rc)
-        self.block = layout.nbytes
-        self.block_files = len(layout.parts())  # one file each on the disk tier
-        self.block_padded = sum(padded(p.nbytes) for p in layout.parts())
         merges = rc.kv.make(rc.model.num_layers).merges  # merging also stores the merged slot
-        # K and V a decode step stores per row and KV head: its slot(s) and any per-row key calibration
-        self.slot_kv = layout.kv_slot_bytes() * (2 if merges else 1) + layout.kv_row_bytes()
+        layouts = CacheLayout.layers_of_run(rc)  # per decoder layer: a windowed layer's blocks hold fewer slots
+        facts = {lay: BlockFacts.of(lay, merges) for lay in set(layouts)}
+        self.blocks = tuple(facts[lay] for lay in layouts)
+        big = max(self.blocks, key=lambda f: f.slots)  # the largest layer's block, under the names it always had
+        self.slots, self.block, self.block_files, self.slot_kv = big.slots, big.nbytes, big.files, big.slot_kv
         self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
@@ -94,7 +112,7 @@ class StepCost:
             self.matmul(st, layer, t, prefill, nb)
             self.elementwise(st, t, nb)
             for tier, n in self.cache_counts[layer - 1]:
-                self.cache(st, tier, n, prefill)
+                self.cache(st, tier, n, prefill, self.blocks[layer - 1])
             ops = OPS["block"] + (OPS["evict"] if self.evicts else 0)
             if prefill:
                 ops += OPS["chunk"] * (-(-t // self.rc.attn_chunk) - 1)
@@ -184,9 +202,9 @@ class StepCost:
         big = self.rc.gpu_batch_size * t * self.cfg.hidden >= GRAIN and self.r.parallel_op is not None
         st.add("compute.overhead", ops * (self.r.parallel_op if big else self.r.op_overhead))
 
-    def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool) -> None:
+    def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool, slots: int) -> None:
         """Attention of `n` batches. Prefill: all prompt tokens against each other (chunked, unmasked FLOPs);
-        decode: one query against every cache slot, on the cache's side when on_cpu."""
+        decode: one query against each of the layer's `slots` cache slots, on the cache's side when on_cpu."""
         cfg, r, b = self.cfg, self.r, self.rc.gpu_batch_size
         d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.kv_heads
         if prefill:
@@ -194,7 +212,7 @@ class StepCost:
             sec = 4 * b * heads * s * s * d / r.attention + b * heads * s * s * 4 * 2 * self.passes / self.mem()
             st.add("compute.attention", n * sec)
             return
-        s = self.slots
+        s = slots
         mem = r.cpu_mem if on_cpu else self.mem()
         flops_rate = r.cpu_flops if on_cpu else r.decode_attention
         sec = 4 * b * heads * s * d / flops_rate
@@ -204,21 +222,21 @@ class StepCost:
             sec += 2 * b * kv * s * d * self.w * passes / (r.gpu_mem if self.cuda and not on_cpu else r.convert)
         st.add("compute.cpu_attention" if on_cpu else "compute.attention", n * sec)
 
-    def cache(self, st: _Terms, tier: str, n: int, prefill: bool) -> None:
+    def cache(self, st: _Terms, tier: str, n: int, prefill: bool, block: BlockFacts) -> None:
         """`n` cache blocks of one layer homed on `tier`: load before, store after (prefill: store the new block)."""
-        r, blk, padded = self.r, self.block, self.block_padded
+        r, blk, padded = self.r, block.nbytes, block.padded
         on_cpu = self.cuda and tier == "cpu" and self.rc.cpu_cache_compute and not prefill
-        self.attention(st, n, prefill, on_cpu)
+        self.attention(st, n, prefill, on_cpu, block.slots)
         if prefill:  # the block is built on the compute device, then copied home
             if tier == "gpu" or (tier == "cpu" and not self.cuda):
                 st.add("compute.cache_copy", n * _div(blk, self.mem(), "mem"))
             elif self.cuda:
                 st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
             if tier == "disk":
-                st.add("disk.cache_write", n * self.disk_write(padded, self.block_files))
+                st.add("disk.cache_write", n * self.disk_write(padded, block.files))
             return
         if tier == "disk":  # K, V, pos and score: four files per block (six with K and V compressed)
-            files = self.block_files
+            files = block.files
             st.add("disk.cache_read", n * (_div(padded, r.disk_read, "disk_read_bw") + files * r.read_latency))
             st.add("disk.cache_write", n * self.disk_write(padded, files))
         if not self.cuda or tier == "gpu" or on_cpu:
@@ -228,7 +246,7 @@ class StepCost:
             st.add("d2h.cache", n * _div(blk, r.d2h, "d2h_bw"))
         else:  # memory tier: only the written slot(s) of K/V, plus the whole pos/score arrays
             b, kv = self.rc.gpu_batch_size, self.cfg.kv_heads
-            st.add("d2h.cache", n * _div(b * kv * (self.slot_kv + 12 * self.slots), r.d2h, "d2h_bw"))
+            st.add("d2h.cache", n * _div(b * kv * (block.slot_kv + 12 * block.slots), r.d2h, "d2h_bw"))
 
     def activations(self, st: _Terms, t: int, load: bool) -> None:
         """Hidden states between layers, for batches whose activation home is not the compute device."""
@@ -251,7 +269,7 @@ class StepCost:
         L = self.cfg.num_layers
         kinds: dict = {}
         for layer in range(1, L + 1):
-            key = (self.weights[layer], self.cache_counts[layer - 1])
+            key = (self.weights[layer], self.cache_counts[layer - 1], self.blocks[layer - 1])
             kinds.setdefault(key, [layer, 0])[1] += 1
         total, terms, busy = 0.0, {}, {}
         for layer, count in [(0, 1), (L + 1, 1)] + list(kinds.values()):

@@ -1,4 +1,4 @@
-"""Convert a Hugging Face checkpoint folder (safetensors or .bin, sharded or not) or a llama GGUF file into
+"""Convert a Hugging Face checkpoint folder (safetensors or .bin, sharded or not) or a GGUF file into
 flexh2o's checkpoint format, one tensor at a time so peak memory stays near the largest tensor."""
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Tuple
 
-import numpy as np
 import torch
 
-from flexh2o.compress.codec import CompressedTensor
 from flexh2o.config import ModelConfig
 from flexh2o.weights.hf_config import from_hf_config
 from flexh2o.jsonfile import read_json
 from flexh2o.dtypes import parse_dtype
-from flexh2o.weights import blocks
+from flexh2o.weights.gguf_source import gguf_source, unpermute_rope  # noqa: F401  (importable here)
 from flexh2o.weights.format import CheckpointWriter
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -26,11 +24,6 @@ Source = Iterator[Tuple[str, str, Optional[str], torch.Tensor]]  # (file, source
 HF_WEIGHTS = (("model.safetensors.index.json", "model.safetensors", "model-*-of-*.safetensors"),
               ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model-*.bin"))
 SKIP_SUFFIXES = ("rotary_emb.inv_freq", ".masked_bias", ".attn.bias")
-GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-GGUF_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-GGUF_SKIP = ("rope_freqs.weight",)  # llama3 rope-scaling factors: refused by _gguf_config, never a weight
 
 
 @dataclass(frozen=True)
@@ -51,7 +44,7 @@ def convert(src: str, dst: str, dtype: str = "float16", overwrite: bool = False,
     start = time.perf_counter()
     parse_dtype(dtype)
     if os.path.isfile(src) and src.endswith(".gguf"):
-        cfg, source = _gguf_source(src, keep_blocks)
+        cfg, source = gguf_source(src, keep_blocks)
     elif os.path.isdir(src):
         cfg, source = _hf_source(src)
     else:
@@ -170,105 +163,3 @@ def _engine_name(cfg: ModelConfig, key: str) -> Optional[str]:
     if cfg.family != "opt" and not key.startswith("model."):  # saved from LlamaModel (or another base model)
         return "model." + key
     return key
-
-
-# ---------------------------------------------------------------- GGUF files
-
-def _gguf_source(path: str, keep_blocks: bool = False) -> Tuple[ModelConfig, Source]:
-    try:
-        import gguf
-    except ImportError:
-        raise ValueError("converting .gguf files needs the gguf package: pip install gguf") from None
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on bad files
-        raise ValueError(f"{path} is not a readable GGUF file: {str(e).splitlines()[0] if str(e) else e!r}") from None
-    cfg = _gguf_config(path, reader)
-    return cfg, _gguf_tensors(path, reader, cfg, keep_blocks)
-
-
-def _gguf_config(path: str, reader) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama architecture only)."""
-    def get(key, default=KeyError):
-        f = reader.fields.get(key)
-        if f is None:
-            if default is KeyError:
-                raise ValueError(f"{path} lacks the GGUF metadata key {key!r}")
-            return default
-        return f.contents()
-
-    arch = get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: flexh2o converts llama GGUF files")
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{path} has no token_embd.weight tensor")
-    hidden, heads = int(get("llama.embedding_length")), int(get("llama.attention.head_count"))
-    if int(get("llama.attention.key_length", hidden // heads)) != hidden // heads:
-        raise ValueError(f"{path}: head size differs from hidden/heads, which flexh2o does not support")
-    eos = get("tokenizer.ggml.eos_token_id", 2)
-    scaling = str(get("llama.rope.scaling.type", "none"))
-    if "rope_freqs.weight" in tensors or scaling not in ("none", "linear"):
-        what = "rope_freqs.weight (Llama 3.1 rope scaling)" if "rope_freqs.weight" in tensors else scaling
-        raise ValueError(f"{path}: GGUF rope scaling {what} is not read from GGUF files: convert the model's "
-                         "Hugging Face folder instead (flexh2o-convert FOLDER NAME reads its rope_scaling)")
-    linear = ({"rope_type": "linear", "rope_factor": float(get("llama.rope.scaling.factor"))}
-              if scaling == "linear" else {})
-    return ModelConfig(
-        name=os.path.splitext(os.path.basename(path))[0], family="llama", hidden=hidden,
-        num_layers=int(get("llama.block_count")), num_heads=heads,
-        num_kv_heads=int(get("llama.attention.head_count_kv", heads)), ffn=int(get("llama.feed_forward_length")),
-        vocab=int(get("llama.vocab_size", int(tensors["token_embd.weight"].shape[-1]))),
-        max_positions=int(get("llama.context_length", 2048)),
-        norm_eps=float(get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("llama.rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in tensors,
-        pad_token_id=int(get("tokenizer.ggml.padding_token_id", 0)),
-        bos_token_id=int(get("tokenizer.ggml.bos_token_id", 1)), eos_token_id=int(eos), **linear)
-
-
-def _gguf_tensors(path: str, reader, cfg: ModelConfig, keep_blocks: bool = False) -> Source:
-    from gguf.quants import dequantize
-    for t in reader.tensors:
-        name = _gguf_name(t.name)
-        if name is None:
-            continue
-        shape = tuple(int(x) for x in reversed(t.shape))  # numpy row-major: (out_features, in_features)
-        if keep_blocks and blocks.keeps(t.tensor_type.name, shape):
-            w = blocks.from_gguf(t.data, t.tensor_type.name, shape)
-        else:
-            a = dequantize(t.data, t.tensor_type)  # float32
-            w = torch.from_numpy(a if a.flags.writeable else np.array(a, dtype=np.float32))
-        if t.name.endswith("attn_q.weight"):
-            w = _rows(w, lambda x: unpermute_rope(x, cfg.num_heads))
-        elif t.name.endswith("attn_k.weight"):
-            w = _rows(w, lambda x: unpermute_rope(x, cfg.kv_heads))
-        yield path, t.name, name, w
-
-
-def _rows(w, fn):
-    """fn (a permutation of rows) applied to a tensor, or to a CompressedTensor's data and meta alike."""
-    return w.map(lambda x: fn(x).contiguous()) if isinstance(w, CompressedTensor) else fn(w)
-
-
-def _gguf_name(gname: str) -> Optional[str]:
-    """GGUF tensor name -> HF Llama name; None for tensors the engine does not use."""
-    if gname in GGUF_SKIP:
-        return None
-    base, _, suffix = gname.rpartition(".")
-    if base in GGUF_TOP:
-        return f"{GGUF_TOP[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_BLOCK:
-        return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{suffix}"
-    return gname  # unknown: convert() reports it as unexpected
-
-
-def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs) back to HF's rotate_half layout.
-
-    llama.cpp stores each head's rows as (d/2, 2) pairs; HF stores them as (2, d/2) halves.
-    """
-    rows = w.shape[0]
-    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])  # (n, d/2, 2, in)
-            .transpose(1, 2)  # (n, 2, d/2, in)
-            .reshape(w.shape))

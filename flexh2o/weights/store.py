@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from flexh2o.compress import CompressedTensor, CompressionSpec, weight_spec
+from flexh2o.compress.codec import dequantize
 from flexh2o.compress.kernels import PackedWeight
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
@@ -75,6 +76,8 @@ class WeightStore:
             t = reader.read(name)  # a CompressedTensor where the checkpoint keeps blocks (stored as they are)
             if tuple(t.shape) != tuple(spec.shape):
                 raise ValueError(f"{reader.file_of(name)} holds shape {tuple(t.shape)}, expected {spec.shape}")
+            if isinstance(t, CompressedTensor) and not isinstance(self.tiers[name], CompressedTier):
+                t = dequantize(t, torch.float32)  # kept blocks the run stores plain (weights/kept_run.py)
             self.tiers[name].store(self.handles[name], t if isinstance(t, CompressedTensor) else t.to(self.dtype))
             if progress:
                 progress(spec.numel)
