@@ -50,6 +50,11 @@ SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "me
 MEAN = ("mean_attn", "pyramid", "adakv", "merge")  # value: the mean attention a token received
 MERGING = ("merge",)  # an evicted token's value goes into the kept token of the most similar key (`merge_events`)
 SHARED_HEADS = ("adakv",)  # the KV heads of a layer share heads x budget tokens, each at most head_cap x budget
+LAYERED = ("pyramid",)  # each layer has its own budget (`layer_total`)
+# A wrapped name WRAPPER:BASE (pyramid:tova, adakv:vatp, merge:h2o) is the wrapper's rule (LAYERED, SHARED_HEADS or
+# MERGING) over BASE's value and protection, with the first num_sinks tokens protected too; the plain wrapper names
+# are the wrappers over mean_attn.
+WRAPPERS = MERGING + SHARED_HEADS + LAYERED
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class RefPolicy:
     """name in full / local / streaming / tova: a budget of `heavy + recent` tokens (streaming: the first
     `num_sinks` of them are the attention sinks). The WINDOWED policies keep the `recent` newest tokens plus `heavy`
     others by their value (`_value`); those in SINKS also keep the first `num_sinks` tokens. pyramid: layer `layer`
-    of `num_layers` has its own heavy count (`layer_heavy`)."""
+    of `num_layers` has its own budget (`layer_total`). WRAPPER:BASE: see WRAPPERS."""
 
     name: str
     heavy: int = 0
@@ -70,31 +75,57 @@ class RefPolicy:
     head_cap: float = 2.0
 
     @property
+    def wrapper(self) -> Optional[str]:
+        head = self.name.split(":")[0]
+        return head if head in WRAPPERS else None
+
+    @property
+    def base(self) -> str:
+        """The policy whose value and protection a wrapper keeps (the name itself when not wrapped)."""
+        if ":" in self.name:
+            return self.name.split(":", 1)[1]
+        return "mean_attn" if self.name in WRAPPERS else self.name
+
+    @property
+    def shares_heads(self) -> bool:
+        return self.wrapper in SHARED_HEADS
+
+    @property
+    def merging(self) -> bool:
+        return self.wrapper in MERGING
+
+    @property
     def budget(self) -> Optional[int]:
         return None if self.name == "full" else self.heavy + self.recent
 
     def budget_at(self, layer: int) -> Optional[int]:
-        if self.name == "pyramid":
-            return self.layer_heavy(layer) + self.recent
+        if self.wrapper in LAYERED:
+            return self.layer_total(layer)
         return self.budget
 
     def most_per_head(self, layer: int) -> Optional[int]:
         """The most tokens one KV head of `layer` may hold."""
-        if self.name in SHARED_HEADS:
+        if self.shares_heads:
             return math.floor(self.head_cap * self.budget)
         return self.budget_at(layer)
 
     def layer_heavy(self, layer: int) -> int:
-        """pyramid: num_sinks + layer's share of the L * (heavy - num_sinks) free tokens, shares proportional to
-        (L - 1) * b + (a - b) * layer for ratio a / b, rounded by largest remainder (ties to the lower layer)."""
+        """pyramid over a windowed policy: layer's budget less the recent window."""
+        return self.layer_total(layer) - self.recent
+
+    def layer_total(self, layer: int) -> int:
+        """pyramid: the P protected tokens (the window, when the base has one, and the sinks) + the layer's share of
+        the L * (budget - P) free tokens, shares proportional to (L - 1) * b + (a - b) * layer for ratio a / b,
+        rounded by largest remainder (ties to the lower layer)."""
         L, r = self.num_layers, Fraction(self.pyramid_ratio)
         a, b = r.numerator, r.denominator
         w = [max(1, L - 1) * b + (a - b) * i for i in range(L)]
-        free = L * (self.heavy - self.num_sinks)
+        protected = (self.recent if self.base in WINDOWED else 0) + self.num_sinks
+        free = L * (self.budget - protected)
         floor = [free * x // sum(w) for x in w]
         left = free - sum(floor)
         extra = sorted(range(L), key=lambda i: (-(free * w[i] % sum(w)), i))[:left]
-        return self.num_sinks + floor[layer] + (layer in extra)
+        return protected + floor[layer] + (layer in extra)
 
     def prefill(self, n: int, hist: History, layer: int, head: int, first: int = 0) -> set:
         """Positions kept out of an n-token prompt whose positions below `first` are gone (a sliding window)."""
@@ -118,7 +149,7 @@ class RefPolicy:
         """SHARED_HEADS: the kept positions of every head (hists: one History per head) out of an n-token prompt:
         the protected ones, then greedily by value (ties: newer, then lower head) while the layer and the head
         have room."""
-        heads, cap = len(hists), math.floor(self.head_cap * self.budget)
+        heads, cap = len(hists), self.most_per_head(layer)
         kept = [self._protected(set(range(n)), n - 1) for _ in range(heads)]
         pool = [(self._value(t, n - 1, hists[h], layer, h), t, -h) for h in range(heads)
                 for t in set(range(n)) - kept[h]]
@@ -130,7 +161,7 @@ class RefPolicy:
     def layer_evict(self, kept: list, cur: int, hists: list, layer: int) -> None:
         """SHARED_HEADS, in place: drop tokens while the layer holds more than heads x budget or a head more than
         its cap, each time the lowest value (ties: older, then lower head) of the over-cap heads, else of all."""
-        heads, cap = len(kept), math.floor(self.head_cap * self.budget)
+        heads, cap = len(kept), self.most_per_head(layer)
         while sum(map(len, kept)) > heads * self.budget or max(map(len, kept)) > cap:
             over = [h for h in range(heads) if len(kept[h]) > cap] or range(heads)
             pool = [(self._value(t, cur, hists[h], layer, h), t, h) for h in over
@@ -148,26 +179,34 @@ class RefPolicy:
         return min(outside, key=lambda t: (self._value(t, cur, hist, layer, head), t))  # ties evict the older
 
     def _protected(self, kept: set, cur: int) -> set:
-        if self.name == "tova":
-            return set()
-        window = {t for t in kept if t > cur - self.recent}  # the R newest positions
-        return window | ({t for t in kept if t < self.num_sinks} if self.name in SINKS else set())
+        window = {t for t in kept if t > cur - self.recent} if self.base in WINDOWED else set()  # R newest
+        sinks = self.base in SINKS or self.wrapper is not None
+        return window | ({t for t in kept if t < self.num_sinks} if sinks else set())
+
+    def mass(self, t: int, cur: int, hist: History) -> float:
+        """The attention token t has received by query cur as the base policy accumulates it (a merge's weight):
+        tova only the newest query's, a2sf each query's weighted by hh_decay ** its age, the others the plain sum."""
+        seen = hist.probs.get(t, [])
+        if self.base == "tova":
+            return sum(p for q, p in seen if q == cur)
+        if self.base == "a2sf":
+            return sum(self.hh_decay ** (cur - q) * p for q, p in seen)
+        return sum(p for _, p in seen)
 
     def _value(self, t: int, cur: int, hist: History, layer: int, head: int) -> float:
         """How much a policy wants to keep token t when the newest position is cur, from its history alone."""
         seen = hist.probs.get(t, [])
         total = sum(p for _, p in seen)
-        if self.name == "random":
+        base = self.base
+        if base == "random":
             return ref_random_key(self.seed, layer, head, t)
-        if self.name == "tova":
-            return sum(p for q, p in seen if q == cur)
-        if self.name == "a2sf":
-            return sum(self.hh_decay ** (cur - q) * p for q, p in seen)
-        if self.name in MEAN:
+        if base in ("tova", "a2sf"):
+            return self.mass(t, cur, hist)
+        if base in MEAN:
             return total / len(seen)
-        if self.name == "vatp":
+        if base == "vatp":
             return total * hist.vnorm[t]
-        if self.name == "mean_vnorm":
+        if base == "mean_vnorm":
             return total / len(seen) * hist.vnorm[t]
         return total  # h2o, h2o_sinks
 
@@ -245,11 +284,13 @@ def merged_values(v: torch.Tensor, events: list) -> torch.Tensor:
     return out
 
 
-def merge_events(kept: set, evicted: set, cur: int, hist: History, keys: torch.Tensor) -> list:
+def merge_events(kept: set, evicted: set, cur: int, hist: History, keys: torch.Tensor,
+                 weight: Optional[Callable] = None) -> list:
     """The merge events of tokens `evicted` after query `cur` (keys (T, d) of the head): each source goes into the
-    kept token of highest key cosine (ties: the older), weighted by the attention each has received so far."""
+    kept token of highest key cosine (ties: the older), weighted by the attention each has received so far
+    (`weight`(t): default the plain sum of its probabilities)."""
     def mass(t):
-        return sum(p for _, p in hist.probs.get(t, []))
+        return weight(t) if weight is not None else sum(p for _, p in hist.probs.get(t, []))
 
     def cos(a, b):
         return float(keys[a] @ keys[b]) / (max(float(keys[a].norm()), 1e-8) * max(float(keys[b].norm()), 1e-8))
@@ -383,9 +424,10 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
                         range(T) if step == 0 else [cur])
             _apply_layer(policy, kept[layer], step, cur, hist[layer], layer,
                          cfg.window(layer) if hasattr(cfg, "window") else None)
-            for head in range(H) if policy.name in MERGING else ():
-                merges[layer][head] += merge_events(kept[layer][head], before[head] - kept[layer][head], cur,
-                                                    hist[layer][head], keys[head])
+            for head in range(H) if policy.merging else ():
+                h = hist[layer][head]
+                merges[layer][head] += merge_events(kept[layer][head], before[head] - kept[layer][head], cur, h,
+                                                    keys[head], lambda t, h=h: policy.mass(t, cur, h))
         nxt = int(logits.argmax()) if forced is None else int(forced[step])
         out.tokens.append(nxt)
         out.step_logits.append(logits)
@@ -412,7 +454,7 @@ def _apply_layer(policy: RefPolicy, kept: list, step: int, cur: int, hists: list
                  window: Optional[int] = None):
     """Update one layer's kept sets (one per KV head) in place after the attention of `step`. A sliding window
     first drops what the next query (cur + 1) cannot see; the policy then chooses among the rest."""
-    if policy.name not in SHARED_HEADS:
+    if not policy.shares_heads:
         for head, k in enumerate(kept):
             _apply_policy(policy, k, step, cur, hists[head], layer, head, window)
         return

@@ -37,10 +37,7 @@ def check_kv_flags(args, policy: Optional[str]) -> None:
     hh, recent, kv_budget = (getattr(args, f, None) for f in ("hh_ratio", "recent_ratio", "kv_budget"))
     check_real("--hh-ratio", hh, 0.0, 1.0, fix=fix)
     check_real("--recent-ratio", recent, 0.0, 1.0, fix=fix)
-    check_int("--num-sinks", getattr(args, "num_sinks", None), 0, fix="the number of first tokens always kept")
-    check_real("--pyramid-ratio", getattr(args, "pyramid_ratio", None), 0.0, 1.0,
-               fix="the top layer's share of the bottom layer's unprotected budget")
-    check_real("--head-cap", getattr(args, "head_cap", None), 1.0, fix="the most one KV head holds, in budgets")
+    check_policy_params(args)
     if hh is not None and kv_budget is not None:
         raise ValueError("--hh-ratio and --kv-budget both set the KV budget: give one of them")
     if recent is not None and hh is None:
@@ -49,6 +46,22 @@ def check_kv_flags(args, policy: Optional[str]) -> None:
     if policy == "full" and (recent is not None or hh is not None or kv_budget is not None):
         raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--recent-ratio/--kv-budget or pick "
                          "another policy")
+
+
+def check_policy_params(args) -> None:
+    """Every policy parameter's flag (kv/policies/params.py declares them): in range, worded as here when the
+    parameter gives a `fix`, else as the KVSpec words it."""
+    from flexh2o.kv.policies import policy_params
+    for p in policy_params():
+        value = getattr(args, p.name, None)
+        if value is None:
+            continue
+        if p.fix is None:
+            p.check(value)
+        elif p.type is int:
+            check_int(p.flag, value, int(p.lo), None if math.isinf(p.hi) else int(p.hi), fix=p.fix)
+        else:
+            check_real(p.flag, value, p.lo, p.hi, fix=p.fix)
 
 
 def check_run_flags(args) -> None:

@@ -11,7 +11,7 @@ from typing import Optional
 from flexh2o.cli.checks import check_kv_flags, check_output_path, check_real
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
-from flexh2o.cli.kv_flags import add_kv_flags
+from flexh2o.cli.kv_flags import add_kv_flags, policy_values
 from flexh2o.eval.common import EVICTING, TEXTS
 from flexh2o.jsonfile import write_json
 
@@ -116,8 +116,7 @@ def _run(args, argv: list) -> int:
 
 def set_run_options(model, args) -> None:
     """The engine options of an EvalModel from the flags shared with flexh2o-run (cli/compress_flags.py)."""
-    model.num_sinks, model.hh_decay, model.pyramid_ratio = args.num_sinks, args.hh_decay, args.pyramid_ratio
-    model.head_cap = args.head_cap
+    model.kv_params = policy_values(args)
     model.compress_weight, model.compress_cache = compression_specs(args)
     model.weight_kernel = weight_kernel_mode(args)
 
@@ -127,8 +126,6 @@ def _settings(args):
     check_output_path(getattr(args, "plot", None), "--plot")
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
-    if not 0.0 <= args.hh_decay <= 1.0:
-        raise ValueError(f"--hh-decay must be between 0 and 1 (got {args.hh_decay})")
     check_kv_flags(args, None)
     check_output_path(args.out or f"eval-{args.task}.json", "--out")  # before minutes of evaluation
     if not args.budgets:

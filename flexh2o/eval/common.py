@@ -18,7 +18,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.policies import POLICIES, policy_params
 from flexh2o.kv.layout import CacheLayout, CacheQuant
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
@@ -34,22 +34,43 @@ TEXTS = ("hamlet", "macbeth", "julius_caesar")
 LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
 
 
-@dataclass
+@dataclass(init=False)
 class EvalModel:
-    """A converted checkpoint, its config and tokenizer, and how to run it."""
+    """A converted checkpoint, its config and tokenizer, and how to run it. The policies' parameters (num_sinks,
+    hh_decay, pyramid_ratio, head_cap, ...: whatever kv/policies declares) come as keywords and are read back as
+    attributes; `kv_params` holds them by name (those not given take their declared defaults)."""
 
     path: str
     cfg: ModelConfig
     tokenizer: Tokenizer
-    dtype: torch.dtype = torch.bfloat16
-    num_sinks: int = 4
-    seed: int = 0
-    compress_weight: Optional[CompressionSpec] = None  # --compress-weight (grouping as compression_specs says)
-    compress_cache: Optional[CacheQuant] = None  # --compress-cache (kv/layout.py)
-    weight_kernel: str = "auto"  # RunConfig.weight_kernel, from --weight-kernel as flexh2o-run reads it
-    hh_decay: float = DEFAULT_DECAY
-    pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
-    head_cap: float = DEFAULT_HEAD_CAP
+    dtype: torch.dtype
+    seed: int
+    compress_weight: Optional[CompressionSpec]  # --compress-weight (grouping as compression_specs says)
+    compress_cache: Optional[CacheQuant]  # --compress-cache (kv/layout.py)
+    weight_kernel: str  # RunConfig.weight_kernel, from --weight-kernel as flexh2o-run reads it
+    kv_params: dict
+
+    def __init__(self, path: str, cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype = torch.bfloat16,
+                 num_sinks: Optional[int] = None, seed: int = 0, compress_weight: Optional[CompressionSpec] = None,
+                 compress_cache: Optional[CacheQuant] = None, weight_kernel: str = "auto",
+                 kv_params: Optional[dict] = None, **params):
+        self.path, self.cfg, self.tokenizer, self.dtype, self.seed = path, cfg, tokenizer, dtype, seed
+        self.compress_weight, self.compress_cache, self.weight_kernel = compress_weight, compress_cache, weight_kernel
+        known = {p.name for p in policy_params()}
+        sinks = {} if num_sinks is None else {"num_sinks": num_sinks}
+        self.kv_params = {**(kv_params or {}), **sinks, **params}
+        unknown = sorted(set(self.kv_params) - known)
+        if unknown:
+            raise TypeError(f"EvalModel got an unknown policy parameter {', '.join(unknown)}")
+
+    def __getattr__(self, name: str):
+        """A policy parameter's value (its declared default when not given)."""
+        if name.startswith("_") or name == "kv_params":
+            raise AttributeError(name)
+        param = next((p for p in policy_params() if p.name == name), None)
+        if param is None:
+            raise AttributeError(f"EvalModel has no attribute or policy parameter {name!r}")
+        return self.kv_params.get(name, param.default)
 
 
 def smollm2_gguf() -> str:
@@ -117,9 +138,8 @@ def budget_tokens(spec: str, context: int) -> int:
 
 
 def spec_of(model: EvalModel, policy: str, budget: Optional[int]) -> KVSpec:
-    """The KVSpec of `policy` at a total of `budget` tokens, with the model's sinks, seed and decay."""
-    return KVSpec.of_total(policy, budget, model.num_sinks, model.seed, model.hh_decay, model.pyramid_ratio,
-                           model.head_cap)
+    """The KVSpec of `policy` at a total of `budget` tokens, with the model's seed and policy parameters."""
+    return KVSpec.of_total(policy, budget, seed=model.seed, **model.kv_params)
 
 
 def forced_run(model: EvalModel, policy: str, budget: Optional[int], prompts: list, targets: torch.Tensor,

@@ -1,75 +1,96 @@
 """KVSpec: which KV policy a run uses and its parameters, in whole tokens (ratios are converted here, once)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from flexh2o.kv.policies import DEFAULT_DECAY, DEFAULT_HEAD_CAP, DEFAULT_PYRAMID_RATIO, POLICIES
+from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.kv.policies.base import Budget, KVPolicy
 from flexh2o.kv.policies.lanes import LanePolicy
+from flexh2o.kv.policies.params import declared
 
 LANES = "lanes"
+LEGACY_POSITIONAL = ("hh_decay", "lanes", "pyramid_ratio", "head_cap")  # after seed, as KVSpec once took them
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class KVSpec:
-    """policy: a name in kv.policies.POLICIES; budget: tokens per sequence, layer and KV head (None = unbounded);
-    num_sinks: attention sinks for the policies that protect them; seed: for policies that draw at random;
-    hh_decay: the forgetting factor of a2sf's scores (1 = h2o's plain sum);
-    pyramid_ratio: the pyramid policy's top-layer share of the extra tokens over the bottom layer's, in [0, 1];
-    head_cap: the adakv policy's most tokens per KV head, in per-head budgets (>= 1).
+    """policy: a name in kv.policies.POLICIES, or WRAPPER:POLICY (kv/policies/wrappers.py); budget: tokens per
+    sequence, layer and KV head (None = unbounded); seed: for policies that draw at random; every parameter a policy
+    declares (kv/policies/params.py: num_sinks, hh_decay, pyramid_ratio, head_cap, ...) as a keyword, read back as
+    an attribute (spec.head_cap); `params` holds those that differ from their defaults, sorted.
     The per-layer budgets need the model's number of layers: slots, evicts and make take it (`num_layers`).
     lanes (policy "lanes"): ((rows, KVSpec), ...), each lane's spec for its own rows of one batch (see of_lanes)."""
 
-    policy: str = "full"
-    budget: Optional[Budget] = None
-    num_sinks: int = 4
-    seed: int = 0
-    hh_decay: float = DEFAULT_DECAY
-    lanes: tuple = ()
-    pyramid_ratio: float = DEFAULT_PYRAMID_RATIO
-    head_cap: float = DEFAULT_HEAD_CAP
+    policy: str
+    budget: Optional[Budget]
+    seed: int
+    lanes: tuple
+    params: tuple
 
-    def __post_init__(self):
+    def __init__(self, policy: str = "full", budget: Optional[Budget] = None, num_sinks: Optional[int] = None,
+                 seed: int = 0, *legacy, lanes: tuple = (), params: tuple = (), **values):
+        """num_sinks, then hh_decay, lanes, pyramid_ratio, head_cap may also come by position (after seed)."""
+        named = dict(zip(LEGACY_POSITIONAL, legacy))
+        lanes = named.pop("lanes", lanes)
+        given = {**dict(params), **named, **values}
+        if num_sinks is not None:
+            given["num_sinks"] = num_sinks
+        known = {p.name: p for p in policy_params()}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise TypeError(f"KVSpec got an unknown policy parameter {', '.join(unknown)}: the policies declare "
+                            f"{', '.join(known)}")
+        kept = tuple(sorted((k, v) for k, v in given.items() if v != known[k].default))
+        for name, value in (("policy", policy), ("budget", budget), ("seed", seed), ("lanes", tuple(lanes)),
+                            ("params", kept)):
+            object.__setattr__(self, name, value)
+        self._check()
+
+    def __getattr__(self, name: str):
+        """A policy parameter's value (its default when not given)."""
+        if name.startswith("_") or name in ("params", "policy", "budget", "seed", "lanes"):
+            raise AttributeError(name)
+        param = next((p for p in policy_params() if p.name == name), None)
+        if param is None:
+            raise AttributeError(f"KVSpec has no attribute or policy parameter {name!r}")
+        return dict(self.params).get(name, param.default)
+
+    def values(self) -> dict:
+        """Every declared parameter's value, defaults included."""
+        return {p.name: getattr(self, p.name) for p in policy_params()}
+
+    def _check(self) -> None:
         if self.policy == LANES:
             if not self.lanes or self.budget is not None or any(rows < 1 for rows, _ in self.lanes):
                 raise ValueError("a lanes spec needs one or more (rows, KVSpec) lanes and no budget of its own")
             return
         if self.lanes:
             raise ValueError(f"only the {LANES!r} spec has lanes")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown KV policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        cls = policy_class(self.policy)
         if self.policy == "full" and self.budget is not None:
             raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another policy")
         if self.policy != "full" and self.budget is None:
             raise ValueError(f"KV policy {self.policy} needs a budget: give --kv-budget N or --hh-ratio R")
-        if self.num_sinks < 0:
-            raise ValueError(f"--num-sinks must be 0 or more (got {self.num_sinks})")
-        if self.policy == "streaming" and self.budget.total <= self.num_sinks:
-            raise ValueError(f"--kv-budget {self.budget.total} must exceed --num-sinks {self.num_sinks} for the "
-                             "streaming policy")
-        cls = POLICIES[self.policy]
-        if cls.uses_sinks and cls.windowed and self.num_sinks > self.budget.heavy:
-            raise ValueError(f"--num-sinks {self.num_sinks} exceeds the {self.budget.heavy} heavy tokens of the "
+        for param in policy_params():
+            param.check(getattr(self, param.name))
+        sinks = self.num_sinks
+        if cls.uses_sinks and not cls.windowed and self.budget.total <= sinks:
+            raise ValueError(f"--kv-budget {self.budget.total} must exceed --num-sinks {sinks} for the "
+                             f"{self.policy} policy")
+        if cls.uses_sinks and cls.windowed and sinks > self.budget.heavy:
+            raise ValueError(f"--num-sinks {sinks} exceeds the {self.budget.heavy} heavy tokens of the "
                              f"{self.policy} policy: lower --num-sinks or raise the budget")
-        if not 0.0 <= self.hh_decay <= 1.0:
-            raise ValueError(f"--hh-decay must be between 0 and 1 (got {self.hh_decay})")
-        if not 0.0 <= self.pyramid_ratio <= 1.0:
-            raise ValueError(f"--pyramid-ratio must be between 0 and 1 (got {self.pyramid_ratio})")
-        if not (math.isfinite(self.head_cap) and self.head_cap >= 1.0):
-            raise ValueError(f"--head-cap must be a finite number >= 1 (got {self.head_cap})")
-        if cls.layered and self.budget.recent + self.num_sinks < 1:
+        if cls.layered and (self.budget.recent if cls.windowed else 0) + sinks < 1:
             raise ValueError(f"the {self.policy} policy needs a recent window or sinks (every layer keeps them): "
                              "raise --recent-ratio or --num-sinks")
 
     @staticmethod
     def from_flags(policy: Optional[str], prompt_len: int, hh_ratio: Optional[float] = None,
                    recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None, num_sinks: int = 4,
-                   seed: int = 0, hh_decay: float = DEFAULT_DECAY,
-                   pyramid_ratio: float = DEFAULT_PYRAMID_RATIO, head_cap: float = DEFAULT_HEAD_CAP) -> "KVSpec":
-        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed/--hh-decay/
-        --pyramid-ratio/--head-cap.
+                   seed: int = 0, **params) -> "KVSpec":
+        """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed and every policy
+        parameter's flag (`params`, by name: hh_decay, pyramid_ratio, head_cap, ...).
 
         No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
         heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, split evenly (heavy = N // 2) for
@@ -80,19 +101,16 @@ class KVSpec:
             if budgeted:
                 raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
                                  "policy")
-            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio, head_cap=head_cap)
+            return KVSpec("full", None, num_sinks, seed, **params)
         return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed,
-                      hh_decay, pyramid_ratio=pyramid_ratio, head_cap=head_cap)
+                      **params)
 
     @staticmethod
-    def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0,
-                 hh_decay: float = DEFAULT_DECAY, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO,
-                 head_cap: float = DEFAULT_HEAD_CAP) -> "KVSpec":
+    def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0, **params) -> "KVSpec":
         """A spec at a total budget of `tokens` (None or policy full: unbounded)."""
         if policy == "full":
-            return KVSpec("full", None, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio, head_cap=head_cap)
-        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, hh_decay=hh_decay,
-                                 pyramid_ratio=pyramid_ratio, head_cap=head_cap)
+            return KVSpec("full", None, num_sinks, seed, **params)
+        return KVSpec.from_flags(policy, 0, kv_budget=tokens, num_sinks=num_sinks, seed=seed, **params)
 
     @staticmethod
     def of_lanes(lanes: list) -> "KVSpec":
@@ -105,7 +123,7 @@ class KVSpec:
         """The policy accumulates attention probabilities (prefill then materialises them in fp32)."""
         if self.lanes:
             return any(spec.needs_scores for _, spec in self.lanes)
-        return POLICIES[self.policy].needs_scores
+        return policy_class(self.policy).needs_scores
 
     def slots(self, prompt_len: int, gen_len: int, num_layers: Optional[int] = None) -> int:
         """Cache slots per sequence and KV head in every layer: the largest layer budget + 1 (the incoming token),
@@ -122,8 +140,9 @@ class KVSpec:
         """The policy object (built once per engine); `num_layers`: the model's, for per-layer budgets."""
         if self.lanes:
             return LanePolicy([(rows, spec.make(num_layers)) for rows, spec in self.lanes])
-        return POLICIES[self.policy](self.budget, self.num_sinks, self.seed, self.hh_decay, num_layers=num_layers,
-                                     pyramid_ratio=self.pyramid_ratio, head_cap=self.head_cap)
+        cls = policy_class(self.policy)
+        own = {p.name: getattr(self, p.name) for p in declared(cls) if p.name != "num_sinks"}
+        return cls(self.budget, self.num_sinks, self.seed, num_layers=num_layers, **own)
 
     def kv_budget_flag(self) -> Optional[int]:
         """N such that --kv-budget N gives this spec back, or ValueError when none does; None for full."""
@@ -132,8 +151,7 @@ class KVSpec:
         if self.budget is None:
             return None
         n = self.budget.total
-        if KVSpec.of_total(self.policy, n, self.num_sinks, self.seed, self.hh_decay, self.pyramid_ratio,
-                           self.head_cap) != self:
+        if KVSpec.of_total(self.policy, n, seed=self.seed, params=self.params) != self:
             raise ValueError(f"KV budget heavy {self.budget.heavy} + recent {self.budget.recent} cannot be written "
                              f"as --kv-budget for policy {self.policy} (it splits a budget evenly)")
         return n
@@ -143,17 +161,18 @@ class KVSpec:
             return "lanes: " + ", ".join(f"{rows} x {spec.describe()}" for rows, spec in self.lanes)
         if self.budget is None:
             return self.policy
-        ratio = f", ratio {self.pyramid_ratio:g}" if POLICIES[self.policy].layered else ""
-        ratio += f", head cap {self.head_cap:g}" if POLICIES[self.policy].shares_heads else ""
-        return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent}{ratio})"
+        shown = "".join(f", {p.label} {getattr(self, p.name):g}" for p in declared(policy_class(self.policy))
+                        if p.label)
+        return f"{self.policy} (heavy {self.budget.heavy}, recent {self.budget.recent}{shown})"
 
 
-def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0,
-                hh_decay: float = DEFAULT_DECAY, num_layers: Optional[int] = None,
-                pyramid_ratio: float = DEFAULT_PYRAMID_RATIO, head_cap: float = DEFAULT_HEAD_CAP) -> KVPolicy:
-    """A policy object from its parts (validated as a KVSpec)."""
-    return KVSpec(name, budget, num_sinks, seed, hh_decay, pyramid_ratio=pyramid_ratio,
-                  head_cap=head_cap).make(num_layers)
+def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, *legacy,
+                num_layers: Optional[int] = None, **params) -> KVPolicy:
+    """A policy object from its parts (validated as a KVSpec). After seed, by position: hh_decay, num_layers,
+    pyramid_ratio, head_cap (as make_policy once took them)."""
+    named = dict(zip(("hh_decay", "num_layers", "pyramid_ratio", "head_cap"), legacy))
+    num_layers = named.pop("num_layers", num_layers)
+    return KVSpec(name, budget, num_sinks, seed, **named, **params).make(num_layers)
 
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,
@@ -181,4 +200,7 @@ def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = Non
 
 def _windowed(policy: str) -> bool:
     """The policy's budget is heavy + recent (a --kv-budget splits evenly); the others keep one window."""
-    return policy in POLICIES and POLICIES[policy].windowed
+    try:
+        return policy_class(policy).windowed
+    except ValueError:
+        return False

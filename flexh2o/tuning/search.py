@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from flexh2o.compress.kept import compresses_others
-from flexh2o.kv.policies import POLICIES
+from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.tuning.cost_model import predict_with
@@ -92,14 +92,7 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
         parts.append("--cpu-cache-compute")
     if rc.kv.policy != "full":
         parts.append(f"--kv-policy {rc.kv.policy} --kv-budget {rc.kv.kv_budget_flag()}")
-    if POLICIES[rc.kv.policy].uses_sinks and rc.kv.num_sinks != 4:
-        parts.append(f"--num-sinks {rc.kv.num_sinks}")
-    if rc.kv.policy == "a2sf":
-        parts.append(f"--hh-decay {rc.kv.hh_decay}")
-    if POLICIES[rc.kv.policy].layered:
-        parts.append(f"--pyramid-ratio {rc.kv.pyramid_ratio}")
-    if POLICIES[rc.kv.policy].shares_heads:
-        parts.append(f"--head-cap {rc.kv.head_cap}")
+    parts += policy_flags(rc.kv)
     if rc.seed:
         parts.append(f"--seed {rc.seed}")
     dtype = str(rc.dtype).replace("torch.", "")
@@ -113,6 +106,14 @@ def command_line(rc: RunConfig, with_caps: bool = True) -> str:
     if with_caps:
         parts.append(f"--gpu-mem {_size(rc.gpu_mem)} --cpu-mem {_size(rc.cpu_mem)} --disk-mem {_size(rc.disk_mem)}")
     return " ".join(parts)
+
+
+def policy_flags(kv) -> list:
+    """The flexh2o-run flags of the policy's parameters (each as its declaration says when to print it)."""
+    if kv.lanes:
+        return []
+    cls = policy_class(kv.policy)
+    return [p.flag_text(getattr(kv, p.name)) for p in policy_params() if p.printed(cls, getattr(kv, p.name))]
 
 
 def compression_flags(rc: RunConfig) -> list:

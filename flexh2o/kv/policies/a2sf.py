@@ -7,13 +7,17 @@ heads sharing the KV head, fp32). Decode updates it as score <- hh_decay * score
 1 is h2o. Lowest priority is evicted, ties evict the older position.
 """
 from flexh2o.kv.policies.h2o import H2OPolicy
+from flexh2o.kv.policies.params import Param
 
 DEFAULT_DECAY = 0.98
+HH_DECAY = Param("hh_decay", float, DEFAULT_DECAY, "forgetting factor of the a2sf policy's scores, in (0, 1]; "
+                 f"1 = h2o (default {DEFAULT_DECAY})", lo=0.0, hi=1.0)
 
 
 class A2SFPolicy(H2OPolicy):
     name = "a2sf"
+    params = (HH_DECAY,)
 
-    def __init__(self, budget, num_sinks: int = 4, seed: int = 0, hh_decay: float = DEFAULT_DECAY, **options):
-        super().__init__(budget, num_sinks, seed, hh_decay, **options)
-        self.decay = hh_decay
+    @property
+    def decay(self) -> float:
+        return self.hh_decay

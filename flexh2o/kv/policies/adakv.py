@@ -1,13 +1,15 @@
-"""`adakv` (per-head budgets, after Ada-KV, Feng et al. 2024): the KV heads of a layer share one budget, so a head
-whose attention is concentrated gives tokens to a head whose attention is spread.
+"""Per-head budgets (after Ada-KV, Feng et al. 2024): the wrapper `HeadBudgets` lets the KV heads of a layer share
+one budget under any scoring policy, so a head whose attention is concentrated gives tokens to a head whose
+attention is spread. `adakv` is it over mean_attn (`adakv:POLICY` over another scoring policy, e.g. `adakv:vatp`).
 
 Budget: B = `heavy` + `recent` tokens per sequence, layer and KV head on average: the kv heads of a layer hold at
-most kv * B tokens per sequence together. Floor: each head keeps its protected tokens, the `recent` newest positions
-and the first `num_sinks` positions (--num-sinks; num_sinks <= heavy). Cap: no head holds more than
-C = floor(head_cap * B) tokens (--head-cap >= 1, default 2), so the cache allocates C + 1 slots per head.
-Priority of the unprotected tokens (mean_attn's, comparable across heads: every query gives each KV head a total
-probability of the group size): the attention the token received (summed over the query heads of the KV head, fp32)
-divided by c - p + 1, the queries that saw position p when the newest is c.
+most kv * B tokens per sequence together. Floor: each head keeps its protected tokens, the wrapped policy's (its
+`recent` newest positions, when it has a window) and the first `num_sinks` positions (--num-sinks; num_sinks <= heavy
+with a window). Cap: no head holds more than C = floor(head_cap * B) tokens (--head-cap >= 1, default 2), so the
+cache allocates C + 1 slots per head. Priority of the unprotected tokens: the wrapped policy's; `adakv`'s is
+mean_attn's (comparable across heads: every query gives each KV head a total probability of the group size): the
+attention the token received (summed over the query heads of the KV head, fp32) divided by c - p + 1, the queries
+that saw position p when the newest is c.
 
 Prefill, per sequence: every head keeps its protected tokens; the other tokens of all heads, in descending priority
 (ties: the newer position, then the lower head), are kept one by one while the layer holds fewer than kv * B and
@@ -22,14 +24,23 @@ import math
 
 import torch
 
-from flexh2o.kv.policies.base import Budget, cache_slots
+from flexh2o.kv.policies.base import Budget, KVPolicy, cache_slots
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
+from flexh2o.kv.policies.params import Param
+
+DEFAULT_HEAD_CAP = 2.0  # the most a KV head holds, in per-head budgets
+HEAD_CAP = Param("head_cap", float, DEFAULT_HEAD_CAP, "adakv policy: the most tokens one KV head may hold, in "
+                 f"per-head budgets, >= 1 (default {DEFAULT_HEAD_CAP})", lo=1.0,
+                 fix="the most one KV head holds, in budgets", label="head cap")
 
 
-class AdaKVPolicy(MeanAttentionPolicy):
-    name = "adakv"
+class HeadBudgets(KVPolicy):
+    """The wrapper: put it before a scoring policy's class (kv/policies/wrappers.py composes them)."""
+
+    wrapper = "adakv"
     uses_sinks = True
     shares_heads = True
+    params = (HEAD_CAP,)
 
     def _limits(self, heads: int) -> tuple:
         """(tokens per sequence of the layer, tokens per head): ints, or (rows, 1, 1) tensors for lane budgets."""
@@ -73,6 +84,10 @@ class AdaKVPolicy(MeanAttentionPolicy):
             evict |= pick
             held &= ~pick
         return evict
+
+
+class AdaKVPolicy(HeadBudgets, MeanAttentionPolicy):
+    name = "adakv"
 
 
 def _lowest(cand, prio, pos, head) -> torch.Tensor:

@@ -24,8 +24,13 @@ from typing import Optional
 
 import torch
 
-DEFAULT_PYRAMID_RATIO = 0.5  # pyramid: the top layer's extra tokens over the bottom layer's
-DEFAULT_HEAD_CAP = 2.0  # adakv: the most a KV head holds, in per-head budgets
+from flexh2o.kv.policies.params import Param, declared
+
+DEFAULT_SINKS = 4
+NUM_SINKS = Param("num_sinks", int, DEFAULT_SINKS, "attention sinks kept by the policies that protect them "
+                  f"(streaming, vatp, h2o_sinks, mean_vnorm; default {DEFAULT_SINKS})", lo=0,
+                  fix="the number of first tokens always kept",
+                  shown=lambda cls, value: cls.uses_sinks and value != DEFAULT_SINKS)
 
 
 @dataclass(frozen=True)
@@ -45,9 +50,12 @@ class Budget:
 
 
 class KVPolicy:
-    """Base class: subclasses set `name` and the flags below and implement `priority`."""
+    """Base class: subclasses set `name` and the flags below and implement `priority`. A class declares the
+    parameters it reads in `params` (Param, kv/policies/params.py): the constructor takes each as a keyword (its
+    default when not given) and sets it as an attribute; the flags, the KVSpec and the printed command line follow."""
 
     name = "base"
+    params = (NUM_SINKS,)
     needs_scores = False
     windowed = False  # a --kv-budget is split evenly into heavy tokens and a protected recent window
     uses_sinks = False  # protects the first --num-sinks positions
@@ -63,21 +71,22 @@ class KVPolicy:
         if "priority" in vars(cls) and "priority_is_score" not in vars(cls):
             cls.priority_is_score = False  # an inherited True never covers a new rule
 
-    def __init__(self, budget: Optional[Budget], num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0, *,
-                 num_layers: Optional[int] = None, pyramid_ratio: float = DEFAULT_PYRAMID_RATIO,
-                 head_cap: float = DEFAULT_HEAD_CAP):
+    def __init__(self, budget: Optional[Budget], num_sinks: int = DEFAULT_SINKS, seed: int = 0, *,
+                 num_layers: Optional[int] = None, **params):
         self.budget = budget
         self.num_sinks = num_sinks
         self.seed = seed
-        self.hh_decay = hh_decay
         self.num_layers = num_layers
-        self.pyramid_ratio = pyramid_ratio
-        self.head_cap = head_cap
+        for p in declared(type(self)):
+            if p.name != NUM_SINKS.name:
+                setattr(self, p.name, params.pop(p.name, p.default))
+        if params:
+            raise TypeError(f"the {self.name} policy has no parameter {', '.join(sorted(params))}")
 
     def options(self) -> dict:
         """The constructor's keywords besides the budget: a policy of the same class built with them is the same."""
-        return {"num_sinks": self.num_sinks, "seed": self.seed, "hh_decay": self.hh_decay,
-                "num_layers": self.num_layers, "pyramid_ratio": self.pyramid_ratio, "head_cap": self.head_cap}
+        return {"num_sinks": self.num_sinks, "seed": self.seed, "num_layers": self.num_layers,
+                **{p.name: getattr(self, p.name) for p in declared(type(self))}}
 
     def layer_budget(self, layer: int) -> Optional[Budget]:
         """The budget of one layer (the same for every layer here; see pyramid)."""

@@ -5,8 +5,8 @@ from flexh2o.kv.policies.base import KVPolicy
 class FullPolicy(KVPolicy):
     name = "full"
 
-    def __init__(self, budget=None, num_sinks: int = 4, seed: int = 0, hh_decay: float = 1.0, **options):
-        super().__init__(None, num_sinks, seed, hh_decay, **options)
+    def __init__(self, budget=None, num_sinks: int = 4, seed: int = 0, **options):
+        super().__init__(None, num_sinks, seed, **options)
 
     def priority(self, pos, score, layer, cur_pos, v):
         return pos
