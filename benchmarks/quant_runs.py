@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from flexh2o.kv.layout import CacheLayout, CacheQuant
+from flexh2o.kv.layout import DEFAULT_RECENT, CacheLayout, CacheQuant
 
 FP16_TOKEN = 2 * 64 * 2  # K and V bytes of one fp16 token of one SmolLM2 KV head (head_dim 64)
 SCHEMES = {"new": dict(keys="channel", outliers=4), "flexgen": dict(keys="token", outliers=0, recent=0)}
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--texts", default="hamlet,macbeth")
     p.add_argument("--bits", default="4,3,2,8")
     p.add_argument("--schemes", default="new,flexgen")
-    p.add_argument("--recent", type=int, default=32)
+    p.add_argument("--recent", type=int, default=DEFAULT_RECENT)
     p.add_argument("--other", default="mean_vnorm", help="the policy besides h2o (default mean_vnorm)")
     p.add_argument("--fixed", default="128", help="fixed token budgets (default 128)")
     p.add_argument("--context", type=int, default=1024)
