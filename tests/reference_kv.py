@@ -228,7 +228,8 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V; or a pair of them, keys' and values', each taking
     (x, prompt_len): tests/reference_quant.py), the queries after the prompt (generated tokens) read the quantized
     K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends before the cache is
-    written)."""
+    written). A third member W > 0 of the pair (reference_quant.recent): query i reads token j exact when j > i - W
+    (the cache's newest W tokens)."""
     if kv_quant is None:
         return _attention(q, k, v, visible, num_heads, kv_heads, merges)
     assert not merges or not any(merges), "the reference merges only exact K/V"
@@ -236,7 +237,10 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     pair = kv_quant if isinstance(kv_quant, tuple) else (lambda x, n: kv_quant(x),) * 2
     qk, qv = (f(x.view(T, kv_heads, -1), prompt_len).reshape(T, -1) for f, x in zip(pair, (k, v)))
     exact = _attention(q, k, v, visible, num_heads, kv_heads)
-    packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
+    if len(pair) > 2 and pair[2]:
+        packed = _mixed(q, (k, qk), (v, qv), visible, num_heads, kv_heads, pair[2])
+    else:
+        packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache
     vnorm = packed[1][1] if T > prompt_len else exact[1][1]  # decode steps weigh the values the cache holds
     return (torch.where(later[:, None], packed[0], exact[0]),
@@ -266,6 +270,26 @@ def _attention(q, k, v, visible, num_heads: int, kv_heads: int, merges: Optional
         out = torch.einsum("nqt,nqtd->nqd", probs, per_query.repeat_interleave(group, 0))
         out = out.transpose(0, 1).reshape(T, num_heads * d)
     return out, (probs.view(kv_heads, group, T, T).sum(1), vnorm, keys)
+
+
+def _mixed(q, k: tuple, v: tuple, visible, num_heads: int, kv_heads: int, window: int) -> tuple:
+    """_attention where k and v are (exact, quantized) pairs: query i reads token j's exact K and V when
+    j > i - window, the quantized ones otherwise; the value norms are those the newest query reads."""
+    T = q.shape[0]
+    d = q.shape[1] // num_heads
+    group = num_heads // kv_heads
+    near = torch.arange(T)[None, :] > torch.arange(T)[:, None] - window  # (query, token)
+
+    def heads(x):  # (T, kv*d) -> (n, T, d): query head h reads h // group
+        return x.view(T, kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)
+    qh = q.view(T, num_heads, d).transpose(0, 1)
+    logits = torch.where(near, qh @ heads(k[0]).transpose(1, 2), qh @ heads(k[1]).transpose(1, 2)) * d ** -0.5
+    probs = logits.masked_fill(~visible.repeat_interleave(group, 0), float("-inf")).softmax(-1)  # (n, T, T)
+    out = (probs * near) @ heads(v[0]) + (probs * ~near) @ heads(v[1])
+    norms = [x.view(T, kv_heads, d).abs().sum(-1).T for x in v]  # (kv, T) exact, quantized
+    vnorm = torch.where(near[-1], norms[0], norms[1])
+    return (out.transpose(0, 1).reshape(T, num_heads * d),
+            (probs.view(kv_heads, group, T, T).sum(1), vnorm, k[0].view(T, kv_heads, d).transpose(0, 1)))
 
 
 def merged_values(v: torch.Tensor, events: list) -> torch.Tensor:

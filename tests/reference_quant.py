@@ -48,3 +48,10 @@ def per_channel(bits: int, outliers: int):
                     out[t, h, c] = x[t, h, c]
         return out
     return quant
+
+
+def recent(keys, values, window: int) -> tuple:
+    """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens exact: the
+    (keys, values, window) triple tests/reference_kv.attention reads (query i reads token j exact when
+    j > i - window)."""
+    return keys, values, window

@@ -105,9 +105,13 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     take = keep.gather(-1, order)
     first = (slice(None), slice(None), slice(0, m))
     blk.calibrate(k, pos >= 0)  # keys per channel: scales from every prompt token, kept or not
-    assign(blk.k, first, k.gather(2, order[..., None].expand(b, kv, m, d)))  # quantized here when compressed
-    assign(blk.v, first, v.gather(2, order[..., None].expand(b, kv, m, d)))
+    kept = [x.gather(2, order[..., None].expand(b, kv, m, d)) for x in (k, v)]
+    assign(blk.k, first, kept[0])  # quantized here when compressed
+    assign(blk.v, first, kept[1])
     blk.pos[:, :, :m] = torch.where(take, pos.gather(-1, order), -1)
+    for x, val in zip((blk.k, blk.v), kept):
+        if hasattr(x, "remember_prompt"):  # the newest tokens also kept exact (compress/recent.py)
+            x.remember_prompt(blk.pos[:, :, :m], val)
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
 
 

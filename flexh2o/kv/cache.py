@@ -46,6 +46,9 @@ class KVBlock:
         hi = torch.arange(kv, device=self.pos.device)[None, :]
         assign(self.k, (bi, hi, slot), k)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
         assign(self.v, (bi, hi, slot), v)  # a compressed block quantizes the new token's K/V here
+        for x, val in ((self.k, k), (self.v, v)):
+            if hasattr(x, "remember"):  # the newest tokens also kept exact (compress/recent.py)
+                x.remember(slot, cur_pos, val)
         self.pos[bi, hi, slot] = cur_pos.view(b, 1).expand(b, kv)
         self.score[bi, hi, slot] = 0.0
         self.written = slot
@@ -59,7 +62,7 @@ class KVBlock:
         if not len(rows):
             return
         target, mass = target.index_select(0, rows), mass.index_select(0, rows)  # (r, kv, s): those rows
-        if not isinstance(self.v, CompressedTensor) and int((target >= 0).sum(-1).max()) <= 1:
+        if isinstance(self.v, torch.Tensor) and int((target >= 0).sum(-1).max()) <= 1:
             changed = self._merge_single(rows, target, mass)  # decode: one evicted slot per row and head at most
         else:
             changed = self._merge_many(rows, target, mass)
@@ -96,7 +99,11 @@ class KVBlock:
 
         def cut(t):
             return t.index_select(0, rows)[:, :, :n]
-        sub = self.v.map(cut) if isinstance(self.v, CompressedTensor) else cut(self.v)
+        if isinstance(self.v, torch.Tensor):
+            sub = cut(self.v)
+        else:
+            sub = self.v.map(lambda t: t.index_select(0, rows))
+            sub = sub.front(n) if hasattr(sub, "front") else sub.map(lambda t: t[:, :, :n])
         values, part = merged_values(expand(sub, torch.float32), target[:, :, :n], mass[:, :, :n])
         ri, hi, si = part.nonzero(as_tuple=True)
         if len(ri):

@@ -6,7 +6,8 @@ head_dim d, stored as `dtype`:
   k, v     plain (b, h, s, d) `dtype`; or quantized under a CacheQuant: values per token (FlexGen's groups along
            head_dim: data + meta, compress/codec.py), keys per token as well (FlexGen's scheme, keys "token") or per
            channel with scales calibrated on the prompt (keys "channel": data, index, exact, calib;
-           compress/channel.py)
+           compress/channel.py); with `recent` R > 0 both also keep a ring of their newest R tokens exact
+           (recent, rslot; compress/recent.py), R = min(recent, slots)
   pos      int64 (b, h, s): the token a slot holds (-1: empty)
   score    fp32 (b, h, s): the policy's accumulated attention
 """
@@ -19,10 +20,12 @@ import torch
 
 from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
 from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
+from flexh2o.compress.recent import RING_PARTS, Recent
 
 KEY_SCHEMES = ("channel", "token")
 DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (benchmarks/ACCURACY.md, issue 26)
 DEFAULT_OUTLIERS = 4  # key values per token kept exact (1/16 of SmolLM2's head_dim of 64)
+DEFAULT_RECENT = 16  # newest tokens of a row kept exact: of 8, 16, 32 the best 4-bit full cache on SmolLM2 (ACCURACY.md)
 FIELDS = ("k", "v", "pos", "score")
 
 
@@ -30,16 +33,20 @@ FIELDS = ("k", "v", "pos", "score")
 class CacheQuant:
     """How the KV cache is quantized: values per token in groups of `group_size` along head_dim at `bits`
     (FlexGen's scheme); keys either the same way (keys "token") or per channel, calibrated on the prompt, with
-    `outliers` values per token kept exact (keys "channel"). group_dim (-1) is the values' grouped dimension."""
+    `outliers` values per token kept exact (keys "channel"); both with the newest `recent` tokens of each row also
+    kept exact (0: none). group_dim (-1) is the values' grouped dimension."""
 
     bits: int = 4
     group_size: int = 64
     keys: str = DEFAULT_KEYS
     outliers: int = DEFAULT_OUTLIERS
+    recent: int = 0
 
     def __post_init__(self):
         if self.keys not in KEY_SCHEMES:
             raise ValueError(f"--cache-keys {self.keys}: choose one of {', '.join(KEY_SCHEMES)}")
+        if self.recent < 0:
+            raise ValueError(f"--cache-recent must be 0 or more (got {self.recent})")
         ChannelSpec(self.bits, self.outliers)  # validates the bits and the outliers
         CacheGroupSpec(self.bits, self.group_size, -1)  # validates the bits and the group size
 
@@ -65,7 +72,8 @@ class CacheQuant:
 
     def describe(self) -> str:
         keys = f"keys per channel, {self.outliers} exact" if self.keys == "channel" else "keys per token"
-        return f"{self.bits}-bit/{self.group_size} ({keys})"
+        recent = f", newest {self.recent} exact" if self.recent else ""
+        return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,21 @@ class CacheLayout:
             return None
         return self.quant.key_spec if field == "k" else self.quant.value_spec
 
+    @property
+    def ring(self) -> int:
+        """Ring entries per row and head of K and V kept exact (0: none)."""
+        return min(self.quant.recent, self.slots) if self.quant is not None else 0
+
     def field_parts(self, field: str) -> tuple:
-        """The Parts of one field."""
+        """The Parts of one field (a quantized K or V: its quantized parts, then its ring's)."""
+        parts = self._quant_parts(field)
+        if field not in ("k", "v") or not self.ring:
+            return parts
+        b, h, _, d = self.kv_shape
+        return parts + (Part(field, "recent", (b, h, self.ring, d), self.dtype, False),
+                        Part(field, "rslot", (b, h, self.ring), torch.int32, False))
+
+    def _quant_parts(self, field: str) -> tuple:
         if field in ("pos", "score"):
             dtype = torch.int64 if field == "pos" else torch.float32
             return (Part(field, "", self.kv_shape[:3], dtype, False),)
@@ -181,12 +202,16 @@ class CacheLayout:
         if spec is None:
             return tensors[""]
         if isinstance(spec, ChannelSpec):
-            return ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], spec)
-        return CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
+            inner = ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], spec)
+        else:
+            inner = CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
+        return Recent(inner, tensors["recent"], tensors["rslot"]) if self.ring else inner
 
     @staticmethod
     def split(obj) -> dict:
         """A field's object -> its parts' tensors (name -> tensor), as assemble takes them."""
+        if isinstance(obj, Recent):
+            return {**CacheLayout.split(obj.inner), **{n: getattr(obj, n) for n in RING_PARTS}}
         if isinstance(obj, ChannelKeys):
             return obj.tensors()
         if isinstance(obj, CompressedTensor):
@@ -194,10 +219,10 @@ class CacheLayout:
         return {"": obj}
 
     def empty(self, device) -> dict:
-        """field -> a fresh object of the block on `device` (zeros; pos -1)."""
+        """field -> a fresh object of the block on `device` (zeros; pos and a ring's slots -1)."""
         out = {}
         for f in FIELDS:
-            fill = -1 if f == "pos" else 0
-            out[f] = self.assemble(f, {p.name: torch.full(p.shape, fill, dtype=p.dtype, device=device)
+            out[f] = self.assemble(f, {p.name: torch.full(p.shape, -1 if p.key in ("pos", f"{f}.rslot") else 0,
+                                                          dtype=p.dtype, device=device)
                                        for p in self.field_parts(f)})
         return out

@@ -1,0 +1,104 @@
+"""A quantized K or V with its newest tokens kept exact (a residual window, as KIVI's full-precision recent tokens).
+
+Every token is quantized into its slot as it arrives (both key schemes quantize a token alone, with scales that do
+not change after the prompt, so this is what quantizing it when it leaves the window would store); beside the
+slots a ring of `R` entries keeps the newest R positions of each row exact: position p lives in entry p % R, which
+names the slot holding it. Reading the block (`expanded`) puts the exact values over their slots, so a token is
+read exact while it is among the newest R and quantized from the step it leaves the ring. Eviction is untouched: a
+policy sees every slot; an evicted slot reused by a new token drops the ring entry that named it.
+
+Parts (besides the quantized form's own, compress/codec.py or compress/channel.py), per row and head, not per slot:
+  recent  dtype (b, h, R, d)   the exact values
+  rslot   int32 (b, h, R)      the slot holding each entry's token (-1: none)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexh2o.compress.codec import assign, expand
+
+RING_PARTS = ("recent", "rslot")
+
+
+@dataclass
+class Recent:
+    """A quantized form (`inner`: a CompressedTensor or ChannelKeys) and its exact ring (module docstring)."""
+
+    inner: object
+    recent: torch.Tensor
+    rslot: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return self.inner.shape
+
+    @property
+    def spec(self):
+        return self.inner.spec
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + sum(t.numel() * t.element_size() for t in (self.recent, self.rslot))
+
+    def map(self, fn) -> "Recent":
+        """fn applied to every part (indexing of rows or heads, .to(device))."""
+        return Recent(self.inner.map(fn), fn(self.recent), fn(self.rslot))
+
+    def front(self, n: int) -> "Recent":
+        """The first n slots (the ring unchanged: entries naming a later slot are not read)."""
+        inner = self.inner.front(n) if hasattr(self.inner, "front") else self.inner.map(lambda t: t[:, :, :n])
+        return Recent(inner, self.recent, self.rslot)
+
+    def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
+        if hasattr(self.inner, "calibrate"):
+            self.inner.calibrate(k, valid)
+
+    def assign(self, index: tuple, values: torch.Tensor) -> None:
+        """self[index] = values: quantized into the slots, and exact into the ring entries that name them (a merge
+        rewriting a value still in the window)."""
+        assign(self.inner, index, values)
+        if not all(isinstance(i, torch.Tensor) for i in index):
+            return  # a range of slots: prefill's packing, whose ring `remember_prompt` writes
+        bi, hi, si = torch.broadcast_tensors(*index)
+        hit = self.rslot[bi, hi] == si[..., None].to(self.rslot.dtype)  # (..., R)
+        has = hit.any(-1)
+        if bool(has.any()):
+            entry = hit.to(torch.int8).argmax(-1)
+            self.recent[bi[has], hi[has], entry[has]] = values[has].to(self.recent.dtype)
+
+    def remember(self, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+        """A decode step's new token of every row (pos (b,)) went into `slot` (b, h) with values (b, h, d): it takes
+        ring entry pos % R (the token R positions older leaves the window), and an entry naming the same slot (an
+        evicted token's) is dropped."""
+        b, h, r = self.rslot.shape
+        self.rslot.masked_fill_(self.rslot == slot[..., None].to(self.rslot.dtype), -1)
+        bi = torch.arange(b, device=slot.device)[:, None]
+        hi = torch.arange(h, device=slot.device)[None, :]
+        entry = (pos % r).view(b, 1).expand(b, h)
+        self.rslot[bi, hi, entry] = slot.to(self.rslot.dtype)
+        self.recent[bi, hi, entry] = values.to(self.recent.dtype)
+
+    def remember_prompt(self, pos: torch.Tensor, values: torch.Tensor) -> None:
+        """Prefill packed a prompt's kept tokens into the first slots: pos (b, h, m) their positions (-1: empty),
+        values (b, h, m, d); the ring is reset to the kept tokens among each row's newest R positions."""
+        r = self.rslot.shape[2]
+        self.rslot.fill_(-1)
+        newest = pos.amax((1, 2), keepdim=True)  # (b, 1, 1): the row's newest position
+        bi, hi, si = ((pos >= 0) & (pos > newest - r)).nonzero(as_tuple=True)
+        entry = pos[bi, hi, si] % r
+        self.rslot[bi, hi, entry] = si.to(self.rslot.dtype)
+        self.recent[bi, hi, entry] = values[bi, hi, si].to(self.recent.dtype)
+
+    def expanded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values (b, h, slots, d) in `dtype`: the quantized slots, the ring's exact values over theirs."""
+        x = expand(self.inner, dtype)
+        ok = (self.rslot >= 0) & (self.rslot < x.shape[2])
+        bi, hi, ei = ok.nonzero(as_tuple=True)
+        x[bi, hi, self.rslot[bi, hi, ei].long()] = self.recent[bi, hi, ei].to(dtype)
+        return x
