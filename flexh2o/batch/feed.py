@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from flexh2o.batch.stop_scan import StopScan
 from flexh2o.batch.stopping import StopRule
 from flexh2o.sampling import Sampler
 
@@ -20,6 +21,7 @@ class RequestFeed:
         self.req: list = [None] * num_rows  # row -> its request (None: finished, or idle)
         self.samplers: list = [None] * num_rows
         self.tokens: list = [[] for _ in range(num_rows)]
+        self.scans: list = [None] * num_rows  # row -> its StopScan (stop strings searched incrementally)
         self.generated = 0  # tokens kept by the requests so far
         self.longest_prompt = max((len(r.prompt_ids) for r in requests), default=1)
         self.longest_gen = max((r.max_new_tokens for r in requests), default=1)
@@ -32,6 +34,7 @@ class RequestFeed:
             return None
         r = self.queue.popleft()
         self.req[row], self.samplers[row], self.tokens[row] = r, Sampler(r.temperature, r.top_p, r.seed), []
+        self.scans[row] = StopScan()
         return list(r.prompt_ids)
 
     def live(self, row: int) -> bool:
@@ -54,7 +57,7 @@ class RequestFeed:
         self.tokens[row].append(token)
         self.generated += 1
         req = self.req[row]
-        reason = self.rule.reason(req, self.tokens[row])
+        reason = self.rule.reason(req, self.tokens[row], self.scans[row])
         if reason is not None:
             self.req[row] = None
             self.on_finish(self.rule.result(req, self.tokens[row], reason))
