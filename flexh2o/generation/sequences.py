@@ -18,11 +18,12 @@ class Sequences:
         if min(map(len, prompts)) < 1:
             raise ValueError("a prompt is empty: every prompt needs at least one token")
         self.t = t = max(len(p) for p in prompts)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        pos = torch.arange(t).view(1, t) - (t - lens).view(-1, 1)  # a prompt's tokens end at column t - 1
+        real = pos >= 0
         ids = torch.full((b * nb, t), pad_id, dtype=torch.long)
-        pos = torch.full((b * nb, t), -1, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
-            pos[i, t - len(p):] = torch.arange(len(p))
+        ids[real] = torch.tensor([tok for p in prompts for tok in p], dtype=torch.long)  # row-major: each row's
+        pos = pos.masked_fill(~real, -1)  # real columns are its prompt in order
         self.ids, self.pos = ids.view(nb, b, t), pos.view(nb, b, t)
         self.lens = self.pos[:, :, -1] + 1  # (nb, b) real prompt lengths
         self.gen_len = gen_len

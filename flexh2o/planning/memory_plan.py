@@ -116,19 +116,54 @@ def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
 def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> int:
     """Largest --gpu-batch-size up to `limit` that fits every tier (0 when even 1 does not). The one batch search:
     --gpu-batch-size auto, --dry-run and the policy search use it; `plan_of` (rc -> MemoryPlan) is a pipeline
-    stage's plan under torchrun."""
-    return largest_passing(lambda b: plan_of(rc.with_(gpu_batch_size=b)).overflow() is None, limit)
+    stage's plan under torchrun. A plan is nearly affine in the batch: the plans at b and b + 1 give each tier's
+    bytes per sequence there, and the batch where the first tier would fill at that rate is the next guess (from
+    b = 1, at most three times); the search then starts from the last guess, so a few plans bracket the answer
+    instead of ~2 log2(answer). The answer is the same as without a guess."""
+    plans: dict = {}
+
+    def ok(b: int) -> bool:
+        if b not in plans:
+            plans[b] = plan_of(rc.with_(gpu_batch_size=b))
+        return plans[b].overflow() is None
+
+    if limit < 2 or not ok(1) or not ok(2):
+        return largest_passing(ok, limit)  # 0 or 1 (the plans are kept: nothing is planned twice)
+    guess = b = 1
+    for _ in range(3):
+        nxt = _affine_guess(b, plans[b], plans[b + 1])
+        if nxt is None or nxt == b:
+            break
+        guess = b = min(max(nxt, 1), limit - 1)
+        ok(b), ok(b + 1)
+    return largest_passing(ok, limit, guess=guess)
 
 
-def largest_passing(ok, limit: int) -> int:
+def _affine_guess(b: int, at_b: MemoryPlan, at_next: MemoryPlan) -> Optional[int]:
+    """The batch at which the first tier fills, extrapolating each tier's total from batch b to b + 1 (None when
+    no tier grows there)."""
+    fills = [b + (at_b.capacity(t) - at_b.total(t)) // (at_next.total(t) - at_b.total(t))
+             for t in TIERS if at_next.total(t) > at_b.total(t)]
+    return min(fills) if fills else None
+
+
+def largest_passing(ok, limit: int, guess: Optional[int] = None) -> int:
     """Largest b in 1..limit with ok(b), for an ok that holds up to some b and fails above (0 when ok(1) fails):
-    doubling from 1, then bisection between the last success and the first failure."""
-    if not ok(1):
+    from a guess (or from 1), steps doubling away from it until ok changes, then bisection between the last success
+    and the first failure."""
+    if limit < 1 or not ok(1):
         return 0
-    lo, hi = 1, 2
-    while hi <= limit and ok(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    g = min(max(guess or 1, 1), limit)
+    if g == 1 or ok(g):
+        lo, step = g, 1
+        while lo + step <= limit and ok(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, limit + 1)
+    else:
+        hi, step = g, 1
+        while hi - step > 1 and not ok(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(hi - step, 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
