@@ -131,10 +131,13 @@ class LLM:
 
 def serves(kept, rc) -> bool:
     """A kept engine planned for `kept` (a RunConfig) can run `rc`'s requests: the same run in every respect but
-    prompt and generation lengths, and those within its plan (so its weights, tiers and cache are rc's)."""
+    prompt and generation lengths, and those within its plan (so its weights, tiers and cache are rc's). The tier
+    capacities are measured afresh by each call (free disk space moves); the kept engine already holds its memory."""
     if rc.prompt_len > kept.prompt_len or rc.gen_len > kept.gen_len:
         return False
-    return kept.with_(prompt_len=rc.prompt_len, gen_len=rc.gen_len) == rc
+    same = {"prompt_len": rc.prompt_len, "gen_len": rc.gen_len, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
+            "disk_mem": rc.disk_mem}
+    return kept.with_(**same) == rc
 
 
 def _model_source(model: str) -> tuple:
