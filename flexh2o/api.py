@@ -4,7 +4,8 @@ Options are flexh2o-run's flags as keywords (`percent=(0, 100, 100, 0)`, `kv_pol
 `gpu_batch_size=8`, ...): each is turned into its flag and parsed by flexh2o-run's own parser and checks, so the
 names, defaults and refusals are the command line's (cli/run.py declares them once). Prompts become requests
 through the same code as a .jsonl --prompt-file's lines (requests.py), and run like a request job: each row stops at
-EOS (unless ignore_eos), a stop string or max_tokens. Every generate() call builds the engine for its prompts.
+EOS (unless ignore_eos), a stop string or max_tokens. The first generate() call builds the engine (weights loaded
+once) and later calls reuse it while their run fits its plan (`serves`); `close()` or a with-block frees it.
 """
 from __future__ import annotations
 
@@ -68,6 +69,22 @@ class LLM:
         self.opts = flexgen_options(self.args)
         self.cfg = _model_config(self.args)
         self.tokenizer = load_tokenizer(self.args.tokenizer)
+        self.engine = None  # built by the first generate() and kept (weights loaded once) until close()
+
+    def close(self) -> None:
+        """Free the kept engine (its tiers and files); a later generate() builds it again."""
+        eng, self.engine = getattr(self, "engine", None), None
+        if eng is not None:
+            eng.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
 
     def generate(self, prompts: Sequence, params: Optional[SamplingParams] = None) -> list:
         """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order."""
@@ -80,9 +97,14 @@ class LLM:
         args.gen_len = max(r.max_new_tokens for r in reqs)
         args.ignore_eos = (params or SamplingParams()).ignore_eos
         rc = build_run_config(args, self.cfg, [list(r.prompt_ids) for r in reqs])
+        warm = self.engine is None or not serves(self.engine.rc, rc)
+        if warm:  # the first call, or one the kept engine's plan cannot serve: (re)build it
+            self.close()
+            from flexh2o.engine import Engine
+            self.engine = Engine(rc)
         with Progress(len(reqs), enabled=self.opts.verbose >= 1) as bar:
-            stats = run_requests(rc, reqs, stop_rule(args, self.cfg, self.tokenizer), progress=bar,
-                                 warmup=not args.no_warmup)
+            stats = run_requests(self.engine.rc, reqs, stop_rule(args, self.cfg, self.tokenizer), progress=bar,
+                                 warmup=warm and not args.no_warmup, engine=self.engine)
         order = {r.id: i for i, r in enumerate(reqs)}
         return sorted(stats.results, key=lambda res: order[res.id])
 
@@ -105,6 +127,17 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return out
+
+
+def serves(kept, rc) -> bool:
+    """A kept engine planned for `kept` (a RunConfig) can run `rc`'s requests: the same run in every respect but
+    prompt and generation lengths, and those within its plan (so its weights, tiers and cache are rc's). The tier
+    capacities are measured afresh by each call (free disk space moves); the kept engine already holds its memory."""
+    if rc.prompt_len > kept.prompt_len or rc.gen_len > kept.gen_len:
+        return False
+    same = {"prompt_len": rc.prompt_len, "gen_len": rc.gen_len, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
+            "disk_mem": rc.disk_mem}
+    return kept.with_(**same) == rc
 
 
 def _model_source(model: str) -> tuple:

@@ -107,8 +107,7 @@ class _Run:
         rc, cfg = eng.rc, eng.cfg
         self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
         self.sampler, self.on_step, self.pipe, self.stop_when = sampler, on_step, pipe, stop_when
-        self.seqs = Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, cfg.pad_token_id, cfg.vocab,
-                              record_logits)
+        self.seqs = self._sequences(prompts, gen_len, record_logits)
         t = self.seqs.t
         if t > rc.prompt_len or gen_len > rc.gen_len:
             raise ValueError(f"prompts of up to {t} tokens + {gen_len} generated exceed the planned "
@@ -122,6 +121,11 @@ class _Run:
         self.followers = self._followers()
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
+
+    def _sequences(self, prompts, gen_len, record_logits):
+        rc = self.rc
+        return Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, self.cfg.pad_token_id,
+                         self.cfg.vocab, record_logits)
 
     def _followers(self):
         """Followers (generation/followers.py) for a batch of lanes over copies of the same prompts, in one GPU

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
+from flexh2o.batch.stop_scan import StopScan
 from flexh2o.batch.stopping import StopRule
 from flexh2o.sampling import Sampler
 
@@ -17,6 +18,7 @@ class RowSampler:
         self.requests, self.rule, self.on_finish = requests, rule, on_finish
         self.samplers = [Sampler(r.temperature, r.top_p, r.seed) for r in requests]
         self.tokens: list = [[] for _ in requests]
+        self.scans = [StopScan() for _ in requests]  # stop strings searched incrementally
         self.reasons: list = [None] * len(requests)
         self.generated = 0  # tokens kept by the requests so far
 
@@ -38,7 +40,7 @@ class RowSampler:
         self.tokens[row].append(token)
         self.generated += 1
         req = self.requests[row]
-        reason = self.rule.reason(req, self.tokens[row])
+        reason = self.rule.reason(req, self.tokens[row], self.scans[row])
         if reason is not None:
             self.reasons[row] = reason
             self.on_finish(self.rule.result(req, self.tokens[row], reason))

@@ -1,9 +1,10 @@
-"""Run a list of requests on one engine: rounds of up to num_seqs requests (file order), each row sampled and
-stopped by its own request, results handed to `on_result` as rows finish, the results file synced every step.
+"""Run a list of requests on one engine, each row sampled and stopped by its own request, results handed to
+`on_result` as rows finish, the results file synced every step.
 
-A round ends at the step after which every one of its requests has finished (generate's stop_when), so rows that
-stop early cost nothing once their whole round has stopped; a finished row inside a running round still takes its
-batch slot until the round ends (no refill yet).
+refill (the default): one run whose rows take the next request (file order) as soon as theirs finishes, its prefill
+sharing the decode step's weight pass (generation/refill.py). refill False: FlexGen's fixed batches, rounds of
+num_seqs requests, a round ending at the step after which all its requests have finished (generate's stop_when),
+a finished row keeping its batch slot until then.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from flexh2o.batch.feed import RequestFeed
 from flexh2o.batch.progress import Progress
 from flexh2o.batch.rows import RowSampler
 from flexh2o.batch.stopping import StopRule
 from flexh2o.engine import Engine
+from flexh2o.generation.refill import generate_refill
 from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
 
@@ -45,23 +48,32 @@ def rounds_of(requests: list, num_seqs: int) -> list:
 
 def run_requests(rc: RunConfig, requests: list, rule: StopRule, on_result: Optional[Callable] = None,
                  on_step: Optional[Callable] = None, progress: Optional[Progress] = None,
-                 warmup: bool = True) -> BatchStats:
+                 warmup: bool = True, refill: bool = True, engine: Optional[Engine] = None) -> BatchStats:
     """Answer `requests` (each within rc's planned prompt_len and gen_len). on_result(Result) per finished
-    request, as it finishes; on_step() after every generation step (the results file's sync)."""
-    stats = BatchStats()
+    request, as it finishes; on_step() after every generation step (the results file's sync). engine: an Engine
+    built for rc, kept open by the caller (api.LLM); else one is built and closed here."""
+    if engine is not None:
+        return _answer(engine, requests, rule, on_result, on_step, progress, warmup, refill)
     with Engine(rc) as eng:
-        if warmup and requests:
-            eng.generate(fill_batch([list(r.prompt_ids[:8]) for r in requests[:rc.num_seqs]], rc.num_seqs), 2)
-        start = time.perf_counter()
-        for group in rounds_of(requests, rc.num_seqs):
-            stats.steps += _round(eng, rc, group, rule, stats, on_result, on_step, progress)
-            stats.rounds += 1
-        stats.seconds = time.perf_counter() - start
+        return _answer(eng, requests, rule, on_result, on_step, progress, warmup, refill)
+
+
+def _answer(eng, requests, rule, on_result, on_step, progress, warmup, refill) -> BatchStats:
+    rc, stats = eng.rc, BatchStats()
+    if warmup and requests:
+        eng.generate(fill_batch([list(r.prompt_ids[:8]) for r in requests[:rc.num_seqs]], rc.num_seqs), 2)
+    start = time.perf_counter()
+    groups = [requests] if refill else rounds_of(requests, rc.num_seqs)
+    for group in groups:
+        stats.steps += _round(eng, rc, group, rule, stats, on_result, on_step, progress, refill)
+        stats.rounds += 1
+    stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _round(eng, rc, group: list, rule: StopRule, stats: BatchStats, on_result, on_step, progress) -> int:
-    """One round of requests; the steps it ran."""
+def _round(eng, rc, group: list, rule: StopRule, stats: BatchStats, on_result, on_step, progress,
+           refill: bool = False) -> int:
+    """One round of requests (with refill: all of them); the steps it ran."""
     steps = [0]
 
     def finished(result) -> None:
@@ -79,6 +91,12 @@ def _round(eng, rc, group: list, rule: StopRule, stats: BatchStats, on_result, o
             on_step()
         if progress is not None:
             progress.tokens(sampler.generated)
+    if refill:
+        sampler = RequestFeed(group, rule, finished, rc.num_seqs)
+        generate_refill(eng, sampler, on_step=stepped)
+        if progress is not None:
+            progress.round_done(sampler.generated)
+        return steps[0]
     sampler = RowSampler(group, rule, finished)
     prompts = fill_batch([list(r.prompt_ids) for r in group], rc.num_seqs)
     gen_len = max(r.max_new_tokens for r in group)

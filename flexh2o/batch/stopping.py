@@ -34,11 +34,14 @@ class StopRule:
     eos_ids: frozenset = frozenset()
     tokenizer: object = None
 
-    def reason(self, req, tokens: list) -> Optional[str]:
-        """Why a row whose generated tokens are `tokens` ends now (eos, stop, length), or None while it goes on."""
+    def reason(self, req, tokens: list, scan=None) -> Optional[str]:
+        """Why a row whose generated tokens are `tokens` ends now (eos, stop, length), or None while it goes on.
+        scan: the row's StopScan (batch/stop_scan.py), called once per new token: stop strings are then searched
+        in the newest text only; None decodes the whole answer."""
         if tokens and tokens[-1] in self.eos_ids:
             return EOS
-        if req.stop and self._stop_at(req, tokens) is not None:
+        if req.stop and (scan.found(self.tokenizer, tokens, req.stop) if scan is not None
+                         else self._stop_at(req, tokens) is not None):
             return STOP
         if len(tokens) >= req.max_new_tokens:
             return LENGTH

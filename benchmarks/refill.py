@@ -1,0 +1,73 @@
+"""Refill against FlexGen's fixed batches (issue 27): N requests whose answers end at seeded lengths spread evenly
+from --min-len to --max-len tokens (each request's max_new_tokens, no EOS), answered with refill (finished rows take
+the next request inside the block schedule) or in fixed rounds of num_seqs requests (a round ends once all its rows
+have finished). The batch is the largest that fits --gpu-mem for the policy (planning's one search) unless given.
+
+Prints one JSON line: useful tokens (every request's answer), seconds of the job (engine built and warmed up
+before the clock starts), useful tok/s, steps, rounds, batch.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy h2o --refill true
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from flexh2o.batch.run import run_requests  # noqa: E402
+from flexh2o.batch.stopping import StopRule  # noqa: E402
+from flexh2o.config import ModelConfig, from_name  # noqa: E402
+from flexh2o.kv.spec import KVSpec  # noqa: E402
+from flexh2o.placement import Percent  # noqa: E402
+from flexh2o.planning.memory_plan import largest_batch  # noqa: E402
+from flexh2o.requests import Request  # noqa: E402
+from flexh2o.run_config import RunConfig  # noqa: E402
+from flexh2o.units import parse_bytes  # noqa: E402
+
+SMALL = ModelConfig("opt-small", "opt", hidden=256, num_layers=4, num_heads=4, ffn=1024, vocab=2048,
+                    max_positions=512)  # a small OPT whose step is mostly the engine's own per-step work
+
+
+def requests(n: int, prompt_len: int, lo: int, hi: int, vocab: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [Request(str(i), tuple(torch.randint(4, vocab, (prompt_len,), generator=g).tolist()), max_new_tokens=m)
+            for i, m in enumerate(lens)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small", help="'small' (the SMALL config above) or a built-in model name")
+    p.add_argument("--policy", choices=("full", "h2o"), default="h2o")
+    p.add_argument("--hh-ratio", type=float, default=0.2)
+    p.add_argument("--refill", choices=("true", "false"), default="true")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--gpu-mem", default="24MB", help="the gpu tier's capacity that sets each policy's largest batch")
+    p.add_argument("--batch", type=int, default=None, help="GPU batch (default: the largest that fits)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    cfg = SMALL if a.model == "small" else from_name(a.model)
+    kv = KVSpec.from_flags(a.policy, a.prompt_len, a.hh_ratio if a.policy == "h2o" else None, None, None)
+    rc = RunConfig(model=cfg, percent=Percent.parse([0, 100, 100, 0]), gpu_batch_size=1, prompt_len=a.prompt_len,
+                   gen_len=a.max_len, dtype=torch.float32, kv=kv, gpu_mem=parse_bytes(a.gpu_mem),
+                   cpu_mem=parse_bytes("8GB"), offload_dir="/tmp")
+    rc = rc.with_(gpu_batch_size=a.batch or largest_batch(rc, limit=a.requests))
+    reqs = requests(a.requests, a.prompt_len, a.min_len, a.max_len, cfg.vocab, a.seed)
+    stats = run_requests(rc, reqs, StopRule(), refill=a.refill == "true")
+    useful = sum(r.generated_tokens for r in stats.results)
+    print(json.dumps({"policy": a.policy, "refill": a.refill == "true", "batch": rc.gpu_batch_size,
+                      "useful_tokens": useful, "seconds": round(stats.seconds, 3),
+                      "useful_tok_s": round(useful / stats.seconds, 2), "steps": stats.steps,
+                      "rounds": stats.rounds}))
+
+
+if __name__ == "__main__":
+    main()
