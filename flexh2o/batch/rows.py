@@ -1,5 +1,6 @@
-"""The sampler of one round of requests: each row samples with its own request's settings and stops by its own
-rule; a finished row's result is handed on the step it finishes (the rows after the requests only pad the batch)."""
+"""Per-row sampling of request jobs: each row samples with its own request's settings and stops by its own rule; a
+finished row's result is handed on the step it finishes. RowSampler serves one round of requests (the rows after
+the requests only pad the batch); batch/feed.py's RequestFeed serves a refill run's queue."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -11,26 +12,29 @@ from flexh2o.batch.stopping import StopRule
 from flexh2o.sampling import Sampler
 
 
-class RowSampler:
-    """sampler(logits (b, vocab), step, rows) -> ids (b,) for the engine (see sampling.py)."""
+class PerRowSampler:
+    """sampler(logits (b, vocab), step, rows) -> ids (b,) for the engine (see sampling.py). Subclasses say which
+    request a row holds (`request`, None when the row only pads the batch or has finished) and what finishing a row
+    does (`finish`); samplers, tokens and scans are indexed by row."""
 
-    def __init__(self, requests: list, rule: StopRule, on_finish: Callable):
-        self.requests, self.rule, self.on_finish = requests, rule, on_finish
-        self.samplers = [Sampler(r.temperature, r.top_p, r.seed) for r in requests]
-        self.tokens: list = [[] for _ in requests]
-        self.scans = [StopScan() for _ in requests]  # stop strings searched incrementally
-        self.reasons: list = [None] * len(requests)
+    def __init__(self, rule: StopRule, on_finish: Callable):
+        self.rule, self.on_finish = rule, on_finish
+        self.samplers: list = []
+        self.tokens: list = []
+        self.scans: list = []  # row -> its StopScan (stop strings searched incrementally)
         self.generated = 0  # tokens kept by the requests so far
 
-    @property
-    def all_done(self) -> bool:
-        return all(r is not None for r in self.reasons)
+    def request(self, row: int):
+        raise NotImplementedError
+
+    def finish(self, row: int, reason: str) -> None:
+        raise NotImplementedError
 
     def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
         rows = rows if rows is not None else slice(0, logits.shape[0])
-        out = logits.argmax(-1)  # (b,): rows past the requests and finished rows only pad the batch
+        out = logits.argmax(-1)  # (b,): rows without a live request only pad the batch
         for i, row in enumerate(range(rows.start, rows.stop)):
-            if row < len(self.requests) and self.reasons[row] is None:
+            if self.request(row) is not None:
                 out[i] = self._next(row, logits[i:i + 1])
         return out
 
@@ -39,9 +43,31 @@ class RowSampler:
         token = int(self.samplers[row](logits)[0])
         self.tokens[row].append(token)
         self.generated += 1
-        req = self.requests[row]
+        req = self.request(row)
         reason = self.rule.reason(req, self.tokens[row], self.scans[row])
         if reason is not None:
-            self.reasons[row] = reason
+            self.finish(row, reason)
             self.on_finish(self.rule.result(req, self.tokens[row], reason))
         return token
+
+
+class RowSampler(PerRowSampler):
+    """One round: row i holds requests[i] until it finishes."""
+
+    def __init__(self, requests: list, rule: StopRule, on_finish: Callable):
+        super().__init__(rule, on_finish)
+        self.requests = requests
+        self.samplers = [Sampler(r.temperature, r.top_p, r.seed) for r in requests]
+        self.tokens = [[] for _ in requests]
+        self.scans = [StopScan() for _ in requests]
+        self.reasons: list = [None] * len(requests)
+
+    @property
+    def all_done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def request(self, row: int):
+        return self.requests[row] if row < len(self.requests) and self.reasons[row] is None else None
+
+    def finish(self, row: int, reason: str) -> None:
+        self.reasons[row] = reason
