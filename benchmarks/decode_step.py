@@ -22,11 +22,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from conftest import hf_opt  # noqa: E402
-from flexh2o.config import from_name  # noqa: E402
-from flexh2o.dtypes import parse_dtype  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
-from flexh2o.placement import Percent  # noqa: E402
-from flexh2o.run_config import RunConfig  # noqa: E402
+from resident import add_flags, prompts_and_config  # noqa: E402
 
 
 def hf_decode(model, prompts: list, gen_len: int) -> float:
@@ -43,19 +40,12 @@ def hf_decode(model, prompts: list, gen_len: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="opt-125m")
-    ap.add_argument("--dtype", default="float32", help="both systems' weights and compute (flexh2o: --dtype and "
-                    "--compute-dtype alike)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=128)
+    add_flags(ap, prompt_len=128)
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    cfg, dtype = from_name(args.model), parse_dtype(args.dtype)
-    prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.batch)]
-    rc = RunConfig(model=cfg, percent=Percent.parse([100, 0, 100, 0, 100, 0]), gpu_batch_size=args.batch,
-                   prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=dtype,
-                   compute_dtype=dtype)
+    prompts, rc = prompts_and_config(args, [100, 0, 100, 0, 100, 0], args.gen_len)
+    cfg, dtype = rc.model, rc.dtype
     ours, theirs = [], []
     with Engine(rc) as eng:
         model = hf_opt(cfg, dict(eng.weights.handles)).to(dtype)

@@ -24,11 +24,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from conftest import hf_opt  # noqa: E402
-from flexh2o.config import from_name  # noqa: E402
-from flexh2o.dtypes import parse_dtype  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
-from flexh2o.placement import Percent  # noqa: E402
-from flexh2o.run_config import RunConfig  # noqa: E402
+from resident import add_flags, prompts_and_config  # noqa: E402
 
 
 def top_level_calls(fn) -> collections.Counter:
@@ -45,18 +42,11 @@ def top_level_calls(fn) -> collections.Counter:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="opt-125m")
-    ap.add_argument("--dtype", default="float32", help="both systems' weights and compute (flexh2o: --dtype and "
-                    "--compute-dtype alike)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    add_flags(ap, prompt_len=64)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
-    cfg, dtype = from_name(args.model), parse_dtype(args.dtype)
-    prompts = [list(range(10 + i, 10 + i + args.prompt_len)) for i in range(args.batch)]
-    rc = RunConfig(model=cfg, percent=Percent.parse([0, 100, 100, 0, 100, 0]), gpu_batch_size=args.batch,
-                   prompt_len=args.prompt_len, gen_len=3, dtype=dtype, compute_dtype=dtype,
-                   overlap=False)
+    prompts, rc = prompts_and_config(args, [0, 100, 100, 0, 100, 0], 3, overlap=False)
+    cfg, dtype = rc.model, rc.dtype
     with Engine(rc) as eng:
         eng.generate(prompts, 2)
         ours = top_level_calls(lambda: eng.generate(prompts, 3)) - top_level_calls(lambda: eng.generate(prompts, 2))
