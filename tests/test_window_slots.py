@@ -230,6 +230,11 @@ def test_h2o_on_windowed_and_full_layers_equals_reference(budget, family, prompt
     policy = ref.RefPolicy("h2o", budget.heavy, budget.recent)
     w = _ref_weights(model)
     refs = [ref.generate(cfg, w, p, GEN, policy) for p in prompts]
+    _equals_references(gen, refs)
+
+
+def _equals_references(gen, refs) -> None:
+    """The engine's tokens, step logits and per-layer kept counts equal the reference runs', sequence by sequence."""
     for i, r in enumerate(refs):
         assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
         torch.testing.assert_close(torch.stack(gen.step_logits)[:, i], torch.stack(r.step_logits), atol=ATOL,
@@ -254,9 +259,4 @@ def test_h2o_on_gemma2_equals_reference(budget, family, prompts, caches, tmp_pat
     hf = hf_step_logits(model, prompts[:1], torch.tensor([full.tokens]))[0]
     torch.testing.assert_close(torch.stack(full.step_logits), hf, atol=ATOL, rtol=RTOL)  # the reference itself
     refs = [ref.generate(cfg, w, p, GEN, policy, forward=gemma2_forward) for p in prompts]
-    for i, r in enumerate(refs):
-        assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
-        torch.testing.assert_close(torch.stack(gen.step_logits)[:, i], torch.stack(r.step_logits), atol=ATOL,
-                                   rtol=RTOL)
-    for layer, n in gen.kept.items():
-        assert n == max(len(kept) for r in refs for kept in r.kept[layer]), f"layer {layer} kept count"
+    _equals_references(gen, refs)
