@@ -2,22 +2,58 @@
 (cache and activations on the gpu tier, one small batch), a decode step reads the whole model once; its time is
 compared with the time to read those bytes at the disk tier's measured direct-I/O rate.
 
-Each round measures the rate first (bench_common.disk_read_probe: the disk tier's own reads of 256 MiB in 4 and
-16 MiB files, direct I/O, so the page cache never answers), then one flexh2o-run process; rounds alternate the two,
-so a drifting disk is measured beside the step it bounds. Prints per round: the rate, the bytes a decode step read
+Each round measures the rate first (link_rate: the disk tier's direct-I/O reads of 256 MiB in 16 MiB files into
+reused buffers, one and four at a time, the faster; the page cache never answers), then one flexh2o-run process
+(and, with --baseline, the same run of another checkout); rounds alternate them, so a drifting disk is measured
+beside the steps it bounds. Prints per round: the rate, the bytes a decode step read
 (the run's own count), the link bound (bytes / rate), the measured step, their ratio (target <= 1.1), and where
 the step went (compute, weight reads summed over I/O threads, computes waiting for loads); then the medians.
 
-    flock /tmp/bench.lock env OMP_WAIT_POLICY=PASSIVE python benchmarks/disk_link.py --repeats 3
+    flock /tmp/bench.lock env OMP_WAIT_POLICY=PASSIVE python benchmarks/disk_link.py --repeats 3 [--baseline ../main]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import tempfile
 import statistics
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-from bench_common import bench_env, disk_read_probe, load_avg, run_flexh2o
+import torch
+
+from bench_common import REPO, bench_env, load_avg
+from flexh2o.storage.disk import DiskTier, aligned_empty
+from flexh2o.storage.offload_dir import make_run_dir
+
+LINK_FILES, LINK_FILE = 16, 16 << 20
+
+
+def link_rate(offload_dir: str, repeats: int = 3) -> float:
+    """Bytes/s of direct-I/O reads of LINK_FILES files of LINK_FILE bytes, into reused aligned buffers, one and
+    four reads in flight: the faster median of `repeats`."""
+    tier = DiskTier(make_run_dir(offload_dir), LINK_FILES * LINK_FILE)
+    try:
+        handles = [tier.alloc((LINK_FILE,), torch.uint8) for _ in range(LINK_FILES)]
+        for h in handles:
+            tier.store(h, torch.ones(LINK_FILE, dtype=torch.uint8))
+        bufs = [aligned_empty(LINK_FILE) for _ in range(4)]
+        cpu = torch.device("cpu")
+        best = 0.0
+        for depth in (1, 4):
+            with ThreadPoolExecutor(depth) as pool:
+                def read():
+                    start = time.perf_counter()
+                    list(pool.map(lambda i: tier.load(handles[i], cpu, None, bufs[i % depth]), range(LINK_FILES)))
+                    return time.perf_counter() - start
+                read()  # warm-up (buffers touched)
+                best = max(best, LINK_FILES * LINK_FILE / statistics.median(read() for _ in range(repeats)))
+        return best
+    finally:
+        tier.close()
 
 
 def parse_args() -> argparse.Namespace:
@@ -33,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--extra", default="", help="more flexh2o-run flags, one string (e.g. '--overlap false')")
+    p.add_argument("--baseline", help="another checkout (e.g. /work/main): its flexh2o-run alternated with this one")
     return p.parse_args()
 
 
@@ -43,13 +80,23 @@ def argv(args) -> list:
             "--gpu-mem", "4GB", "--hardware", "cpu_measured"] + args.extra.split()
 
 
-def one_round(args, env: dict) -> dict:
-    rate = disk_read_probe(env, args.offload_dir)
-    out = run_flexh2o(argv(args), args.timeout, env)
-    if out.record is None or rate is None:
-        raise SystemExit(f"disk_link: {out.status}: {out.message}" if out.record is None else
-                         "disk_link: the direct-I/O rate could not be measured")
-    rec = out.record
+def run_checkout(checkout: str, flags: list, timeout: float, env: dict) -> dict:
+    """The JSON record of one flexh2o-run of the package in `checkout` (run from there, so that one is imported)."""
+    fd, log = tempfile.mkstemp(prefix="disk-link-", suffix=".jsonl")
+    os.close(fd)
+    try:
+        p = subprocess.run([sys.executable, "-m", "flexh2o.cli"] + flags + ["--log-file", log], cwd=checkout,
+                           env={**env, "PYTHONPATH": checkout}, capture_output=True, text=True, timeout=timeout)
+        lines = [ln for ln in open(log) if ln.strip()]
+        if p.returncode != 0 or not lines:
+            raise SystemExit(f"disk_link: {checkout}: {(p.stderr.strip().splitlines() or ['no record'])[-1]}")
+        return json.loads(lines[-1])
+    finally:
+        os.unlink(log)
+
+
+def one_round(args, checkout: str, env: dict, rate: float) -> dict:
+    rec = run_checkout(checkout, argv(args), args.timeout, env)
     steps = max(rec["gen_len"] - 1, 1)
     busy, read = rec.get("decode_busy_s", {}), rec.get("weight_seconds", {}).get("decode", {})
     step_bytes = rec["moved_bytes_per_step"]["disk"]
@@ -69,13 +116,19 @@ def show(r: dict, name: str) -> str:
 def main() -> int:
     args = parse_args()
     env = bench_env(args.threads)
+    runs = {"this": REPO}
+    if args.baseline:
+        runs["baseline"] = os.path.abspath(args.baseline)
     print("flexh2o-run " + " ".join(argv(args)), flush=True)
-    rounds = []
+    rounds: dict = {name: [] for name in runs}
     for i in range(args.repeats):
-        rounds.append(one_round(args, env))
-        print(show(rounds[-1], f"round {i + 1}"), flush=True)
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "load"}
-    print(show({**med, "load": load_avg()}, "median"))
+        rate = link_rate(args.offload_dir)
+        for name, checkout in (list(runs.items()) if i % 2 == 0 else list(reversed(runs.items()))):
+            rounds[name].append(one_round(args, checkout, env, rate))
+            print(show(rounds[name][-1], f"round {i + 1} {name}"), flush=True)
+    for name, got in rounds.items():
+        med = {k: statistics.median(r[k] for r in got) for k in got[0] if k != "load"}
+        print(show({**med, "load": load_avg()}, f"median {name}"))
     return 0
 
 
