@@ -23,7 +23,7 @@ from flexh2o.storage.read_buffers import ReadArenas
 from flexh2o.weights.forms import in_kernel_order, packed_form
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
-READS_IN_FLIGHT = 4  # a layer's disk reads issued at once (queue depth; the link is not filled by one read at a time)
+READS_IN_FLIGHT = 8  # a layer's disk reads issued at once (queue depth; the link is not filled by one read at a time)
 
 
 def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
