@@ -3,7 +3,7 @@
 compared with the time to read those bytes at the disk tier's measured direct-I/O rate.
 
 Each round measures the rate first (link_rate: the disk tier's direct-I/O reads of 256 MiB in 16 MiB files into
-reused buffers, one and four at a time, the faster; the page cache never answers), then one flexh2o-run process
+reused buffers, 1, 4 and 8 at a time, the fastest; the page cache never answers), then one flexh2o-run process
 (and, with --baseline, the same run of another checkout); rounds alternate them, so a drifting disk is measured
 beside the steps it bounds. Prints per round: the rate, the bytes a decode step read
 (the run's own count), the link bound (bytes / rate), the measured step, their ratio (target <= 1.1), and where
@@ -33,17 +33,17 @@ LINK_FILES, LINK_FILE = 16, 16 << 20
 
 
 def link_rate(offload_dir: str, repeats: int = 3) -> float:
-    """Bytes/s of direct-I/O reads of LINK_FILES files of LINK_FILE bytes, into reused aligned buffers, one and
-    four reads in flight: the faster median of `repeats`."""
+    """Bytes/s of direct-I/O reads of LINK_FILES files of LINK_FILE bytes, into reused aligned buffers, 1, 4 and 8
+    reads in flight (the weight store's depth): the fastest median of `repeats`."""
     tier = DiskTier(make_run_dir(offload_dir), LINK_FILES * LINK_FILE)
     try:
         handles = [tier.alloc((LINK_FILE,), torch.uint8) for _ in range(LINK_FILES)]
         for h in handles:
             tier.store(h, torch.ones(LINK_FILE, dtype=torch.uint8))
-        bufs = [aligned_empty(LINK_FILE) for _ in range(4)]
+        bufs = [aligned_empty(LINK_FILE) for _ in range(8)]
         cpu = torch.device("cpu")
         best = 0.0
-        for depth in (1, 4):
+        for depth in (1, 4, 8):
             with ThreadPoolExecutor(depth) as pool:
                 def read():
                     start = time.perf_counter()
