@@ -11,8 +11,6 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-import torch
-
 from flexh2o.storage.disk import aligned_empty
 
 

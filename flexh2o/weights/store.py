@@ -103,7 +103,7 @@ class WeightStore:
         """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are; compressed ones
         are expanded (into reused buffers on the CPU), or, those in the kernel's order, come as PackedWeights where
         weights/forms.py says so for `kernel` (phase -> the blocks' matmuls run the int4 kernel) at `phase`.
-        Plain weights homed on disk are read READS_IN_FLIGHT at once into pooled aligned buffers (ReadBuffers),
+        Plain weights homed on disk are read READS_IN_FLIGHT at once into one of two read arenas (ReadArenas),
         lent until release(). Seconds spent reading and expanding add up in seconds[phase]."""
         out, copied, last = {}, 0, len(self.specs) - 2
         on_cpu = torch.device(device).type == "cpu"
@@ -127,12 +127,7 @@ class WeightStore:
                 ct = tier.load_compressed(h, device)
                 mid = time.perf_counter()
                 form = packed_form(layer, last, s, kernel or {}, phase) if s.name in self.kernel_order else None
-                if form is not None:
-                    t = tier.pack(ct, dtype, form)
-                elif on_cpu:
-                    t = tier.expand_into(ct, self.buffers.take(s.shape, dtype))
-                else:
-                    t = tier.expand(ct, dtype)
+                t = self._expanded(tier, ct, s, dtype, form, on_cpu)
             read_s, expand_s = read_s + mid - start, expand_s + time.perf_counter() - mid
             copied += _copied_bytes(t, h)
             out[s.name] = t
@@ -143,8 +138,16 @@ class WeightStore:
             got["expand"] += expand_s
         return out, copied
 
+    def _expanded(self, tier, ct, s, dtype: torch.dtype, form: Optional[bool], on_cpu: bool):
+        """A compressed weight as the compute side takes it: a PackedWeight (form not None), else expanded."""
+        if form is not None:
+            return tier.pack(ct, dtype, form)
+        if on_cpu:
+            return tier.expand_into(ct, self.buffers.take(s.shape, dtype))
+        return tier.expand(ct, dtype)
+
     def _streamed(self, layer: int) -> list:
-        """The layer's plain weights homed on the disk tier: read whole into pooled aligned buffers."""
+        """The layer's plain weights homed on the disk tier: read whole into a read arena."""
         return [s for s in self.specs[layer] if isinstance(self.tiers[s.name], DiskTier)]
 
     def _read_streamed(self, layer: int) -> tuple:
