@@ -24,7 +24,7 @@ import time
 from bench_common import bench_env, load_avg, run_flexh2o
 from flexh2o.units import parse_bytes
 
-COMPRESS = ["--compress-weight", "--compress-cache"]
+COMPRESS = {"weights+cache": ["--compress-weight", "--compress-cache"], "cache": ["--compress-cache"]}
 
 
 def base_argv(args, policy: str) -> list:
@@ -71,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=180, help="seconds a run may take")
     p.add_argument("--offload-dir", default="/tmp/flexh2o-cmp-bench")
     p.add_argument("--out", default=None, help="append one JSON line per run")
+    p.add_argument("--compress", choices=sorted(COMPRESS), default="weights+cache",
+                   help="what the compressed runs compress (cache: --compress-cache alone, issue 26's pair)")
     args = p.parse_args()
     args.policies = [x for x in args.policies.split(",") if x]
     if not args.policies or set(args.policies) - {"full", "h2o"}:
@@ -80,7 +82,8 @@ def parse_args() -> argparse.Namespace:
 
 def run_one(args, policy: str, name: str, env: dict, cap: int) -> dict:
     """One flexh2o-run; its record (None if it failed, said on stdout)."""
-    out = run_flexh2o(base_argv(args, policy) + (COMPRESS if name == "compressed" else []), args.timeout, env, cap)
+    out = run_flexh2o(base_argv(args, policy) + (COMPRESS[args.compress] if name == "compressed" else []),
+                      args.timeout, env, cap)
     print(f"{policy} {name}: {out.status} {' '.join(out.argv)} {out.message}", flush=True)
     if out.status != "ok":
         return None

@@ -2,7 +2,8 @@
 
 overlap=False runs every op in plan order on the caller's thread. overlap=True runs loads and stores on an I/O
 thread pool (disk reads release the GIL) while compute stays on the caller's thread; ops on the same buffer are
-chained, and a compute waits only for the loads of its own buffers. On CUDA each I/O op runs on a side stream
+chained, a weight load also waits for the weight free issued before it (so, as in plan order, at most two layers
+of weights are in flight), and a compute waits only for the loads of its own buffers. On CUDA each I/O op runs on a side stream
 and records an event that the compute stream waits on (no device-wide sync).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from flexh2o.schedule.plan import COMPUTE, Op
+from flexh2o.schedule.plan import COMPUTE, FREE_WEIGHT, LOAD_WEIGHT, Op
 
 
 class Executor:
@@ -42,6 +43,7 @@ class Executor:
         self.stream = torch.cuda.Stream() if self.cuda else None
         pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="flexh2o-io")
         pending: dict = {}
+        freed: Optional[Future] = None  # the last weight free submitted
         try:
             for op in ops:
                 if op.kind in self.inline:
@@ -51,11 +53,15 @@ class Executor:
                     self._count("stall", start, op.step)
                     self._handle(op)
                     continue
-                after = pending.get(op.buffer)
+                after = [pending.get(op.buffer)]
+                if op.kind == LOAD_WEIGHT:  # after the free of the layer before the one computing: at most two
+                    after.append(freed)    # layers of weights in flight, as the memory plan reserves
                 ready = torch.cuda.Event() if self.cuda else None
                 if ready is not None:
                     ready.record()  # stores must see the compute issued so far
                 pending[op.buffer] = pool.submit(self._io, op, after, ready)
+                if op.kind == FREE_WEIGHT:
+                    freed = pending[op.buffer]
             for fut in list(pending.values()):
                 _wait(fut, self.cuda)
         finally:
@@ -73,9 +79,10 @@ class Executor:
             if step > 0:
                 self.decode_busy_s[kind] = self.decode_busy_s.get(kind, 0.0) + took
 
-    def _io(self, op: Op, after: Optional[Future], ready):
-        if after is not None:
-            after.result()
+    def _io(self, op: Op, after: list, ready):
+        for fut in after:
+            if fut is not None:
+                fut.result()
         if not self.cuda:
             self._handle(op)
             return None

@@ -146,9 +146,12 @@ class DiskTier(Tier):
             pass  # already gone, or holds files this tier did not create
 
     # -- I/O ----------------------------------------------------------------------------------------------------------
-    def load(self, handle: DiskHandle, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Read the file into a fresh aligned buffer (RAM: padded size + ALIGN); the GIL is released while reading."""
-        buf = aligned_empty(handle.padded)
+    def load(self, handle: DiskHandle, device: torch.device, dtype: Optional[torch.dtype] = None,
+             buf: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Read the file into `buf` (an aligned uint8 buffer of handle.padded bytes, e.g. from ReadBuffers) or a
+        fresh one (RAM: padded size + ALIGN); the GIL is released while reading. The result is a view of the buffer
+        when it is already on `device` in `dtype`."""
+        buf = aligned_empty(handle.padded) if buf is None else buf
         with self._io_errors("reading", handle):
             fd = self._open(handle.path, os.O_RDONLY)
             try:

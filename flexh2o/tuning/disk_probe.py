@@ -29,7 +29,8 @@ def disk_rates(offload_dir: str, quick: bool, busy: bool) -> dict:
     """Direct-I/O read and write bandwidth of flexh2o's disk tier, on files of layer-tensor sizes, in a fresh run
     directory under offload_dir. busy: also the read rate while matmuls run on the compute threads, and the
     fraction of the matmul rate kept meanwhile (CPU-only overlap)."""
-    from flexh2o.storage.disk import DiskTier
+    from flexh2o.storage.disk import DiskTier, aligned_empty
+    from flexh2o.units import padded as round_up
     from flexh2o.storage.offload_dir import make_run_dir, remove_run_dir
     sizes = _disk_sizes(quick)
     nbytes = sum(sizes)
@@ -47,9 +48,11 @@ def disk_rates(offload_dir: str, quick: bool, busy: bool) -> dict:
             for h in handles:
                 tier.store(h, data[h.nbytes])
 
+        bufs = {n: aligned_empty(round_up(n)) for n in set(sizes)}  # reused, as the weight store's reads are
+
         def read():
             for h in handles:
-                tier.load(h, torch.device("cpu"))
+                tier.load(h, torch.device("cpu"), None, bufs[h.nbytes])
         write_s = median_time(write, rep)
         if not busy:
             read_s = median_time(read, rep)

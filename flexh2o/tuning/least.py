@@ -1,8 +1,11 @@
 """When no placement fits: the least each tier would need, and what that least is made of.
 
 The least placement puts every weight, cache block and activation block off the tier that overflows where it can
-(weights on cpu or disk, the cache on gpu, cpu or disk, activations on gpu or cpu) and runs one sequence; what is
-left on the gpu tier is then the working buffers, chiefly two layers of weights in flight at the compute dtype.
+(weights split between cpu and disk in the search's steps, the cache on gpu, cpu or disk, activations on gpu or
+cpu) and runs one sequence; of the placements that fit the cpu and disk tiers it is the one needing the least of the
+gpu tier. What is left on the gpu tier is then the working buffers: two layers of weights in flight at the compute
+dtype (none on a CPU-only run for weights homed on cpu in the compute dtype: they are used where they live), the
+cache blocks being loaded and the largest transient of a layer.
 """
 from __future__ import annotations
 
@@ -15,17 +18,22 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
 
-WEIGHTS = ((0, 100), (0, 0))  # weights on cpu, or on disk
 CACHES = ((100, 0), (0, 100), (0, 0))
 ACTIVATIONS = ((100, 0), (0, 100))
 
 
-def least_plans(rc: RunConfig) -> list:
+def weight_shares(step: int = 10) -> list:
+    """Weights off the gpu tier: on cpu in steps of `step` percent (the policy search's), the rest on disk."""
+    return [(0, c) for c in range(0, 101, step)]
+
+
+def least_plans(rc: RunConfig, step: int = 10) -> list:
     """The memory plans of one sequence in one GPU batch at every placement that keeps the weights off the gpu
-    tier (the cache and activations anywhere; --cpu-cache-compute both ways on CUDA)."""
+    tier (split between cpu and disk in steps of `step`; the cache and activations anywhere; --cpu-cache-compute
+    both ways on CUDA)."""
     specs, memo, out = layer_specs(rc.model), {}, []
     cuda = rc.device.startswith("cuda")
-    for w in WEIGHTS:
+    for w in weight_shares(step):
         for c in CACHES:
             for a in ACTIVATIONS:
                 for ccc in ([False, True] if cuda and c[1] > 0 else [False]):
@@ -36,13 +44,16 @@ def least_plans(rc: RunConfig) -> list:
 
 
 def least_plan(rc: RunConfig) -> MemoryPlan:
-    """Of least_plans: the one fitting the most tiers in order (gpu first), then needing the least of the first
+    """Of least_plans: one that fits; else, of those fitting the cpu and disk tiers, the one needing the least of
+    the gpu tier; else the one fitting the most tiers in order (gpu first), then needing the least of the first
     tier it overflows."""
     def key(plan: MemoryPlan) -> tuple:
         over = plan.overflow()
         if over is None:
-            return (len(TIERS), 0)
-        return (TIERS.index(over[0]), -over[1])
+            return (2,)
+        if all(plan.total(t) <= plan.capacity(t) for t in TIERS if t != "gpu"):
+            return (1, -plan.total("gpu"))
+        return (0, TIERS.index(over[0]), -over[1])
     return max(least_plans(rc), key=key)
 
 
@@ -68,6 +79,8 @@ def in_flight(rc: RunConfig) -> str:
     per_phase = [compute_side_bytes(rc, rc.placement.weights, kernel, p) for p in PHASES]
     sizes = max(per_phase, key=max)
     layer = max(range(len(sizes)), key=sizes.__getitem__)
+    if not sizes[layer]:
+        return "; no weights in flight: every weight is used where it lives"
     specs = layer_specs(rc.model)[layer]
     big = max(specs, key=lambda s: s.numel)
     share = big.numel * rc.compute.itemsize
@@ -76,9 +89,12 @@ def in_flight(rc: RunConfig) -> str:
 
 
 def least_where(p: Percent) -> str:
-    """The least placement in words, e.g. 'weights on disk, cache on cpu, activations on cpu'."""
+    """The least placement in words, e.g. 'weights on disk, cache on cpu, activations on cpu' or 'weights 30% on
+    cpu and 70% on disk, ...'."""
     def tier(what: str) -> str:
-        g, c, _ = p.shares(what)
-        return "gpu" if g == 100 else "cpu" if c == 100 else "disk"
-    return ", ".join(f"{what} on {tier(what)}" for what in ("weights", "cache", "activations")) + \
+        g, c, d = p.shares(what)
+        if 100 in (g, c, d):
+            return "on " + ("gpu" if g == 100 else "cpu" if c == 100 else "disk")
+        return " and ".join(f"{share}% on {t}" for share, t in zip((g, c, d), TIERS) if share)
+    return ", ".join(f"{what} {tier(what)}" for what in ("weights", "cache", "activations")) + \
         " (--percent " + str(p) + ")"

@@ -61,13 +61,20 @@ def least_kernel(rc) -> dict:
     return dict.fromkeys(PHASES, kernel_layout(rc) and rc.weight_kernel != "generic")
 
 
+def in_place_homes(rc) -> tuple:
+    """The tiers whose plain weights in the compute dtype the compute side uses where they live (no copy): the gpu
+    tier, and on a CPU-only run the cpu tier too (both are host memory there and cpu -> gpu is a no-op: the tier's
+    load hands back the home tensor, weights/store.py charges nothing)."""
+    return ("gpu", "cpu") if torch.device(rc.device).type == "cpu" else ("gpu",)
+
+
 def compute_side_bytes(rc, homes, kernel: dict, phase: str) -> tuple:
     """Per layer index: bytes its weights take on the compute side at `phase` apart from their homes (the
     PackedWeights and the block buffer of those expanded block by block, expanded and converted copies).
     homes: a WeightHomes."""
     compute = rc.compute_at(0 if phase == "prefill" else 1)
     key = ("compute_side", rc.dtype, compute, rc.compress_weight, kernel_layout(rc),
-           tuple(bool(kernel.get(p)) for p in PHASES), phase)
+           tuple(bool(kernel.get(p)) for p in PHASES), phase, in_place_homes(rc))
 
     def per_layer(h) -> tuple:
         last = len(h.layer_specs) - 2
@@ -80,7 +87,7 @@ def _weight_bytes(rc, layer: int, num_layers: int, s, home: str, compute: torch.
                   phase: str) -> int:
     spec = weight_spec(s.shape, rc.compress_weight, s.name)
     if spec is None:
-        return 0 if home == "gpu" and rc.dtype == compute else s.numel * compute.itemsize
+        return 0 if home in in_place_homes(rc) and rc.dtype == compute else s.numel * compute.itemsize
     form = packed_form(layer, num_layers, s, kernel, phase)
     if in_kernel_order(s, rc.compress_weight, kernel_layout(rc)) and form is not None:
         return packed_bytes(s.shape, rc.dtype, spec) + (0 if form else rows_buffer_bytes(s.shape))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -17,9 +18,12 @@ from flexh2o.compress.kernels import PackedWeight
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
 from flexh2o.placement import WeightHomes
+from flexh2o.storage.disk import DiskTier
+from flexh2o.storage.read_buffers import ReadArenas
 from flexh2o.weights.forms import in_kernel_order, packed_form
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
+READS_IN_FLIGHT = 8  # a layer's disk reads issued at once (queue depth; the link is not filled by one read at a time)
 
 
 def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
@@ -63,6 +67,10 @@ class WeightStore:
             for s in layer:
                 if s.name not in self.handles:
                     self.handles[s.name] = self.tiers[s.name].alloc(s.shape, dtype)
+        self.reads = ReadArenas(max(sum(self.handles[s.name].padded for s in self._streamed(layer))
+                                    for layer in range(len(self.specs))))
+        self._readers: Optional[ThreadPoolExecutor] = None
+        self._lent: dict = {}  # id(a load_layer result) -> its ReadArenas token
 
     def fill_dummy(self, seed: int, progress=None) -> None:
         for name, spec in self._unique():
@@ -95,14 +103,22 @@ class WeightStore:
         """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are; compressed ones
         are expanded (into reused buffers on the CPU), or, those in the kernel's order, come as PackedWeights where
         weights/forms.py says so for `kernel` (phase -> the blocks' matmuls run the int4 kernel) at `phase`.
-        Seconds spent reading and expanding add up in seconds[phase]."""
+        Plain weights homed on disk are read READS_IN_FLIGHT at once into one of two read arenas (ReadArenas),
+        lent until release(). Seconds spent reading and expanding add up in seconds[phase]."""
         out, copied, last = {}, 0, len(self.specs) - 2
         on_cpu = torch.device(device).type == "cpu"
         read_s = expand_s = 0.0
+        start = time.perf_counter()
+        token, streamed = self._read_streamed(layer)  # name -> future of the read into an arena's buffer
+        read_s += time.perf_counter() - start
         for s in self.specs[layer]:
             tier, h = self.tiers[s.name], self.handles[s.name]
             start = time.perf_counter()
-            if not isinstance(tier, CompressedTier):
+            if s.name in streamed:
+                t = streamed[s.name].result()
+                mid = time.perf_counter()
+                t = self._own(t, device, dtype)
+            elif not isinstance(tier, CompressedTier):
                 t = tier.load(h, device)
                 mid = time.perf_counter()
                 if t.dtype != dtype:
@@ -111,23 +127,56 @@ class WeightStore:
                 ct = tier.load_compressed(h, device)
                 mid = time.perf_counter()
                 form = packed_form(layer, last, s, kernel or {}, phase) if s.name in self.kernel_order else None
-                if form is not None:
-                    t = tier.pack(ct, dtype, form)
-                elif on_cpu:
-                    t = tier.expand_into(ct, self.buffers.take(s.shape, dtype))
-                else:
-                    t = tier.expand(ct, dtype)
+                t = self._expanded(tier, ct, s, dtype, form, on_cpu)
             read_s, expand_s = read_s + mid - start, expand_s + time.perf_counter() - mid
             copied += _copied_bytes(t, h)
             out[s.name] = t
         with self.buffers.lock:
+            self._lent[id(out)] = token
             got = self.seconds.setdefault(phase, {"read": 0.0, "expand": 0.0})
             got["read"] += read_s
             got["expand"] += expand_s
         return out, copied
 
+    def _expanded(self, tier, ct, s, dtype: torch.dtype, form: Optional[bool], on_cpu: bool):
+        """A compressed weight as the compute side takes it: a PackedWeight (form not None), else expanded."""
+        if form is not None:
+            return tier.pack(ct, dtype, form)
+        if on_cpu:
+            return tier.expand_into(ct, self.buffers.take(s.shape, dtype))
+        return tier.expand(ct, dtype)
+
+    def _streamed(self, layer: int) -> list:
+        """The layer's plain weights homed on the disk tier: read whole into a read arena."""
+        return [s for s in self.specs[layer] if isinstance(self.tiers[s.name], DiskTier)]
+
+    def _read_streamed(self, layer: int) -> tuple:
+        """(arena token, name -> future of the direct-I/O read of each of the layer's plain disk weights), read
+        READS_IN_FLIGHT at once into one of the two read arenas (on the CPU a future's result is a view of it)."""
+        specs = self._streamed(layer)
+        if not specs:
+            return None, {}
+        with self.buffers.lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="flexh2o-read")
+        handles = [self.handles[s.name] for s in specs]
+        token, bufs = self.reads.lend([h.padded for h in handles])
+        cpu = torch.device("cpu")
+        return token, {s.name: self._readers.submit(self.tiers[s.name].load, h, cpu, None, buf)
+                       for s, h, buf in zip(specs, handles, bufs)}
+
+    def _own(self, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+        """A streamed weight on `device` in `dtype`: the arena's view itself where it already is, else a copy."""
+        if t.device == torch.device(device) and t.dtype == dtype:
+            return t
+        return self.buffers.convert(t, dtype) if torch.device(device).type == "cpu" else t.to(device, dtype)
+
     def release(self, tensors: dict) -> None:
-        """Hand a layer's tensors from load_layer back once its compute is done (converted buffers are reused)."""
+        """Hand a layer's tensors from load_layer back once its compute is done (converted buffers are reused, the
+        read arena serves the next load)."""
+        with self.buffers.lock:
+            token = self._lent.pop(id(tensors), None)
+        self.reads.give(token)
         for t in tensors.values():
             if isinstance(t, torch.Tensor):
                 self.buffers.give(t)
@@ -137,6 +186,9 @@ class WeightStore:
         return self.tiers[name].load(self.handles[name], torch.device(device), dtype)
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         for name, h in self.handles.items():
             self.tiers[name].free(h)
         self.handles = {}
