@@ -2,7 +2,8 @@
 
 One generate() call is a `_Run`: the schedule's ops (schedule/plan.py) executed by the Executor (schedule/run.py),
 each op handled by one of three parts: Sequences (token state), Buffers (compute-side tensors keyed by
-Op.buffer) and LayerCompute (the model family's functions and the KV policy).
+Op.buffer) and LayerCompute (the model family's functions and the KV policy). Which rows of a GPU batch a compute
+op runs is the run's BatchPlan's to say (generation/batch_plan.py: every row, unless the caller hands another).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from flexh2o import models
 from flexh2o.compress.kernels import kernel_available
+from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
 from flexh2o.generation.sequences import Sequences
@@ -91,19 +93,22 @@ class Engine:
         self.close()
 
     def generate(self, prompts: list, gen_len: int, sampler: Optional[Callable] = None, record_logits: bool = False,
-                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None, stop_when=None) -> Generation:
+                 on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None, stop_when=None,
+                 batch_plan: Optional[BatchPlan] = None) -> Generation:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
         (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
         pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages.
-        stop_when() -> True ends the run after that step (schedule/until.py; later steps' tokens stay 0)."""
-        return _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe,
-                    stop_when).execute(kept_stats)
+        stop_when() -> True ends the run after that step (schedule/until.py; later steps' tokens stay 0).
+        batch_plan: which of a GPU batch's rows are computed (generation/batch_plan.py; None: every row)."""
+        return _Run(self, prompts, gen_len, sampler or Sampler(), record_logits, on_step, pipe, stop_when,
+                    batch_plan).execute(kept_stats)
 
 
 class _Run:
     """One generate() call: the schedule's op handlers over the run's sequences, buffers and layer compute."""
 
-    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step, pipe, stop_when=None):
+    def __init__(self, eng: Engine, prompts, gen_len, sampler, record_logits, on_step, pipe, stop_when=None,
+                 batch_plan: Optional[BatchPlan] = None):
         rc, cfg = eng.rc, eng.cfg
         self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
         self.sampler, self.on_step, self.pipe, self.stop_when = sampler, on_step, pipe, stop_when
@@ -117,8 +122,7 @@ class _Run:
                         rc.dtype, rc.compress_cache)
         self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
         evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
-        self.copies = self._prompt_copies(pipe)
-        self.followers = self._followers()
+        self.plan = (batch_plan or BatchPlan()).start(eng.policy, rc, self.seqs, pipe)
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
 
@@ -126,31 +130,6 @@ class _Run:
         rc = self.rc
         return Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, self.cfg.pad_token_id,
                          self.cfg.vocab, record_logits)
-
-    def _followers(self):
-        """Followers (generation/followers.py) for a batch of lanes over copies of the same prompts, in one GPU
-        batch with an uncompressed cache and some lane that can follow another; None otherwise."""
-        from flexh2o.generation.followers import Followers
-        from flexh2o.kv.policies.lanes import LanePolicy
-        rc = self.rc
-        if (self.copies == 1 or not isinstance(self.eng.policy, LanePolicy) or rc.num_gpu_batches != 1
-                or rc.compress_cache is not None):
-            return None
-        followers = Followers(self.eng.policy, self.cfg.num_layers, self.copies)
-        return followers if followers.able else None
-
-    def _prompt_copies(self, pipe) -> int:
-        """RunConfig.prompt_copies, checked: every GPU batch must really be that many copies of its first rows."""
-        c = self.rc.prompt_copies
-        if c == 1:
-            return 1
-        if pipe is not None:
-            raise ValueError("prompt_copies needs the whole model in one process (no pipeline stages)")
-        for x in (self.seqs.ids, self.seqs.pos):
-            nb, b, t = x.shape
-            if not torch.equal(x.view(nb, c, b // c, t), x[:, None, :b // c].expand(nb, c, b // c, t)):
-                raise ValueError(f"prompt_copies {c}: the GPU batch is not {c} copies of the same prompts")
-        return c
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
     def load_weight(self, op: Op) -> None:
@@ -175,47 +154,20 @@ class _Run:
         self.bufs.store_act(op.batch)
 
     def compute(self, op: Op) -> None:
-        step, layer, batch, bufs = op.step, op.layer, op.batch, self.bufs
+        step, layer, batch, bufs, plan = op.step, op.layer, op.batch, self.bufs, self.plan
         if self.pipe is not None and self.pipe.feeds(op):
             self._receive(op)
-        ids, pos = self.seqs.inputs(step, batch, self.eng.device)
-        copies = self.copies if step == 0 else 1
-        if copies > 1:  # prefill runs one copy of the prompts
-            ids, pos = ids[:len(ids) // copies], pos[:len(pos) // copies]
-        active, woken = len(ids), []
-        if step > 0 and self.followers is not None:  # dormant lanes' rows are not computed (generation/followers.py)
-            active, woken = self.followers.advance(step, ids[:, 0].cpu(), pos[:, 0].cpu())
-            ids, pos = ids[:active], pos[:active]
+        ids, pos = plan.rows(step, *self.seqs.inputs(step, batch, self.eng.device))  # the rows computed
         w = bufs.weights_of(layer)
         if layer == 0:
             bufs.a[batch] = self.layers.embed(w, ids, pos)
         elif op.cache_layer < 0:
-            logits = self.layers.head(w, bufs.a.pop(batch), copies)
-            alias = self.followers.alias(logits.device) if step > 0 and self.followers is not None else None
-            if alias is not None:  # the dormant rows take the leader's logits
-                logits = logits.index_select(0, alias)
-            self._emit(step, batch, logits)
+            self._emit(step, batch, plan.logits(step, self.layers.head(w, bufs.a.pop(batch))))
         elif step == 0:
-            bufs.a[batch], blk = self.layers.prefill(w, op.cache_layer, bufs.a[batch], pos, copies)
+            bufs.a[batch], blk = plan.prefill(self.layers, w, op.cache_layer, bufs.a[batch], pos)
             bufs.put_block(layer, batch, blk)
-        elif active < self.rc.gpu_batch_size or woken:
-            bufs.a[batch] = self._decode_rows(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch),
-                                              active, woken)
         else:
-            bufs.a[batch] = self.layers.decode(w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch))
-
-    def _decode_rows(self, w, cache_layer: int, x, pos, blk, active: int, woken: list):
-        """A decode step of the block's first `active` rows (the followers' plan), the woken lanes' rows first
-        copied from the leader's; the block remembers what to store home (every slot when a lane woke)."""
-        self.followers.wake(blk, woken)
-        part = blk.rows(slice(0, active))
-        x = self.layers.decode(w, cache_layer, x, pos, part, self.eng.policy.first_rows(active))
-        if woken:
-            blk.written = None  # rows were rewritten whole: the block goes home whole
-        else:
-            rest = part.written.new_zeros((blk.pos.shape[0] - active, *part.written.shape[1:]))
-            blk.written = torch.cat([part.written, rest])  # dormant rows rewrite their slot 0, unchanged
-        return x
+            bufs.a[batch] = plan.decode(self.layers, w, op.cache_layer, bufs.a[batch], pos, bufs.block(layer, batch))
 
     # ---- a pipeline stage's messages: the hidden states of its last layer, or the head's tokens --------------
     def recv(self, op: Op) -> None:

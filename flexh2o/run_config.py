@@ -43,7 +43,6 @@ class RunConfig:
     io_threads: int = 2
     max_positions: Optional[int] = None  # allow going past the model's table (Llama only)
     prefill_batch: Optional[int] = None  # sequences per prefill sub-batch; None: bounded by PREFILL_BYTES
-    prompt_copies: int = 1  # the GPU batch is this many copies of its first rows' prompts: prefill computes one
     compress_weight: Optional[CompressionSpec] = None  # weights of 2+ dimensions, grouped along its group_dim
     compress_cache: Optional[CacheQuant] = None  # K and V (kv/layout.py); a CompressionSpec is FlexGen's scheme
     weight_kernel: str = "auto"  # weights grouped along dim 1: the int4 kernel per phase by a probe, always, or never
@@ -54,8 +53,6 @@ class RunConfig:
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
-        if self.prompt_copies < 1 or self.gpu_batch_size % self.prompt_copies:
-            raise ValueError(f"prompt_copies {self.prompt_copies} must divide the GPU batch of {self.gpu_batch_size}")
         if self.weight_kernel not in ("auto", "int4", "generic"):
             raise ValueError(f"--weight-kernel {self.weight_kernel}: choose auto, int4 or off")
         if self.weight_kernel == "int4" and not kernel_spec_ok(self.compress_weight):

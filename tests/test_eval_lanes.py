@@ -89,7 +89,7 @@ def test_lanes_within_budget_are_skipped_and_the_others_decide_as_alone():
 
 
 def test_prompt_copies_prefill_once_and_match_a_full_prefill(data):
-    """RunConfig.prompt_copies: the batch's prompts prefilled once for every copy give the figures of prefilling
+    """A LanePlan of prompt copies: the batch's prompts prefilled once for every copy give the figures of prefilling
     every row (each copy under its own lane); a batch that is not copies is refused in one line."""
     from flexh2o.eval.common import _forced
     prompts, targets = data

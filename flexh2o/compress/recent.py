@@ -109,9 +109,17 @@ class Recent:
         self.recent[bi, hi, entry] = values[bi, hi, si].to(self.recent.dtype)
 
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
-        """The values (b, h, slots, d) in `dtype`: the quantized slots, the ring's exact values over theirs."""
-        x = expand(self.inner, dtype)
-        ok = (self.rslot >= 0) & (self.rslot < x.shape[2])
-        bi, hi, ei = ok.nonzero(as_tuple=True)
-        x[bi, hi, self.rslot[bi, hi, ei].long()] = self.recent[bi, hi, ei].to(dtype)
-        return x
+        """The values (b, h, slots, d) in `dtype`: the quantized slots, the ring's exact values over theirs. No
+        host sync: every entry writes one slot (an entry naming none writes slot 0 the value slot 0 ends with, so
+        writes to a slot always agree)."""
+        x = expand(self.inner, dtype)  # (b, h, slots, d)
+        b, h, r = self.rslot.shape
+        if x.shape[2] == 0:
+            return x
+        ok = (self.rslot >= 0) & (self.rslot < x.shape[2])  # (b, h, R): the entry names a slot of x
+        slot = torch.where(ok, self.rslot, 0).long()  # (b, h, R)
+        names0 = ok & (slot == 0)
+        e0 = names0.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(b, h, 1, x.shape[3])  # (b, h, 1, d)
+        end0 = torch.where(names0.any(-1)[..., None, None], self.recent.gather(2, e0).to(dtype), x[:, :, :1])
+        values = torch.where(ok[..., None], self.recent.to(dtype), end0)  # (b, h, R, d)
+        return x.scatter_(2, slot[..., None].expand(b, h, r, x.shape[3]), values)

@@ -152,7 +152,7 @@ def lanes_run(model: EvalModel, lanes: list, prompts: list, targets: torch.Tenso
               on_step: Optional[Callable] = None) -> list:
     """Several (policy, budget tokens) lanes in ONE engine pass over the same `prompts` and `targets` (n, steps):
     each lane gets its own n rows of one batch, with its own policy and budget (KVSpec.of_lanes), so each weight
-    read serves every lane; the prompts are prefilled once for all lanes (RunConfig.prompt_copies). The rows are
+    read serves every lane; the prompts are prefilled once for all lanes (a LanePlan, generation/batch_plan.py). The rows are
     in follow_order, so that the lanes that have not evicted yet are not computed (generation/followers.py).
     -> per lane, (logprob, correct) (n, steps), as forced_run of that lane would give."""
     from flexh2o.generation.followers import follow_order
@@ -200,6 +200,7 @@ def auto_lane_mem(procs: int = 1) -> float:
 def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, on_step: Optional[Callable],
             num_batches: int, prefill_batch: Optional[int] = None, copies: int = 1) -> TeacherForcer:
     from flexh2o.engine import Engine
+    from flexh2o.generation.batch_plan import LanePlan
     n, steps = targets.shape
     prompt_len = max(len(p) for p in prompts)
     rc = RunConfig(model=model.cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=n // num_batches,
@@ -207,12 +208,11 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
                    dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
                    max_positions=max(model.cfg.max_positions, prompt_len + steps), prefill_batch=prefill_batch,
                    compress_weight=with_checkpoint(model.compress_weight, model.path),
-                   compress_cache=model.compress_cache,
-                   weight_kernel=model.weight_kernel, prompt_copies=copies,
+                   compress_cache=model.compress_cache, weight_kernel=model.weight_kernel,
                    overlap=False)  # everything lives in one tier: no I/O to overlap, no thread hand-offs
     scorer = TeacherForcer(targets)
-    with Engine(rc) as eng:
-        eng.generate(prompts, steps, sampler=scorer, on_step=on_step)
+    with Engine(rc) as eng:  # copies > 1: the batch is that many copies of its first rows' prompts, one per lane
+        eng.generate(prompts, steps, sampler=scorer, on_step=on_step, batch_plan=LanePlan(copies))
     return scorer
 
 

@@ -1,5 +1,6 @@
 """A layer's compute for one GPU batch: embedding, a decoder block (prefill in bounded sub-batches, or once for
-copies of the same prompts, or one decode step with the cache attended in place), or the head."""
+copies of the same prompts, or one decode step with the cache attended in place), or the head. Which rows are
+computed is the run's batch plan's to say (generation/batch_plan.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -25,11 +26,9 @@ class LayerCompute:
     def embed(self, w: dict, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.family.embed(self.cfg, w, ids, pos.clamp(min=0))
 
-    def head(self, w: dict, x: torch.Tensor, copies: int = 1) -> torch.Tensor:
-        """Logits (b, vocab) of each row's last position; copies > 1: x holds one copy of the rows (prefill of
-        RunConfig.prompt_copies), the logits are repeated for every copy."""
-        logits = self.family.head(self.cfg, w, x[:, -1:])[:, 0]
-        return logits.repeat(copies, 1) if copies > 1 else logits
+    def head(self, w: dict, x: torch.Tensor) -> torch.Tensor:
+        """Logits (b, vocab) of each row's last position."""
+        return self.family.head(self.cfg, w, x[:, -1:])[:, 0]
 
     def decode(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, blk: KVBlock,
                policy: Optional[KVPolicy] = None) -> torch.Tensor:
@@ -42,21 +41,12 @@ class LayerCompute:
                                     evicts=self.evicts)
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
 
-    def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int = 1) -> tuple:
+    def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
         """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are
-        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch.
-        copies > 1: the block has copies x b rows over the same prompts (attention.prefill), the output stays b
-        rows and the rows run in one piece."""
-        b = x.shape[0]
-        blk = KVBlock.empty(b * copies, self.cfg.kv_heads, self.slots[cache_layer], self.cfg.head_dim, self.rc.dtype,
-                            x.device, self.rc.compress_cache)
-        if copies > 1:
-            def attend_all(q, k, v):
-                return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk,
-                                         self.evicts, copies, *self.shape(cache_layer))
-            return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend_all), blk
+        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch."""
+        blk = self._block(x.shape[0], cache_layer, x.device)
         outs, rows = [], self.rc.prefill_rows()
-        for r in range(0, b, rows):
+        for r in range(0, x.shape[0], rows):
             sl = slice(r, r + rows)
 
             def attend(q, k, v, sl=sl):
@@ -64,3 +54,17 @@ class LayerCompute:
                                          self.rc.attn_chunk, self.evicts, 1, *self.shape(cache_layer))
             outs.append(self.family.block(self.cfg, w, cache_layer, x[sl], pos[sl].clamp(min=0), attend))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), blk
+
+    def prefill_copies(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int) -> tuple:
+        """prefill of one copy of the rows for `copies` copies over the same prompts (a LanePlan): the block has
+        copies x b rows (attention.prefill), the output stays b rows and the rows run in one piece."""
+        blk = self._block(x.shape[0] * copies, cache_layer, x.device)
+
+        def attend(q, k, v):
+            return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk, self.evicts,
+                                     copies, *self.shape(cache_layer))
+        return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend), blk
+
+    def _block(self, rows: int, cache_layer: int, device) -> KVBlock:
+        return KVBlock.empty(rows, self.cfg.kv_heads, self.slots[cache_layer], self.cfg.head_dim, self.rc.dtype,
+                             device, self.rc.compress_cache)

@@ -1,5 +1,5 @@
 """Lanes whose rows are not computed while they equal another lane's: `Followers`, for a LanePolicy batch whose
-lanes are copies of the same prompts (RunConfig.prompt_copies).
+lanes are copies of the same prompts (a LanePlan, generation/batch_plan.py, runs them).
 
 Until a lane first evicts, its rows hold every token in the same slots, with the same scores when its decay is 1,
 as any other such lane fed the same tokens: the lane of the largest first eviction (`leader`; full, when the batch

@@ -28,9 +28,6 @@ from flexh2o.kv.layout import FIELDS, CacheLayout
 def generate_refill(eng: Engine, feed, on_step=None) -> int:
     """Run `feed`'s requests on `eng` with refill; returns the steps run. feed: batch/feed.py's RequestFeed (take,
     live, all_done, and the sampler call)."""
-    rc = eng.rc
-    if rc.prompt_copies != 1:
-        raise ValueError("refill runs distinct requests: prompt_copies must be 1")
     run = _RefillRun(eng, feed, on_step)
     run.execute(False)
     return len(run.times)
