@@ -5,8 +5,8 @@ after another (nice 19: the evals are not timed), each writing benchmarks/result
 
 Lanes of every run: the full cache; h2o and `--other` at the fixed budgets `--fixed`, and at the token counts
 whose K and V take the bytes of 64, 128 and 256 fp16 tokens under that run's layout (`equal_tokens`: kv/layout.py's
-bytes a slot and a row, fp16 storage; a count reaching the context is the full cache, not run again). Schemes: new = keys per channel with --key-outliers 4 and the newest
---recent tokens exact (the --compress-cache default); flexgen = FlexGen's per-token keys, no window.
+bytes a slot and a row, fp16 storage; a count reaching the context is the full cache, not run again). Schemes: new = keys per channel with --key-outliers 8 and the first --cache-sinks 4 tokens exact (the defaults) and the newest
+--recent tokens exact (the --compress-cache default); flexgen = FlexGen's per-token keys, no window, no sinks.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import sys
 
 import torch
 
-from flexh2o.kv.layout import DEFAULT_RECENT, CacheLayout, CacheQuant
+from flexh2o.kv.layout import DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS, CacheLayout, CacheQuant
 
 FP16_TOKEN = 2 * 64 * 2  # K and V bytes of one fp16 token of one SmolLM2 KV head (head_dim 64)
-SCHEMES = {"new": dict(keys="channel", outliers=4), "flexgen": dict(keys="token", outliers=0, recent=0)}
+SCHEMES = {"new": dict(keys="channel", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_SINKS),
+           "flexgen": dict(keys="token", outliers=0, recent=0, sinks=0)}
 
 
 def quant(scheme: str, bits: int, recent: int) -> CacheQuant:
@@ -42,7 +43,7 @@ def command(text: str, q: CacheQuant, args) -> list:
             "--windows", "1", "--texts", text, "--prefix", "64", "--policies", f"h2o,{args.other}", "--threads",
             str(args.threads), "--no-progress", "--budgets", ",".join(map(str, budgets)), "--compress-cache",
             "--compress-bits", str(q.bits), "--cache-keys", q.keys, "--key-outliers", str(q.outliers),
-            "--cache-recent", str(q.recent)]
+            "--cache-recent", str(q.recent), "--cache-sinks", str(q.sinks)]
 
 
 def main(argv=None) -> int:

@@ -229,7 +229,7 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     (x, prompt_len): tests/reference_quant.py), the queries after the prompt (generated tokens) read the quantized
     K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends before the cache is
     written). A third member W > 0 of the pair (reference_quant.recent): query i reads token j exact when j > i - W
-    (the cache's newest W tokens)."""
+    (the cache's newest W tokens); a fourth S > 0: also when j < S (the sequence's first S tokens)."""
     if kv_quant is None:
         return _attention(q, k, v, visible, num_heads, kv_heads, merges)
     assert not merges or not any(merges), "the reference merges only exact K/V"
@@ -237,8 +237,8 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     pair = kv_quant if isinstance(kv_quant, tuple) else (lambda x, n: kv_quant(x),) * 2
     qk, qv = (f(x.view(T, kv_heads, -1), prompt_len).reshape(T, -1) for f, x in zip(pair, (k, v)))
     exact = _attention(q, k, v, visible, num_heads, kv_heads)
-    if len(pair) > 2 and pair[2]:
-        packed = _mixed(q, (k, qk), (v, qv), visible, num_heads, kv_heads, pair[2])
+    if len(pair) > 2 and any(pair[2:]):
+        packed = _mixed(q, (k, qk), (v, qv), visible, num_heads, kv_heads, *pair[2:])
     else:
         packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache
@@ -272,13 +272,14 @@ def _attention(q, k, v, visible, num_heads: int, kv_heads: int, merges: Optional
     return out, (probs.view(kv_heads, group, T, T).sum(1), vnorm, keys)
 
 
-def _mixed(q, k: tuple, v: tuple, visible, num_heads: int, kv_heads: int, window: int) -> tuple:
+def _mixed(q, k: tuple, v: tuple, visible, num_heads: int, kv_heads: int, window: int, sinks: int = 0) -> tuple:
     """_attention where k and v are (exact, quantized) pairs: query i reads token j's exact K and V when
-    j > i - window, the quantized ones otherwise; the value norms are those the newest query reads."""
+    j > i - window or j < sinks, the quantized ones otherwise; the value norms are those the newest query reads."""
     T = q.shape[0]
     d = q.shape[1] // num_heads
     group = num_heads // kv_heads
-    near = torch.arange(T)[None, :] > torch.arange(T)[:, None] - window  # (query, token)
+    token = torch.arange(T)[None, :]
+    near = (token > torch.arange(T)[:, None] - window) | (token < sinks)  # (query, token)
 
     def heads(x):  # (T, kv*d) -> (n, T, d): query head h reads h // group
         return x.view(T, kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)

@@ -50,8 +50,8 @@ def per_channel(bits: int, outliers: int):
     return quant
 
 
-def recent(keys, values, window: int) -> tuple:
-    """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens exact: the
-    (keys, values, window) triple tests/reference_kv.attention reads (query i reads token j exact when
-    j > i - window)."""
-    return keys, values, window
+def recent(keys, values, window: int, sinks: int = 0) -> tuple:
+    """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens and its first
+    `sinks` tokens exact: the (keys, values, window, sinks) tuple tests/reference_kv.attention reads (query i reads
+    token j exact when j > i - window or j < sinks)."""
+    return keys, values, window, sinks

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def ref_quant(q: CacheQuant) -> tuple:
     """The reference's (keys, values) quantize-dequantize for `q`."""
     keys = rq.per_channel(q.bits, q.outliers) if q.keys == "channel" else rq.per_token(q.bits, q.group_size)
-    return rq.recent(keys, rq.per_token(q.bits, q.group_size), q.recent)
+    return rq.recent(keys, rq.per_token(q.bits, q.group_size), q.recent, q.sinks)
 
 
 @pytest.fixture(scope="module")

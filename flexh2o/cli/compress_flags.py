@@ -6,7 +6,7 @@ import argparse
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.codec import BITS
 from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
-from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, KEY_SCHEMES, CacheQuant
+from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS, KEY_SCHEMES, CacheQuant
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,9 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
       help=f"--compress-cache: the newest N tokens of each sequence also kept exact in the storage dtype (both "
            f"key schemes; a token is read quantized once it leaves them; eviction still sees every token; the "
            f"plan counts their bytes); 0: none (FlexGen's scheme); default {DEFAULT_RECENT}")
+    a("--cache-sinks", type=int, default=DEFAULT_SINKS, metavar="N",
+      help=f"--compress-cache: the first N tokens of each sequence (attention sinks) also kept exact in the storage "
+           f"dtype while they are kept; the plan counts their bytes; 0: none; default {DEFAULT_SINKS}")
     a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=4,
       help="bits a value under --compress-* (default 4; 2 and 3: the cache only)")
     a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
@@ -41,7 +44,8 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     if args.compress_cache:
         cache = CacheQuant(args.compress_bits, args.compress_group_size, getattr(args, "cache_keys", DEFAULT_KEYS),
                            getattr(args, "key_outliers", DEFAULT_OUTLIERS),
-                           getattr(args, "cache_recent", DEFAULT_RECENT))  # validates the flags
+                           getattr(args, "cache_recent", DEFAULT_RECENT),
+                           getattr(args, "cache_sinks", DEFAULT_SINKS))  # validates the flags
     if not args.compress_weight:
         return None, cache
     if args.compress_bits not in BITS:

@@ -75,5 +75,7 @@ def _compression_note(rc: RunConfig) -> str:
         parts[-1] += f" (keys per channel, {rc.compress_cache.outliers} exact)"
     if rc.compress_cache and rc.compress_cache.recent:
         parts[-1] += f" (newest {rc.compress_cache.recent} tokens exact)"
+    if rc.compress_cache and rc.compress_cache.sinks:
+        parts[-1] += f" (first {rc.compress_cache.sinks} tokens exact)"
     parts += [describe_kept(rc.compress_weight)] * bool(describe_kept(rc.compress_weight))
     return f"  compressed {', '.join(parts)}" if parts else ""

