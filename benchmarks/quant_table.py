@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     with open(args.plain) as fh:
         plain = json.load(fh)
     pfull = {r["text"]: r["ppl"] for r in plain["rows"] if r["policy"] == "full"}
+    runs = {k: v for k, v in runs.items() if k[0] in pfull}  # texts of the plain table (not the recall runs)
     texts = sorted({t for t, _, _ in runs})
     keys = sorted({(s, b) for _, s, b in runs}, key=lambda k: (k[0] != "new", -k[1]))
     print("Full cache against the plain full cache (" + ", ".join(f"{t} {pfull[t]:.3f}" for t in texts) + ")\n")
