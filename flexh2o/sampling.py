@@ -19,7 +19,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
         """logits (b, vocab) fp32 on CPU -> token ids (b,). NaN/Inf logits are refused in one line (corrupt weights
         or an overflowing compute dtype), never turned into a token or a multinomial traceback."""
-        if not bool(torch.isfinite(logits).all()):
+        lo, hi = torch.aminmax(logits) if logits.numel() else (0.0, 0.0)  # one pass (NaN propagates), not five
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError("the model produced NaN/Inf logits: its weights hold NaN/Inf or overflow the compute "
                              "dtype; re-run flexh2o-convert on the source checkpoint or pass --compute-dtype float32")
         if self.temperature == 0:

@@ -230,7 +230,7 @@ def assign(dst, index, values: torch.Tensor) -> None:
         dst.data[index] = ct.data
         dst.meta[index] = ct.meta
     else:
-        dst[index] = values.to(dst.dtype)
+        dst[index] = moved(values, dtype=dst.dtype)
 
 
 def empty_like_layout(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec], device) -> object:

@@ -18,6 +18,7 @@ class LayerCompute:
     def __init__(self, family, cfg, rc, policy: KVPolicy, slots: tuple, evicts: bool):
         self.family, self.cfg, self.rc, self.policy = family, cfg, rc, policy
         self.slots, self.evicts = slots, evicts  # slots: per decoder layer (ModelConfig.layer_slots)
+        self._step = None  # (pos of the decode step, what _step_positions derives from it)
 
     def shape(self, layer: int) -> tuple:
         """The model's facts of a layer's attention: (sliding window or None, logit soft-cap or None)."""
@@ -35,11 +36,20 @@ class LayerCompute:
         """One token per row: x (b, 1, h), pos (b, 1); the block gets the new K/V and loses at most one token.
         policy: the policy of these rows when they are not the whole batch (LanePolicy.first_rows)."""
         policy = self.policy if policy is None else policy
+        clamped, cur, at = self._step_positions(pos)
 
         def attend(q, k, v):
-            return attention.decode(q, k, v, pos[:, 0], blk, policy, cache_layer, *self.shape(cache_layer),
-                                    evicts=self.evicts)
-        return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend)
+            return attention.decode(q, k, v, cur, blk, policy, cache_layer, *self.shape(cache_layer),
+                                    evicts=self.evicts, at=at)
+        return self.family.block(self.cfg, w, cache_layer, x, clamped, attend)
+
+    def _step_positions(self, pos: torch.Tensor) -> tuple:
+        """pos (b, 1) of a decode step -> (pos clamped at 0, pos (b,), its values as a list on a CPU, else None):
+        every layer of a step is handed the same tensor (Sequences.inputs), so they are derived once a step."""
+        if self._step is None or self._step[0] is not pos:
+            cur = pos[:, 0]
+            self._step = pos, (pos.clamp(min=0), cur, cur.tolist() if cur.device.type == "cpu" else None)
+        return self._step[1]
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
         """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are

@@ -119,7 +119,7 @@ MAX_SEGMENTS = 8  # row segments of one decode attention; more runs are merged, 
 
 
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window: Optional[int] = None,
-           softcap: Optional[float] = None, evicts: bool = True) -> torch.Tensor:
+           softcap: Optional[float] = None, evicts: bool = True, at: Optional[list] = None) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
@@ -129,40 +129,30 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     window, softcap: as in prefill; after the attention a windowed layer drops the token the next query will not
     see before the policy chooses (the block holds window - 1 tokens at most between steps).
     evicts False (LayerCompute.evicts) and no window: nothing is ever dropped, so every row holds its positions
-    0..cur_pos in slots 0..cur_pos and the block's free slot and extents are read from cur_pos, not searched.
+    0..cur_pos in slots 0..cur_pos and the block's free slot and extents are read from cur_pos (`at`: its values
+    as a list, when the caller has them), not searched; a policy that scores nothing is then not asked to evict.
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
     in_order = not evicts and window is None and dev.type == "cpu"
-    blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order)
+    at = (cur_pos.tolist() if at is None else at) if in_order else None
+    blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order, at)
     qg = q.view(b, kv, n // kv, d)
     # per row, its slots up to the last used one (once per step: the policy too)
-    extents = (cur_pos + 1).tolist() if in_order else row_extents(blk.pos)
+    extents = [p + 1 for p in at] if in_order else row_extents(blk.pos)
     segments = used_segments(blk.pos, extents)
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
+    if not policy.needs_scores and softcap is None and in_order:  # nothing to score or evict: K/V alone
+        keys, values = (expand(x, q.dtype) for x in blk.front_kv(top))
+        return moved(_fused(qg, keys, values, blk.pos, segments, extents).reshape(b, n, 1, d), home)
     front = blk.front(top)  # all the step reads and the policy sees
     keys, values = expand(front.k, q.dtype), expand(front.v, q.dtype)
-    out = torch.empty(b, kv, n // kv, d, dtype=q.dtype, device=dev)
-    att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=dev)
-    for r0, r1, used in segments:
-        if not policy.needs_scores and softcap is None:  # one fused kernel, the query heads of a KV head as rows
-            full = in_order and min(extents[r0:r1]) == used  # in order, every row of the segment fills `used`
-            keep = None if full else (front.pos[r0:r1, :, :used] >= 0)[:, :, None]  # each row holds its new token
-            out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
-                                                        attn_mask=keep)
-            continue
-        att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float()
-        att = _capped(att * d ** -0.5, softcap)
-        att = att.masked_fill((front.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)
-        out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(q.dtype), values[r0:r1, :, :used])  # (r, kv, g, d)
-        if att_sum is not None:
-            att_sum[r0:r1, :, :used] = att.sum(2)
-        elif policy.needs_scores:
-            att_sum = att.sum(2)
-    if policy.needs_scores:
-        policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
+    if not policy.needs_scores and softcap is None:  # one fused kernel per segment
+        out = _fused(qg, keys, values, front.pos, segments, None)
+    else:
+        out = _scored(qg, keys, values, front, policy, segments, softcap)
     if window is not None:
         front.evict((front.pos >= 0) & (front.pos <= (cur_pos + 1 - window).view(-1, 1, 1)))
     values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
@@ -173,6 +163,43 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
         blk.written = front.written
     front.evict(evict)
     return moved(out.reshape(b, n, 1, d), home)
+
+
+def _fused(qg, keys, values, pos, segments: list, extents: Optional[list]) -> torch.Tensor:
+    """The fused kernel over each segment of rows, the query heads of a KV head as rows: qg (b, kv, g, d),
+    keys/values (b, kv, top, d), pos (b, kv, >= top) -> (b, kv, g, d). extents (in order): a segment whose every row
+    fills its slots runs unmasked; one segment of such rows is the kernel's own output."""
+    def keep(r0, r1, used):  # each row holds its new token, so no row of the mask is empty
+        full = extents is not None and min(extents[r0:r1]) == used
+        return None if full else (pos[r0:r1, :, :used] >= 0)[:, :, None]
+    if len(segments) == 1:  # used: every slot of keys (KVBlock.front_kv cut them there)
+        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep(*segments[0]))
+    out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
+    for r0, r1, used in segments:
+        out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
+                                                    attn_mask=keep(r0, r1, used))
+    return out
+
+
+def _scored(qg, keys, values, front: KVBlock, policy: KVPolicy, segments: list, softcap) -> torch.Tensor:
+    """Attention with its probabilities materialised (fp32), per segment: qg (b, kv, g, d) -> (b, kv, g, d); the
+    policy accumulates them (summed over each KV head's query heads) into front.score, 0 past a segment's slots."""
+    b, kv, g, d = qg.shape
+    top = front.pos.shape[-1]
+    out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
+    att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=qg.device)
+    for r0, r1, used in segments:
+        att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float()
+        att = _capped(att * d ** -0.5, softcap)
+        att = att.masked_fill((front.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)
+        out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(qg.dtype), values[r0:r1, :, :used])  # (r, kv, g, d)
+        if att_sum is not None:
+            att_sum[r0:r1, :, :used] = att.sum(2)
+        elif policy.needs_scores:
+            att_sum = att.sum(2)
+    if policy.needs_scores:
+        policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
+    return out
 
 
 def used_segments(pos: torch.Tensor, extents: Optional[list] = None) -> list:

@@ -32,25 +32,32 @@ class KVBlock:
     score: torch.Tensor
     written: Optional[torch.Tensor] = field(default=None, compare=False)  # (b, kv[, n]) slots written since load
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor, in_order: bool = False) -> torch.Tensor:
+    def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor, in_order: bool = False,
+               at: Optional[list] = None) -> torch.Tensor:
         """Write one token per row (k/v (b, kv, d), cur_pos (b,)) into each row's first free slot, in place;
         remember and return the slots (b, kv), so storing the block home writes only them. in_order: the caller
         knows that no token was ever evicted, so slot i holds position i and the first free slot is cur_pos (the
-        block is not searched)."""
+        block is not searched); at: then cur_pos as a list, when the caller has it, so that a plain block is
+        written through a slice where every row writes the same slot (no index tensors), or else by row."""
         b, kv = self.pos.shape[:2]
         if in_order:
             slot = cur_pos.view(b, 1).expand(b, kv)
         else:
             slot = (self.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
-        bi = torch.arange(b, device=self.pos.device)[:, None]
-        hi = torch.arange(kv, device=self.pos.device)[None, :]
-        assign(self.k, (bi, hi, slot), k)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
-        assign(self.v, (bi, hi, slot), v)  # a compressed block quantizes the new token's K/V here
+        plain = isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
+        if in_order and at is not None and plain:
+            index = ((slice(None), slice(None), at[0]) if min(at) == max(at)
+                     else (torch.arange(b, device=self.pos.device), slice(None), cur_pos))  # (b, kv[, d]) either way
+        else:
+            index = (torch.arange(b, device=self.pos.device)[:, None],
+                     torch.arange(kv, device=self.pos.device)[None, :], slot)
+        assign(self.k, index, k)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
+        assign(self.v, index, v)  # a compressed block quantizes the new token's K/V here
         for x, val in ((self.k, k), (self.v, v)):
             if hasattr(x, "remember"):  # the newest tokens also kept exact (compress/recent.py)
                 x.remember(slot, cur_pos, val)
-        self.pos[bi, hi, slot] = cur_pos.view(b, 1).expand(b, kv)
-        self.score[bi, hi, slot] = 0.0
+        self.pos[index] = cur_pos.view(b, 1).expand(b, kv)
+        self.score[index] = 0.0
         self.written = slot
         return slot
 
@@ -143,11 +150,18 @@ class KVBlock:
     def front(self, n: int) -> "KVBlock":
         """A view of the first `n` slots of every row (all a decode step reads when no row uses a slot past them);
         it shares `written` with the block until a merge replaces it."""
+        return KVBlock(*self.front_kv(n), self.pos[:, :, :n], self.score[:, :, :n], self.written)
+
+    def front_kv(self, n: int) -> tuple:
+        """(k, v) of the first `n` slots of every row, in the block's own form (the plain tensors themselves when
+        n is all of them)."""
         def cut(x):
             if hasattr(x, "front"):
                 return x.front(n)
-            return x.map(lambda t: t[:, :, :n]) if isinstance(x, CompressedTensor) else x[:, :, :n]
-        return KVBlock(cut(self.k), cut(self.v), self.pos[:, :, :n], self.score[:, :, :n], self.written)
+            if isinstance(x, CompressedTensor):
+                return x.map(lambda t: t[:, :, :n])
+            return x if n == x.shape[2] else x[:, :, :n]
+        return cut(self.k), cut(self.v)
 
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""

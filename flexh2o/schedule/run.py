@@ -3,8 +3,11 @@
 overlap=False runs every op in plan order on the caller's thread. overlap=True runs loads and stores on an I/O
 thread pool (disk reads release the GIL) while compute stays on the caller's thread; ops on the same buffer are
 chained, a weight load also waits for the weight free issued before it (so, as in plan order, at most two layers
-of weights are in flight), and a compute waits only for the loads of its own buffers. On CUDA each I/O op runs on a side stream
-and records an event that the compute stream waits on (no device-wide sync).
+of weights are in flight), and a compute waits only for the loads of its own buffers. On CUDA each I/O op runs on a
+side stream and records an event that the compute stream waits on (no device-wide sync). Off CUDA, an I/O kind whose
+handler has proved quicker than a thread hand-off (memory-resident loads are views) runs on the caller's thread in
+plan order, after the ops already queued on its buffer (a weight load also after the last weight free): handing it
+to the pool would only add the wait.
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from flexh2o.schedule.plan import COMPUTE, FREE_WEIGHT, LOAD_WEIGHT, Op
+
+QUICK_IO_S = 2e-4  # an I/O kind averaging less than this a call (after QUICK_AFTER calls) runs inline, off CUDA
+QUICK_AFTER = 8
 
 
 class Executor:
@@ -31,6 +37,7 @@ class Executor:
         self.inline = set(inline) | {COMPUTE}
         self.busy_s: dict = {}
         self.decode_busy_s: dict = {}
+        self.calls: dict = {}  # op kind -> handler calls
         self._lock = threading.Lock()
 
     def run(self, ops: Iterable[Op]) -> None:
@@ -46,10 +53,13 @@ class Executor:
         freed: Optional[Future] = None  # the last weight free submitted
         try:
             for op in ops:
-                if op.kind in self.inline:
+                if op.kind in self.inline or self._quick(op.kind):
                     start = time.perf_counter()
-                    for buf in self.inputs(op) if op.kind == COMPUTE else ():
+                    waits = self.inputs(op) if op.kind == COMPUTE else () if op.kind in self.inline else (op.buffer,)
+                    for buf in waits:
                         _wait(pending.get(buf), self.cuda)
+                    if op.kind == LOAD_WEIGHT:  # inline too: at most two layers of weights in flight
+                        _wait(freed, self.cuda)
                     self._count("stall", start, op.step)
                     self._handle(op)
                     continue
@@ -72,10 +82,16 @@ class Executor:
         self.handlers[op.kind](op)
         self._count(op.kind, start, op.step)
 
+    def _quick(self, kind: str) -> bool:
+        """Whether an I/O op of `kind` runs inline: off CUDA, once its handler averaged under QUICK_IO_S."""
+        n = self.calls.get(kind, 0)
+        return not self.cuda and n >= QUICK_AFTER and self.busy_s[kind] < QUICK_IO_S * n
+
     def _count(self, kind: str, start: float, step: int) -> None:
         took = time.perf_counter() - start
         with self._lock:  # I/O threads add too
             self.busy_s[kind] = self.busy_s.get(kind, 0.0) + took
+            self.calls[kind] = self.calls.get(kind, 0) + 1
             if step > 0:
                 self.decode_busy_s[kind] = self.decode_busy_s.get(kind, 0.0) + took
 
