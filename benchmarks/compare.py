@@ -34,7 +34,8 @@ import time
 
 from bench_common import (add_dtype_args, add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs,
                           h2o_flags,
-                          hardware_args, load_avg, median, mib, regime, run_flexh2o, run_peer, table)
+                          hardware_args, load_avg, median, mib, run_flexh2o, run_peer, table)
+from bench_common import regime as placement_regime  # noqa: E402 (the name `regime` is the fair check's below)
 from memcap import MemCap, drop_cached
 
 from flexh2o.units import parse_bytes
@@ -134,7 +135,7 @@ def ratio_lines(rows: dict, paired: dict) -> list:
     return out
 
 
-def regime(args, systems: list, mem_cap: int) -> list:
+def regime(args, systems: list, mem_cap: int) -> list:  # noqa: F811
     """fair.check_regime for each system's storage dtype (flexh2o's auto: bfloat16, the least it stores)."""
     from fair import check_regime
     two = {"auto": "bfloat16"}
@@ -261,7 +262,7 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
           f"{args.peer_dtype}  h2o {h2o}  {args.repeats} "
           f"rounds  threads "
           f"{env.get('OMP_NUM_THREADS', 'default')}  OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}  run {run_id}  "
-          f"[{regime({'policy': {'percent': args.percent}})}]")
+          f"[{placement_regime({'policy': {'percent': args.percent}})}]")
     print(f"largest batch that fits: {batches}")
     for s, d, b, x in getattr(args, "regime", []):
         print(f"regime: {s} weights at {d} {b / 2**30:.2f} GiB = {x:.2f}x the cap"
