@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from flexh2o.engine import Engine, _Run
-from flexh2o.kv import attention
 from flexh2o.generation.sequences import Sequences
+from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.layout import FIELDS, CacheLayout
 
