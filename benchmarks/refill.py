@@ -7,10 +7,14 @@ Prints one JSON line: useful tokens (every request's answer), seconds of the job
 before the clock starts), useful tok/s, steps, rounds, batch.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy h2o --refill true
+
+`--steps-only 4 18` prints the steps either way at those batches from the lengths alone (they equal the runs'),
+the bound the batch puts on the ratio before any step's cost counts.
 """
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import sys
@@ -40,6 +44,17 @@ def requests(n: int, prompt_len: int, lo: int, hi: int, vocab: int, seed: int) -
             for i, m in enumerate(lens)]
 
 
+def steps_of(lens: list, b: int) -> tuple:
+    """(refill, fixed) steps of requests answering `lens` tokens on b rows, from the queue alone: a fixed round runs
+    as long as its longest answer; with refill a row takes the next request the step after its own ends (the new
+    prompt's prefill gives its first token), so the run lasts as long as the busiest row."""
+    fixed = sum(max(lens[i:i + b]) for i in range(0, len(lens), b))
+    rows = [0] * b
+    for m in lens:
+        heapq.heappush(rows, heapq.heappop(rows) + m)
+    return max(rows), fixed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", help="'small' (the SMALL config above) or a built-in model name")
@@ -53,6 +68,8 @@ def main() -> None:
     p.add_argument("--gpu-mem", default="24MB", help="the gpu tier's capacity that sets each policy's largest batch")
     p.add_argument("--batch", type=int, default=None, help="GPU batch (default: the largest that fits)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps-only", type=int, nargs="+", metavar="BATCH", help="print the steps refill and fixed "
+                   "rounds take at these batches (the queue's arithmetic, nothing run) and exit")
     a = p.parse_args()
     cfg = SMALL if a.model == "small" else from_name(a.model)
     kv = KVSpec.from_flags(a.policy, a.prompt_len, a.hh_ratio if a.policy == "h2o" else None, None, None)
@@ -61,6 +78,12 @@ def main() -> None:
                    cpu_mem=parse_bytes("8GB"), offload_dir="/tmp")
     rc = rc.with_(gpu_batch_size=a.batch or largest_batch(rc, limit=a.requests))
     reqs = requests(a.requests, a.prompt_len, a.min_len, a.max_len, cfg.vocab, a.seed)
+    if a.steps_only:
+        for b in a.steps_only:
+            refill, fixed = steps_of([r.max_new_tokens for r in reqs], b)
+            print(json.dumps({"batch": b, "refill_steps": refill, "fixed_steps": fixed,
+                              "ratio": round(fixed / refill, 3)}))
+        return
     stats = run_requests(rc, reqs, StopRule(), refill=a.refill == "true")
     useful = sum(r.generated_tokens for r in stats.results)
     print(json.dumps({"policy": a.policy, "refill": a.refill == "true", "batch": rc.gpu_batch_size,

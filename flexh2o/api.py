@@ -104,7 +104,8 @@ class LLM:
             self.engine = Engine(rc)
         with Progress(len(reqs), enabled=self.opts.verbose >= 1) as bar:
             stats = run_requests(self.engine.rc, reqs, stop_rule(args, self.cfg, self.tokenizer), progress=bar,
-                                 warmup=warm and not args.no_warmup, engine=self.engine)
+                                 warmup=warm and not args.no_warmup, refill=not args.no_refill,
+                                 engine=self.engine)
         order = {r.id: i for i, r in enumerate(reqs)}
         return sorted(stats.results, key=lambda res: order[res.id])
 

@@ -34,6 +34,12 @@ def rounds_of(prompts: list, num_seqs: int) -> list:
     return [prompts[i:i + num_seqs] for i in range(0, len(prompts), num_seqs)]
 
 
+def warm_up(eng: Engine, prompts: list, num_seqs: int, generate: Optional[Callable] = None) -> None:
+    """The untimed warm-up of a job (this loop's and batch/run.py's): 2 steps over the first round's prompts cut
+    to 8 tokens. generate: as measure_job's."""
+    (generate or _engine_generate)(eng, fill_batch([list(p[:8]) for p in prompts[:num_seqs]], num_seqs), 2)
+
+
 @dataclass
 class Measured:
     """What the job loop measured: one Generation per round, bytes loaded per step from each tier, peaks."""
@@ -88,7 +94,7 @@ def measure_job(rc: RunConfig, job: Job, generate: Optional[Callable] = None) ->
     rounds = rounds_of(job.prompts, rc.num_seqs)
     with Engine(rc) as eng:
         if job.warmup:
-            generate(eng, fill_batch([p[:8] for p in job.prompts[:rc.num_seqs]], rc.num_seqs), 2)
+            warm_up(eng, job.prompts, rc.num_seqs, generate)
         moved0 = {t: tier.bytes_loaded for t, tier in eng.tiers.items()}
         weights0 = _weight_seconds(eng)  # after the warm-up
         steps = job.measured_steps or rc.gen_len

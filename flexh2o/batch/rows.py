@@ -32,15 +32,26 @@ class PerRowSampler:
 
     def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
         rows = rows if rows is not None else slice(0, logits.shape[0])
-        out = logits.argmax(-1)  # (b,): rows without a live request only pad the batch
+        out = logits.argmax(-1)  # (b,): every row's greedy token (rows without a live request only pad the batch)
+        greedy, finite = out.tolist(), torch.isfinite(logits).all(-1).tolist()  # one host read each per batch
         for i, row in enumerate(range(rows.start, rows.stop)):
-            if self.request(row) is not None:
+            if self.request(row) is None:
+                continue
+            sampler = self.samplers[row]
+            if sampler.temperature == 0 and finite[i]:  # what sampler(logits[i:i + 1]) returns, without the call
+                self._took(row, greedy[i])
+            else:
                 out[i] = self._next(row, logits[i:i + 1])
         return out
 
     def _next(self, row: int, logits: torch.Tensor) -> int:
         """Sample row `row`'s next token from its logits (1, vocab); finish the row when its rule says so."""
         token = int(self.samplers[row](logits)[0])
+        self._took(row, token)
+        return token
+
+    def _took(self, row: int, token: int) -> None:
+        """Row `row` emitted `token`: finish it when its rule says so."""
         self.tokens[row].append(token)
         self.generated += 1
         req = self.request(row)
@@ -48,7 +59,6 @@ class PerRowSampler:
         if reason is not None:
             self.finish(row, reason)
             self.on_finish(self.rule.result(req, self.tokens[row], reason))
-        return token
 
 
 class RowSampler(PerRowSampler):

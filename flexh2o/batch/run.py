@@ -5,6 +5,12 @@ refill (the default): one run whose rows take the next request (file order) as s
 sharing the decode step's weight pass (generation/refill.py). refill False: FlexGen's fixed batches, rounds of
 num_seqs requests, a round ending at the step after which all its requests have finished (generate's stop_when),
 a finished row keeping its batch slot until then.
+
+Beside job.measure_job (the fixed-length job loop of flexh2o-run's benchmark runs) this is a second loop over one
+engine: they share the rounds and the warm-up (job.py); the rest stays apart on purpose: measure_job returns each
+round's Generation (timings, bytes moved, peaks, per-phase weight seconds) for the run report and takes a pipeline
+stage's generate, while this loop streams per-request Results and stopping, reuses a caller's engine (api.LLM) and
+refills rows, none of which the benchmark report needs.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from flexh2o.batch.rows import RowSampler
 from flexh2o.batch.stopping import StopRule
 from flexh2o.engine import Engine
 from flexh2o.generation.refill import generate_refill
+from flexh2o.job import rounds_of, warm_up
 from flexh2o.prompts import fill_batch
 from flexh2o.run_config import RunConfig
 
@@ -42,10 +49,6 @@ class BatchStats:
                 f"generated tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} useful tok/s")
 
 
-def rounds_of(requests: list, num_seqs: int) -> list:
-    return [requests[i:i + num_seqs] for i in range(0, len(requests), num_seqs)]
-
-
 def run_requests(rc: RunConfig, requests: list, rule: StopRule, on_result: Optional[Callable] = None,
                  on_step: Optional[Callable] = None, progress: Optional[Progress] = None,
                  warmup: bool = True, refill: bool = True, engine: Optional[Engine] = None) -> BatchStats:
@@ -61,7 +64,7 @@ def run_requests(rc: RunConfig, requests: list, rule: StopRule, on_result: Optio
 def _answer(eng, requests, rule, on_result, on_step, progress, warmup, refill) -> BatchStats:
     rc, stats = eng.rc, BatchStats()
     if warmup and requests:
-        eng.generate(fill_batch([list(r.prompt_ids[:8]) for r in requests[:rc.num_seqs]], rc.num_seqs), 2)
+        warm_up(eng, [r.prompt_ids for r in requests], rc.num_seqs)
     start = time.perf_counter()
     groups = [requests] if refill else rounds_of(requests, rc.num_seqs)
     for group in groups:

@@ -23,6 +23,9 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
       "(default: the model's config; with dummy weights its family's usual id)")
     a("--resume", action="store_true", help="request jobs: skip the ids already answered in the .jsonl "
       "--output-file (a torn last line left by a crash is dropped first)")
+    a("--no-refill", action="store_true", help="request jobs: answer the requests in FlexGen's fixed batches of "
+      "num_seqs (a batch ends once all its rows have finished) instead of refilling each finished row with the next "
+      "request inside the block schedule")
 
 
 def is_request_job(args) -> bool:
@@ -93,7 +96,7 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
     with Progress(len(reqs), len(reqs) - len(todo), enabled=opts.verbose >= 1) as bar:
         try:
             stats = run_requests(rc, todo, rule, on_result, writer.sync if writer else None, bar,
-                                 warmup=not args.no_warmup)
+                                 warmup=not args.no_warmup, refill=not args.no_refill)
         finally:
             if writer is not None:
                 writer.close()

@@ -3,10 +3,15 @@ batching inside the zig-zag block schedule).
 
 A row that finishes at step s is handed the next request at once; at step s + 1 its prompt is prefilled inside the
 decode step's own weight pass: each layer's compute runs the batch's decode (every row, the refilled ones
-included, whose outputs are dropped) and then the prefill of the refilled rows with the same loaded weights, whose
+included, whose outputs are dropped) and the prefill of the refilled rows with the same loaded weights, whose
 fresh cache rows (slots, positions, scores, a quantized cache's metadata) then replace the rows in the block. The
-block is stored home whole on that step, whatever its tier. So a row reuses its own slots (no new allocation) and
-its positions restart at 0 in slot 0: a cache that never evicts keeps token i in slot i per row, as the decode's
+two run as one pass (`_one_pass`): the decode tokens and the prompts' tokens packed into one sequence go through
+the linears, norms and MLP together, only attention being split, so a refill adds rows to the step's matmuls rather
+than a second round of small ops; rows finishing at the same step are refilled together. Where prefill and decode
+take the weights in different forms (compute dtype, int4 kernel) the prefill runs after the decode with the layer's
+weights in the prefill form (`_prefill_form`), so a refilled row equals a run alone there too. The block is stored
+home whole on that step, whatever its tier. So a row reuses its own slots (no new allocation) and its positions
+restart at 0 in slot 0: a cache that never evicts keeps token i in slot i per row, as the decode's
 in-order path assumes. Policies keep no state outside the block, so the row's state is all reset.
 
 A row left without a request (the queue is empty) idles: it is fed its last token again at the same position, so
@@ -21,6 +26,7 @@ import torch
 
 from flexh2o.engine import Engine, _Run
 from flexh2o.generation.sequences import Sequences
+from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.layout import FIELDS, CacheLayout
 
@@ -87,16 +93,20 @@ class RefillRows:
         rows = range(batch * b, (batch + 1) * b)
         before = [self.feed.live(row) for row in rows]
         fresh = self.running.pop(batch, None)
-        prefilled = {int(i): int(n) for i, n in zip(fresh[0], fresh[3])} if fresh is not None else {}
+        start = torch.full((b,), -1, dtype=torch.long)  # per row: the position its prefill ended at (-1: none)
         if step == 0:
-            prefilled = {i: int(n) for i, n in enumerate(self.first.lens[batch])}
+            start = self.first.lens[batch]
+        elif fresh is not None:
+            start[fresh[0]] = fresh[3]
         tokens = sampler(logits, step, slice(rows.start, rows.stop))
+        alive = [self.feed.live(row) for row in rows]
+        live = torch.tensor(alive)
+        nxt = self.nxt[batch]
+        self.nxt[batch] = torch.where(live, torch.where(start >= 0, start, nxt + 1), nxt)
+        self.cur[batch] = torch.where(live, tokens, self.cur[batch])
         refill = []
         for i, row in enumerate(rows):
-            if self.feed.live(row):
-                self.cur[batch, i] = tokens[i]
-                self.nxt[batch, i] = prefilled[i] if i in prefilled else self.nxt[batch, i] + 1
-            elif before[i]:  # finished now: the row takes the next request, if any
+            if before[i] and not alive[i]:  # finished now: the row takes the next request, if any
                 prompt = self.feed.take(row)
                 if prompt is not None:
                     refill.append((i, prompt))
@@ -125,10 +135,14 @@ class _RefillRun(_Run):
     def __init__(self, eng: Engine, feed, on_step):
         self.feed = feed
         super().__init__(eng, None, feed.longest_gen, feed, False, on_step, None, None)
-        self.pre: dict = {}  # batch -> hidden states (r, t', h) of the rows prefilled in this step
+        self.pre: dict = {}  # batch -> hidden states (r, t', h) of the rows prefilled in this step (separate passes)
         # while the queue lasts every row emits a token each step (a refilled row's first comes from its prefill):
         self.gen_len = -(-feed.total_gen // eng.rc.num_seqs) + feed.longest_gen + 2  # the most steps it can take
         self.stop_when = lambda: feed.all_done
+        self.mixed: dict = {}  # batch -> True while this step's refill runs in one pass with the decode
+        kernel = eng.kernel or {}
+        self.split_forms = (self.rc.compute_at(0) != self.rc.compute_at(1)
+                            or bool(kernel.get("prefill")) != bool(kernel.get("decode")))
 
     def _sequences(self, prompts, gen_len, record_logits):
         rc, cfg = self.rc, self.cfg
@@ -137,23 +151,110 @@ class _RefillRun(_Run):
 
     def compute(self, op) -> None:
         step, layer, batch = op.step, op.layer, op.batch
-        got = self.seqs.prefills(batch) if step > 0 else None
         if step > 0 and layer == 0:
             self.seqs.inputs(step, batch, self.eng.device)  # moves the batch's pending refill to `running`
             got = self.seqs.prefills(batch)
+            self.mixed[batch] = got is not None and not self.split_forms and self._fits_one_pass(got[1])
+        got = self.seqs.prefills(batch) if step > 0 else None
         if got is None:
             return super().compute(op)
         rows, ids, pos = got[0], got[1].to(self.eng.device), got[2].to(self.eng.device)
-        w = self.bufs.weights_of(layer)
-        if layer == 0:
-            self.pre[batch] = self.layers.embed(w, ids, pos)
-            return super().compute(op)
-        if op.cache_layer < 0:
-            dec = self.layers.head(w, self.bufs.a.pop(batch))
-            dec[rows.to(dec.device)] = self.layers.head(w, self.pre.pop(batch)).to(dec.dtype)
+        if self.mixed[batch]:
+            return self._one_pass(op, rows, ids, pos)
+        return self._two_passes(op, rows, ids, pos)
+
+    def _fits_one_pass(self, ids: torch.Tensor) -> bool:
+        """The decode and the refill prefill run as one pass when its tokens are no more than a planned prefill
+        sub-batch's (so the memory plan's transients hold)."""
+        return self.rc.gpu_batch_size + ids.numel() <= self.rc.prefill_rows() * self.rc.prompt_len
+
+    def _two_passes(self, op, rows, ids, pos) -> None:
+        """Each layer runs the decode of every row (the refilled rows' outputs are dropped), then the refilled
+        rows' prefill with the layer's weights as a prefill step takes them (`_prefill_form`)."""
+        step, layer, batch = op.step, op.layer, op.batch
+        if layer > 0 and op.cache_layer < 0:  # the head
+            dec = self.layers.head(self.bufs.weights_of(layer), self.bufs.a.pop(batch))
+            pre = self._prefill_form(layer, lambda w: self.layers.head(w, self.pre.pop(batch)))
+            dec[rows.to(dec.device)] = pre.to(dec.device, dec.dtype)
             self._emit(step, batch, dec)
             return None
-        super().compute(op)  # the decode of every row (the refilled rows' outputs are dropped)
-        self.pre[batch], fresh = self.layers.prefill(w, op.cache_layer, self.pre[batch], pos)
+        super().compute(op)  # the decode step of every row (layer 0: their embedding)
+        if layer == 0:
+            self.pre[batch] = self._prefill_form(layer, lambda w: self.layers.embed(w, ids, pos))
+            return None
+        self.pre[batch], fresh = self._prefill_form(
+            layer, lambda w: self.layers.prefill(w, op.cache_layer, self.pre[batch], pos))
         put_rows(self.bufs.block(layer, batch), rows, fresh)
         return None
+
+    def _prefill_form(self, layer: int, fn):
+        """fn(the layer's weights as step 0 takes them): where prefill and decode differ in compute dtype or int4
+        form (RunConfig.compute_at, Engine.kernel), a refilled row is prefilled as it would be alone, the layer's
+        weights loaded again in the prefill form in place of the decode form and the decode form loaded back after,
+        so at most one form of the layer is held beside the prefetched next layer, as the memory plan counts (the
+        cost: two more loads of the layer per refill of a GPU batch). Otherwise the loaded weights as they are."""
+        bufs = self.bufs
+        if not self.split_forms:
+            return fn(bufs.weights_of(layer))
+        bufs.free_weights(layer)
+        bufs.load_weights(layer, 0, self.rc.compute_at(0))
+        try:
+            return fn(bufs.weights_of(layer))
+        finally:
+            bufs.free_weights(layer)
+            bufs.load_weights(layer, 1, self.rc.compute_at(1))
+
+    def _one_pass(self, op, rows, ids, pos) -> None:
+        """The decode tokens of the batch's b rows and the refilled rows' prompt tokens packed as one sequence
+        (1, b + r t', h) through each layer's linears, norms and MLP; only attention is split: the b decode
+        tokens attend their block (attention.decode), the prompts their own tokens (attention.prefill, into a fresh
+        block whose rows then replace the refilled ones)."""
+        step, layer, batch, bufs = op.step, op.layer, op.batch, self.bufs
+        ids_d, pos_d = self.seqs.inputs(step, batch, self.eng.device)  # (b, 1)
+        b, (r, t) = ids_d.shape[0], ids.shape
+        w = bufs.weights_of(layer)
+        if layer == 0:
+            bufs.a[batch] = self.layers.embed(w, _pack(ids_d, ids), _pack(pos_d, pos))  # (1, b + r t, h)
+        elif op.cache_layer < 0:
+            x = bufs.a.pop(batch)[0]  # (b + r t, h)
+            last = torch.cat([x[:b], x[b:].view(r, t, -1)[:, -1]])  # (b + r, h): each row's newest token
+            logits = self.layers.head(w, last[:, None])  # (b + r, vocab)
+            dec = logits[:b].clone()
+            dec[rows.to(dec.device)] = logits[b:]
+            self._emit(step, batch, dec)
+        else:
+            c, blk = op.cache_layer, bufs.block(layer, batch)
+            fresh = KVBlock.empty(r, self.cfg.kv_heads, self.layers.slots[c], self.cfg.head_dim, self.rc.dtype,
+                                  ids.device, self.rc.compress_cache)
+            attend = _split_attend(self.layers, c, b, r, t, pos_d, pos, blk, fresh)
+            bufs.a[batch] = self.eng.family.block(self.cfg, w, c, bufs.a[batch], _pack(pos_d, pos).clamp(min=0),
+                                                  attend)
+            put_rows(blk, rows, fresh)
+
+
+def _pack(dec: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """dec (b, 1), pre (r, t) -> (1, b + r t): the decode tokens, then each prompt's in order."""
+    return torch.cat([dec.reshape(1, -1), pre.reshape(1, -1)], 1)
+
+
+def _split_attend(lc, c: int, b: int, r: int, t: int, pos_d, pos_p, blk: KVBlock, fresh: KVBlock):
+    """attend(q, k, v) over a packed sequence (1, heads, b + r t, d): the first b tokens are one decode step of
+    the block's rows, the rest r prompts of t tokens prefilled into `fresh`; the same calls, policy and model facts
+    as LayerCompute.decode / prefill (generation/compute.py)."""
+    window, softcap = lc.shape(c)
+
+    def parts(x):  # (1, n, b + r t, d) -> (b, n, 1, d), (r, n, t, d): the layouts split_heads gives each part
+        x = x[0]
+        return x[:, :b].transpose(0, 1)[:, :, None], x[:, b:].view(x.shape[0], r, t, -1).transpose(0, 1)
+
+    def attend(q, k, v):
+        (qd, qp), (kd, kp), (vd, vp) = parts(q), parts(k), parts(v)
+        od = attention.decode(qd, kd, vd, pos_d[:, 0], blk, lc.policy, c, window, softcap, evicts=lc.evicts)
+        op = attention.prefill(qp, kp, vp, pos_p, lc.policy, c, fresh, lc.rc.attn_chunk, lc.evicts, 1, window,
+                               softcap)
+        n, d = q.shape[1], q.shape[3]
+        out = torch.empty(b + r * t, n, d, dtype=op.dtype, device=op.device)  # (tokens, n, d)
+        out[:b] = od[:, :, 0].to(out.device)
+        out[b:] = op.transpose(1, 2).reshape(r * t, n, d)
+        return out.transpose(0, 1)[None]  # (1, n, b + r t, d)
+    return attend

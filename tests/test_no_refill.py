@@ -1,0 +1,63 @@
+"""--no-refill (cli/request_job.py), and `no_refill=True` for the API through the same declaration: a request job
+answered in FlexGen's fixed rounds of num_seqs requests instead of refilling finished rows; its answers equal the
+refilled run's (each request's greedy tokens do not depend on which rows share its batch)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexh2o import LLM, SamplingParams
+from flexh2o.batch import run as batch_run
+from flexh2o.cli import run as cli
+from request_helpers import read_jsonl, write_jsonl
+from tiny_models import write_tiny_checkpoint
+
+pytest.importorskip("tokenizers")
+MAX = (3, 9, 5, 2, 7, 4, 6)  # ragged answers: rows of one round finish at different steps
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("norefill") / "ckpt"))
+
+
+def _prompts() -> list:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(4, 200, (int(n),), generator=g).tolist() for n in (4, 7, 2, 5, 6, 3, 8)]
+
+
+def _cli(ckpt, tmp_path, off, name, capsys, *extra) -> tuple:
+    rows = write_jsonl(tmp_path / f"{name}.jsonl", [{"id": str(i), "prompt_ids": p, "max_new_tokens": m}
+                                                    for i, (p, m) in enumerate(zip(_prompts(), MAX))])
+    out = tmp_path / f"{name}-out.jsonl"
+    capsys.readouterr()
+    assert cli.main(["--path", ckpt, "--prompt-file", rows, "--output-file", str(out), "--gpu-batch-size", "2",
+                     "--offload-dir", off, "--no-warmup", "--verbose", "1", "--ignore-eos", *extra]) == 0
+    summary = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("requests ")]
+    return {r["id"]: r for r in read_jsonl(out)}, summary[-1]
+
+
+def test_cli_no_refill_runs_fixed_rounds_with_the_same_answers(ckpt, tmp_path, offload_dir, capsys):
+    refilled, said = _cli(ckpt, tmp_path, offload_dir, "refill", capsys)
+    fixed, said_fixed = _cli(ckpt, tmp_path, offload_dir, "fixed", capsys, "--no-refill")
+    assert said.startswith("requests 7 in 1 rounds")
+    assert said_fixed.startswith("requests 7 in 4 rounds")  # ceil(7 / 2) rounds of the GPU batch
+    assert fixed == refilled and [len(fixed[str(i)]["token_ids"]) for i in range(7)] == list(MAX)
+
+
+def test_api_no_refill_is_the_cli_flag(ckpt, offload_dir, monkeypatch):
+    seen = []
+    real = batch_run.run_requests
+
+    def spy(*args, **kw):
+        seen.append(kw["refill"])
+        return real(*args, **kw)
+    monkeypatch.setattr(batch_run, "run_requests", spy)
+    common = {"gpu_batch_size": 2, "offload_dir": offload_dir, "no_warmup": True, "verbose": 0}
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(ckpt, **common) as llm:
+        want = [o.record() for o in llm.generate(_prompts(), params)]
+    with LLM(ckpt, no_refill=True, **common) as llm:
+        assert llm.args.no_refill is True
+        got = [o.record() for o in llm.generate(_prompts(), params)]
+    assert seen == [True, False] and got == want
