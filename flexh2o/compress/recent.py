@@ -4,8 +4,9 @@ Every token is quantized into its slot as it arrives (both key schemes quantize 
 not change after the prompt, so this is what quantizing it when it leaves the window would store); beside the
 slots a ring of `R` entries keeps the newest R positions of each row exact: position p lives in entry p % R, which
 names the slot holding it. After the ring, `sinks` S entries keep the row's first S positions exact (attention
-sinks: position p < S lives in entry R + p, for as long as its slot holds it). Reading the block (`expanded`) puts the exact values over their slots, so a token is
-read exact while it is among the newest R and quantized from the step it leaves the ring. Eviction is untouched: a
+sinks: position p < S lives in entry R + p, for as long as its slot holds it). Reading the block (`expanded`) puts
+the exact values over their slots, so a token is read exact while it is among the newest R (or first S) and
+quantized from the step it leaves the ring. Eviction is untouched: a
 policy sees every slot; an evicted slot reused by a new token drops the ring entry that named it.
 
 Parts (besides the quantized form's own, compress/codec.py or compress/channel.py), per row and head, not per slot:
@@ -87,12 +88,15 @@ class Recent:
         self.rslot.masked_fill_(self.rslot == slot[..., None].to(self.rslot.dtype), -1)
         bi = torch.arange(b, device=slot.device)[:, None]
         hi = torch.arange(h, device=slot.device)[None, :]
-        sink = pos < s
-        entry = torch.where(sink, r + pos.clamp(max=max(s - 1, 0)), pos % max(r, 1)).view(b, 1).expand(b, h)
-        takes = (sink | (r > 0)).view(b, 1)  # no window: a later token takes no entry (its write is a no-op)
-        self.rslot[bi, hi, entry] = torch.where(takes, slot.to(self.rslot.dtype), self.rslot[bi, hi, entry])
-        self.recent[bi, hi, entry] = torch.where(takes[..., None], values.to(self.recent.dtype),
-                                                 self.recent[bi, hi, entry])
+        sink = pos < s if s else None
+        entry = pos % r if s == 0 else torch.where(sink, r + pos.clamp(max=s - 1), pos % max(r, 1))
+        entry = entry.view(b, 1).expand(b, h)
+        slot, values = slot.to(self.rslot.dtype), values.to(self.recent.dtype)
+        if not r:  # no window: a token past the sinks takes no entry (its row's write leaves the entry as it is)
+            slot = torch.where(sink.view(b, 1), slot, self.rslot[bi, hi, entry])
+            values = torch.where(sink.view(b, 1, 1), values, self.recent[bi, hi, entry])
+        self.rslot[bi, hi, entry] = slot
+        self.recent[bi, hi, entry] = values
 
     def remember_prompt(self, pos: torch.Tensor, values: torch.Tensor) -> None:
         """Prefill packed a prompt's kept tokens into the first slots: pos (b, h, m) their positions (-1: empty),
