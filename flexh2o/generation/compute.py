@@ -54,7 +54,7 @@ class LayerCompute:
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
         """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are
         run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch."""
-        blk = self._block(x.shape[0], cache_layer, x.device)
+        blk = self.empty_block(x.shape[0], cache_layer, x.device)
         outs, rows = [], self.rc.prefill_rows()
         for r in range(0, x.shape[0], rows):
             sl = slice(r, r + rows)
@@ -68,13 +68,14 @@ class LayerCompute:
     def prefill_copies(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int) -> tuple:
         """prefill of one copy of the rows for `copies` copies over the same prompts (a LanePlan): the block has
         copies x b rows (attention.prefill), the output stays b rows and the rows run in one piece."""
-        blk = self._block(x.shape[0] * copies, cache_layer, x.device)
+        blk = self.empty_block(x.shape[0] * copies, cache_layer, x.device)
 
         def attend(q, k, v):
             return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk, self.evicts,
                                      copies, *self.shape(cache_layer))
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend), blk
 
-    def _block(self, rows: int, cache_layer: int, device) -> KVBlock:
+    def empty_block(self, rows: int, cache_layer: int, device) -> KVBlock:
+        """A fresh block of `rows` rows for decoder layer `cache_layer` (its slots, the run's dtype and cache form)."""
         return KVBlock.empty(rows, self.cfg.kv_heads, self.slots[cache_layer], self.cfg.head_dim, self.rc.dtype,
                              device, self.rc.compress_cache)

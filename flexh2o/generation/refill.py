@@ -153,9 +153,9 @@ class _RefillRun(_Run):
         step, layer, batch = op.step, op.layer, op.batch
         if step > 0 and layer == 0:
             self.seqs.inputs(step, batch, self.eng.device)  # moves the batch's pending refill to `running`
-            got = self.seqs.prefills(batch)
-            self.mixed[batch] = got is not None and not self.split_forms and self._fits_one_pass(got[1])
         got = self.seqs.prefills(batch) if step > 0 else None
+        if step > 0 and layer == 0:
+            self.mixed[batch] = got is not None and not self.split_forms and self._fits_one_pass(got[1])
         if got is None:
             return super().compute(op)
         rows, ids, pos = got[0], got[1].to(self.eng.device), got[2].to(self.eng.device)
@@ -224,8 +224,7 @@ class _RefillRun(_Run):
             self._emit(step, batch, dec)
         else:
             c, blk = op.cache_layer, bufs.block(layer, batch)
-            fresh = KVBlock.empty(r, self.cfg.kv_heads, self.layers.slots[c], self.cfg.head_dim, self.rc.dtype,
-                                  ids.device, self.rc.compress_cache)
+            fresh = self.layers.empty_block(r, c, ids.device)
             attend = _split_attend(self.layers, c, b, r, t, pos_d, pos, blk, fresh)
             bufs.a[batch] = self.eng.family.block(self.cfg, w, c, bufs.a[batch], _pack(pos_d, pos).clamp(min=0),
                                                   attend)
