@@ -11,6 +11,7 @@ G tokens, each calibrated on itself); pre=True quantizes keys before RoPE. Value
 """
 from __future__ import annotations
 
+import ast
 import glob
 import importlib.util
 import math
@@ -81,7 +82,23 @@ def attention_of(c: dict, theta: float):
     return attend
 
 
+def setting_of(spec: str) -> dict:
+    """'kbits=4,vbits=4,W=16' -> {'kbits': 4, ...}: names of DEFAULTS, values Python literals; else one line."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in DEFAULTS:
+            raise ValueError(f"unknown setting {name.strip()!r} in {spec!r}: use names of {', '.join(DEFAULTS)}")
+        out[name.strip()] = ast.literal_eval(value.strip())
+    return out
+
+
 def main(argv: list) -> int:
+    try:
+        settings = [(spec, setting_of(spec)) for spec in argv[1:]]  # refused before the model loads
+    except (ValueError, SyntaxError) as e:
+        print(f"quant_sim: {e}", file=sys.stderr)
+        return 2
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     from flexh2o.eval.common import load_model, load_text
@@ -106,8 +123,8 @@ def main(argv: list) -> int:
         return out
     base = ppl({})
     print("plain", " ".join(f"{t} {v:.3f}" for t, v in base.items()), flush=True)
-    for spec in argv[1:]:
-        r = ppl(eval(f"dict({spec})"))
+    for spec, setting in settings:
+        r = ppl(setting)
         print(spec, " ".join(f"{t} {v:.3f} ({(v / base[t] - 1) * 100:+.2f}%)" for t, v in r.items()), flush=True)
     return 0
 

@@ -37,8 +37,9 @@ def cell(ppl: float, ref: float) -> str:
     return f"{ppl:.3f} ({(ppl / ref - 1) * 100:+.2f}%)"
 
 
-def rows_of(res: dict) -> dict:
-    return {(r["policy"], r["budget_tokens"]): r["ppl"] for r in res["rows"]}
+def rows_of(res: dict, text: str = None) -> dict:
+    """(policy, budget tokens) -> ppl of a result's rows (of `text` only, when given)."""
+    return {(r["policy"], r["budget_tokens"]): r["ppl"] for r in res["rows"] if text in (None, r["text"])}
 
 
 def main(argv=None) -> int:
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     print("\nFixed budgets: each policy at 128 tokens, quantized, against the plain cache's same policy and budget\n")
     print("| text | cache | policy | 128 tokens | plain |\n|---|---|---|---|---|")
     for t in texts:
-        prow = {(r["policy"], r["budget_tokens"]): r["ppl"] for r in plain["rows"] if r["text"] == t}
+        prow = rows_of(plain, t)
         for s, b in keys:
             for (pol, bt), v in sorted(rows_of(runs[t, s, b]).items(), key=str) if (t, s, b) in runs else ():
                 if bt == 128 and (pol, 128) in prow:
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
           "full cache\n")
     print("| text | cache | " + " | ".join(f"bytes of {n}" for n in FP16) + " |\n|---|---|" + "---|" * len(FP16))
     for t in texts:
-        prow = {(r["policy"], r["budget_tokens"]): r["ppl"] for r in plain["rows"] if r["text"] == t}
+        prow = rows_of(plain, t)
         cells = []
         for n in FP16:
             best = min((v, pol) for (pol, bt), v in prow.items() if bt == n)
