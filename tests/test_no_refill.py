@@ -61,3 +61,10 @@ def test_api_no_refill_is_the_cli_flag(ckpt, offload_dir, monkeypatch):
         assert llm.args.no_refill is True
         got = [o.record() for o in llm.generate(_prompts(), params)]
     assert seen == [True, False] and got == want
+
+
+def test_no_refill_outside_a_request_job_is_refused_in_one_line(capsys):
+    """A fixed-length run has no refill to turn off: the flag is refused, not ignored."""
+    assert cli.main(["--model", "opt-125m", "--no-refill", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--no-refill applies to request jobs" in err
