@@ -28,7 +28,7 @@ class SamplingParams:
     top_p: Optional[float] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()
-    ignore_eos: bool = False
+    ignore_eos: Optional[bool] = None
 
 
 def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:
@@ -95,7 +95,8 @@ class LLM:
         reqs = self.requests(prompts, params or SamplingParams())
         args = copy.copy(self.args)
         args.gen_len = max(r.max_new_tokens for r in reqs)
-        args.ignore_eos = (params or SamplingParams()).ignore_eos
+        given = (params or SamplingParams()).ignore_eos
+        args.ignore_eos = self.args.ignore_eos if given is None else given  # None: the LLM's own (ignore_eos=...)
         rc = build_run_config(args, self.cfg, [list(r.prompt_ids) for r in reqs])
         warm = self.engine is None or not serves(self.engine.rc, rc)
         if warm:  # the first call, or one the kept engine's plan cannot serve: (re)build it

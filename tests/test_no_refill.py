@@ -68,3 +68,26 @@ def test_no_refill_outside_a_request_job_is_refused_in_one_line(capsys):
     assert cli.main(["--model", "opt-125m", "--no-refill", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--no-refill applies to request jobs" in err
+
+
+def test_ignore_eos_outside_a_request_job_is_refused_in_one_line(capsys):
+    """A fixed-length run never stops at EOS: --ignore-eos there is refused, not ignored."""
+    assert cli.main(["--model", "opt-125m", "--ignore-eos", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--ignore-eos applies to request jobs" in err
+
+
+def test_api_ignore_eos_of_the_llm_holds_unless_the_params_say(ckpt, offload_dir, monkeypatch):
+    """LLM(ignore_eos=True) is not undone by SamplingParams' default; SamplingParams(ignore_eos=False) undoes it."""
+    seen = []
+    real = batch_run.run_requests
+
+    def spy(rc, reqs, rule, **kw):
+        seen.append(rule.eos_ids)
+        return real(rc, reqs, rule, **kw)
+    monkeypatch.setattr(batch_run, "run_requests", spy)
+    common = {"gpu_batch_size": 2, "offload_dir": offload_dir, "no_warmup": True, "verbose": 0, "eos_id": [5]}
+    with LLM(ckpt, ignore_eos=True, **common) as llm:
+        llm.generate(_prompts()[:2], SamplingParams(max_tokens=3))
+        llm.generate(_prompts()[:2], SamplingParams(max_tokens=3, ignore_eos=False))
+    assert seen == [frozenset(), frozenset({5})]

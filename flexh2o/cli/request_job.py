@@ -56,6 +56,9 @@ def check_resume(args) -> None:
     if getattr(args, "no_refill", False) and not is_request_job(args):
         raise ValueError("--no-refill applies to request jobs: give a .jsonl --prompt-file or --output-file "
                          "(fixed-length runs already use FlexGen's fixed batches)")
+    if getattr(args, "ignore_eos", False) and not is_request_job(args):
+        raise ValueError("--ignore-eos applies to request jobs: give a .jsonl --prompt-file or --output-file "
+                         "(fixed-length runs already generate --gen-len tokens whatever they sample)")
     if args.resume and not out:
         raise ValueError("--resume needs the .jsonl --output-file of the run to continue")
     if (out and out.endswith(".jsonl") and not args.resume and os.path.exists(out)
