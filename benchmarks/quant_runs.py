@@ -2,6 +2,7 @@
 after another (nice 19: the evals are not timed), each writing benchmarks/results/<prefix>_<text>_<scheme><bits>.json.
 
     python benchmarks/quant_runs.py --texts hamlet,macbeth --bits 4,3,2,8 --schemes new,flexgen [--dry]
+    python benchmarks/quant_runs.py --prefix acc26f --full-only --group 32 ...   # the full cache alone
 
 Lanes of every run: the full cache; h2o and `--other` at the fixed budgets `--fixed`, and at the token counts
 whose K and V take the bytes of 64, 128 and 256 fp16 tokens under that run's layout (`equal_tokens`: kv/layout.py's
@@ -24,10 +25,10 @@ SCHEMES = {"new": dict(keys="channel", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_
            "flexgen": dict(keys="token", outliers=0, recent=0, sinks=0)}
 
 
-def quant(scheme: str, bits: int, recent: int) -> CacheQuant:
+def quant(scheme: str, bits: int, recent: int, group: int = 64) -> CacheQuant:
     kw = dict(SCHEMES[scheme])
     kw.setdefault("recent", recent)
-    return CacheQuant(bits, 64, **kw)
+    return CacheQuant(bits, group, **kw)
 
 
 def equal_tokens(q: CacheQuant, fp16_tokens: int, context: int) -> int:
@@ -39,11 +40,13 @@ def equal_tokens(q: CacheQuant, fp16_tokens: int, context: int) -> int:
 
 def command(text: str, q: CacheQuant, args) -> list:
     budgets = sorted({*args.fixed, *(equal_tokens(q, n, args.context) for n in (64, 128, 256))} - {args.context})
+    lanes = ["--policies", "h2o", "--budgets", "100%"] if args.full_only else [
+        "--policies", f"h2o,{args.other}", "--budgets", ",".join(map(str, budgets))]
     return ["flexh2o-eval", "ppl", "--model", "smollm2", "--dtype", "float32", "--context", str(args.context),
-            "--windows", "1", "--texts", text, "--prefix", "64", "--policies", f"h2o,{args.other}", "--threads",
-            str(args.threads), "--no-progress", "--budgets", ",".join(map(str, budgets)), "--compress-cache",
-            "--compress-bits", str(q.bits), "--cache-keys", q.keys, "--key-outliers", str(q.outliers),
-            "--cache-recent", str(q.recent), "--cache-sinks", str(q.sinks)]
+            "--windows", "1", "--texts", text, "--prefix", "64", *lanes, "--threads", str(args.threads),
+            "--no-progress", "--compress-cache", "--compress-bits", str(q.bits), "--cache-group-size",
+            str(q.group_size), "--cache-keys", q.keys, "--key-outliers", str(q.outliers), "--cache-recent",
+            str(q.recent), "--cache-sinks", str(q.sinks)]
 
 
 def main(argv=None) -> int:
@@ -57,14 +60,18 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prefix", default="acc26r")
+    p.add_argument("--group", type=int, default=64, help="--cache-group-size of every run (default 64)")
+    p.add_argument("--full-only", action="store_true",
+                   help="the full cache (and h2o at 100%%, the least eval takes beside it)")
     p.add_argument("--dry", action="store_true", help="print the commands only")
     args = p.parse_args(argv)
     args.fixed = [int(x) for x in args.fixed.split(",")]
     for text in args.texts.split(","):
         for bits in (int(b) for b in args.bits.split(",")):
             for scheme in args.schemes.split(","):
-                out = f"benchmarks/results/{args.prefix}_{text}_{scheme}{bits}.json"
-                cmd = command(text, quant(scheme, bits, args.recent), args) + ["--out", out]
+                tag = f"{scheme}{bits}" + (f"g{args.group}" if args.group != 64 else "")
+                out = f"benchmarks/results/{args.prefix}_{text}_{tag}.json"
+                cmd = command(text, quant(scheme, bits, args.recent, args.group), args) + ["--out", out]
                 print(" ".join(cmd), flush=True)
                 if args.dry or os.path.exists(out):
                     continue

@@ -5,9 +5,12 @@ when j > i - W (or j < S: sinks) and its quantize-dequantize copy otherwise; tea
 setting, so schemes are compared in seconds instead of the engine's streaming minutes; the engine's own runs
 (benchmarks/quant_runs.py) are the figures of record. Keys: "channel" (per-channel min/max of the prompt, clamped,
 `nout` values of largest error exact), "token" (FlexGen's groups along head_dim), "kivi" (per channel in groups of
-G tokens, each calibrated on itself); pre=True quantizes keys before RoPE. Values per token (FlexGen's).
+G tokens, each calibrated on itself); pre=True quantizes keys before RoPE; cs: the channel scales calibrated on the
+prompt from token cs on; clip: their range the [clip, 1 - clip] quantiles instead of min and max. Values per token
+(FlexGen's), in groups of vgroup along head_dim (None: the whole head_dim, 64 on SmolLM2: FlexGen's default).
 
     python benchmarks/quant_sim.py hamlet,macbeth "kbits=4,vbits=4,W=16,nout=8" "vbits=3,W=16" ...
+    python benchmarks/quant_sim.py lear.txt:4,julius_caesar:4 ...   # 4 windows of each (texts held out from the tables)
 """
 from __future__ import annotations
 
@@ -22,21 +25,25 @@ import torch
 import torch.nn.functional as F
 
 PROMPT = 64
-DEFAULTS = dict(kbits=None, vbits=None, kscheme="channel", nout=4, G=32, W=0, S=0, pre=False)
+DEFAULTS = dict(kbits=None, vbits=None, vgroup=None, kscheme="channel", nout=4, cs=0, clip=0.0, G=32, W=0, S=0,
+                pre=False)
 
 
-def q_token(x, bits):  # x (..., T, d): per token along d, fp16 scale and minimum
+def q_token(x, bits, group=None):  # x (..., T, d): per token along d in groups of `group` (None: all d), fp16
+    if group and group < x.shape[-1]:  # scale and minimum
+        return q_token(x.unflatten(-1, (-1, group)), bits).flatten(-2)
     levels = 2 ** bits - 1
     lo = x.amin(-1, keepdim=True).half().float()
     st = ((x.amax(-1, keepdim=True) - lo) / levels).half().float()
     return ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
 
 
-def q_channel(x, bits, nout):  # x (b, h, T, d): calibrated on the prompt's tokens
-    levels = 2 ** bits - 1
-    p = x[:, :, :PROMPT]
-    lo = p.amin(2, keepdim=True)
-    st = (p.amax(2, keepdim=True) - lo) / levels
+def q_channel(x, bits, nout, cs=0, clip=0.0):  # x (b, h, T, d): calibrated on the prompt's tokens from cs on,
+    levels = 2 ** bits - 1  # each channel's range the [clip, 1 - clip] quantiles of them (0: min and max)
+    p = x[:, :, cs:PROMPT]
+    lo, hi = (p.amin(2, keepdim=True), p.amax(2, keepdim=True)) if not clip else (
+        p.quantile(clip, 2, keepdim=True), p.quantile(1 - clip, 2, keepdim=True))
+    st = (hi - lo) / levels
     r = ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
     if nout:
         idx = (r - x).abs().topk(nout, -1).indices
@@ -65,14 +72,17 @@ def key_quant(k, c, theta):
         return rope(key_quant(rope(k, -1, theta), {**c, "pre": False}, theta), 1, theta)
     if c["kscheme"] == "token":
         return q_token(k, c["kbits"])
-    return q_channel(k, c["kbits"], c["nout"]) if c["kscheme"] == "channel" else q_kivi(k, c["kbits"], c["G"])
+    if c["kscheme"] == "channel":
+        return q_channel(k, c["kbits"], c["nout"], c["cs"], c["clip"])
+    return q_kivi(k, c["kbits"], c["G"])
 
 
 def attention_of(c: dict, theta: float):
     """transformers' attention interface: exact where the setting keeps a token exact, quantized elsewhere."""
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         t, rep = query.shape[2], query.shape[1] // key.shape[1]
-        kq, vq = key_quant(key.float(), c, theta), value.float() if c["vbits"] is None else q_token(value, c["vbits"])
+        kq = key_quant(key.float(), c, theta)
+        vq = value.float() if c["vbits"] is None else q_token(value, c["vbits"], c["vgroup"])
         k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (key, value, kq, vq))  # (b, hq, T, d)
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
         exact = (j > i - c["W"]) | (j < c["S"]) | (i < PROMPT)  # the prompt's queries: prefill reads exact K/V
@@ -110,16 +120,21 @@ def main(argv: list) -> int:
     rp = getattr(hf.config, "rope_parameters", None) or {}
     theta = rp.get("rope_theta", getattr(hf.config, "rope_theta", 10000.0))
     tok = load_model("smollm2", "float32").tokenizer
-    wins = {t: torch.tensor(text_windows(tok.encode(load_text(t)), 1024, 1)) for t in argv[0].split(",")}
+    wins = {}
+    for item in argv[0].split(","):  # NAME or NAME:N (N windows spread over the text; a name or a file path)
+        name, _, n = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "1")
+        wins[os.path.basename(name).removesuffix(".txt")] = torch.tensor(
+            text_windows(tok.encode(load_text(name)), 1024, int(n)))
 
     def ppl(setting: dict) -> dict:
         AttentionInterface.register("quant_sim", attention_of({**DEFAULTS, **setting}, theta))
         hf.config._attn_implementation = "quant_sim"
         out = {}
         for text, ids in wins.items():
-            with torch.no_grad():
-                logits = hf(ids).logits[0, PROMPT - 1:-1]
-            out[text] = math.exp(F.cross_entropy(logits.float(), ids[0, PROMPT:]).item())
+            with torch.no_grad():  # every window's scored tokens pooled
+                nll = sum(F.cross_entropy(hf(w[None]).logits[0, PROMPT - 1:-1].float(), w[PROMPT:],
+                                          reduction="sum").item() for w in ids)
+            out[text] = math.exp(nll / (len(ids) * (ids.shape[1] - PROMPT)))
         return out
     base = ppl({})
     print("plain", " ".join(f"{t} {v:.3f}" for t, v in base.items()), flush=True)

@@ -29,7 +29,12 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
            f"dtype while they are kept; the plan counts their bytes; 0: none; default {DEFAULT_SINKS}")
     a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=4,
       help="bits a value under --compress-* (default 4; 2 and 3: the cache only)")
-    a("--compress-group-size", type=int, default=64, help="values per quantization group (default 64)")
+    a("--compress-group-size", type=int, default=64, help="values per quantization group of the weights and of "
+      "FlexGen's per-token cache (default 64)")
+    a("--cache-group-size", type=int, default=None, metavar="N",
+      help="--compress-cache: values per group along head_dim of the cached values (and of per-token keys); default "
+           "--compress-group-size (at 2 and 3 bits 32 or 16 cost less perplexity for 4 or 12 more bytes a token and "
+           "KV head on SmolLM2: benchmarks/ACCURACY.md)")
     a("--weight-kernel", choices=["auto", "int4", "off"], default="auto",
       help="--compress-weight on a CPU: auto (weights grouped along the input dimension, each phase runs torch's "
            "int4 kernel where a probe at start measures it faster), int4 (always), off (FlexGen's grouping along "
@@ -38,11 +43,14 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
 
 def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     """(weight spec or None, CacheQuant or None): FlexGen's scheme (--compress-bits, --compress-group-size), the
-    cache's values along head_dim and its keys as --cache-keys says, weights along dimension 0 (FlexGen's) or, where
-    the int4 kernel can run them (--weight-kernel auto/int4), along the input dimension (1)."""
+    cache's values along head_dim in groups of --cache-group-size and its keys as --cache-keys says, weights along
+    dimension 0 (FlexGen's) or, where the int4 kernel can run them (--weight-kernel auto/int4), along the input
+    dimension (1)."""
     cache = None
     if args.compress_cache:
-        cache = CacheQuant(args.compress_bits, args.compress_group_size, getattr(args, "cache_keys", DEFAULT_KEYS),
+        keys = getattr(args, "cache_keys", DEFAULT_KEYS)
+        group = getattr(args, "cache_group_size", None)
+        cache = CacheQuant(args.compress_bits, args.compress_group_size if group is None else group, keys,
                            getattr(args, "key_outliers", DEFAULT_OUTLIERS),
                            getattr(args, "cache_recent", DEFAULT_RECENT),
                            getattr(args, "cache_sinks", DEFAULT_SINKS))  # validates the flags

@@ -99,7 +99,8 @@ def _run(args, argv: list) -> int:
     out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
                compress_cache=args.compress_cache, compress_bits=args.compress_bits, cache_keys=args.cache_keys,
                key_outliers=args.key_outliers, cache_recent=args.cache_recent, cache_sinks=args.cache_sinks,
-               compress_group_size=args.compress_group_size, weight_kernel=args.weight_kernel,
+               compress_group_size=args.compress_group_size, cache_group_size=args.cache_group_size,
+               weight_kernel=args.weight_kernel,
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
     path = args.out or f"eval-{args.task}.json"
     write_json(path, out, indent=1)  # never half-written

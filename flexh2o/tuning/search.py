@@ -126,6 +126,8 @@ def compression_flags(rc: RunConfig) -> list:
     if (spec.bits, spec.group_size) != (4, 64):
         out.append(f"--compress-bits {spec.bits} --compress-group-size {spec.group_size}")
     cache = rc.compress_cache
+    if cache and cache.group_size != spec.group_size:  # the values' groups apart from the weights'
+        out.append(f"--cache-group-size {cache.group_size}")
     if cache and cache.keys != DEFAULT_KEYS:
         out.append(f"--cache-keys {cache.keys}")
     if cache and cache.keys == "channel" and cache.outliers != DEFAULT_OUTLIERS:

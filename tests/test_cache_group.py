@@ -1,0 +1,40 @@
+"""--cache-group-size: the cached values' groups along head_dim apart from the weights' --compress-group-size; the
+plan's bytes count them and the printed command line reads back to the same cache."""
+from __future__ import annotations
+
+import torch
+
+from flexh2o.cli import run as run_cli
+from flexh2o.cli.compress_flags import compression_specs
+from flexh2o.kv.layout import CacheLayout
+
+
+def _specs(*flags):
+    return compression_specs(run_cli.build_parser().parse_args(["--model", "opt-125m", *flags]))
+
+
+def test_cache_group_defaults_to_the_compress_group_and_can_differ():
+    _, cache = _specs("--compress-cache")
+    assert cache.group_size == 64
+    _, cache = _specs("--compress-cache", "--compress-group-size", "32")
+    assert cache.group_size == 32  # FlexGen's meaning: one group size for both
+    weights, cache = _specs("--compress-weight", "--compress-cache", "--cache-group-size", "16")
+    assert (weights.group_size, cache.group_size) == (64, 16)
+
+
+def test_smaller_value_groups_cost_their_metadata_in_the_layout():
+    _, g64 = _specs("--compress-cache")
+    _, g32 = _specs("--compress-cache", "--cache-group-size", "32")
+    a, b = (CacheLayout(1, 1, 10, 64, torch.float16, q).kv_slot_bytes() for q in (g64, g32))
+    assert b - a == 4  # one more fp16 scale and minimum a token and KV head
+
+
+def test_command_line_carries_the_cache_group():
+    from flexh2o.tuning.search import command_line
+    argv = ["--model", "opt-125m", "--compress-weight", "--compress-cache", "--cache-group-size", "32"]
+    from flexh2o.config import from_name
+    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(argv), from_name("opt-125m"), None)
+    line = command_line(rc).split()
+    assert "--cache-group-size" in line and line[line.index("--cache-group-size") + 1] == "32"
+    back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
+    assert (back.compress_weight, back.compress_cache) == (rc.compress_weight, rc.compress_cache)
