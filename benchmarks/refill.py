@@ -7,6 +7,7 @@ Prints one JSON line: useful tokens (every request's answer), seconds of the job
 before the clock starts), useful tok/s, steps, rounds, batch.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy h2o --refill true
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy full --gpu-mem 48MB --refill both --repeats 5
 
 `--steps-only 4 18` prints the steps either way at those batches from the lengths alone (they equal the runs'),
 the bound the batch puts on the ratio before any step's cost counts.
@@ -60,7 +61,10 @@ def main() -> None:
     p.add_argument("--model", default="small", help="'small' (the SMALL config above) or a built-in model name")
     p.add_argument("--policy", choices=("full", "h2o"), default="h2o")
     p.add_argument("--hh-ratio", type=float, default=0.2)
-    p.add_argument("--refill", choices=("true", "false"), default="true")
+    p.add_argument("--refill", choices=("true", "false", "both"), default="true",
+                   help="both: refill and fixed rounds alternated --repeats times on one engine (built and warmed "
+                        "up once), each arm's median and the median of the pairs' ratios")
+    p.add_argument("--repeats", type=int, default=3, help="pairs of runs under --refill both (default 3)")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--min-len", type=int, default=8)
@@ -84,12 +88,35 @@ def main() -> None:
             print(json.dumps({"batch": b, "refill_steps": refill, "fixed_steps": fixed,
                               "ratio": round(fixed / refill, 3)}))
         return
+    if a.refill == "both":
+        return alternate(rc, reqs, a)
     stats = run_requests(rc, reqs, StopRule(), refill=a.refill == "true")
     useful = sum(r.generated_tokens for r in stats.results)
     print(json.dumps({"policy": a.policy, "refill": a.refill == "true", "batch": rc.gpu_batch_size,
                       "useful_tokens": useful, "seconds": round(stats.seconds, 3),
                       "useful_tok_s": round(useful / stats.seconds, 2), "steps": stats.steps,
                       "rounds": stats.rounds}))
+
+
+def alternate(rc: RunConfig, reqs: list, a) -> None:
+    """Refill and fixed rounds in turn on one engine (pair i runs refill first when i is even), one JSON line per
+    run and one for the medians: a drift of the machine's speed then falls on both arms alike."""
+    from flexh2o.engine import Engine
+    tok_s = {True: [], False: []}
+    with Engine(rc) as eng:
+        for i in range(a.repeats):
+            for refill in ((True, False) if i % 2 == 0 else (False, True)):
+                stats = run_requests(rc, reqs, StopRule(), refill=refill, engine=eng, warmup=i == 0)
+                useful = sum(r.generated_tokens for r in stats.results)
+                tok_s[refill].append(useful / stats.seconds)
+                print(json.dumps({"policy": a.policy, "refill": refill, "pair": i, "batch": rc.gpu_batch_size,
+                                  "useful_tokens": useful, "seconds": round(stats.seconds, 3),
+                                  "useful_tok_s": round(useful / stats.seconds, 2), "steps": stats.steps}), flush=True)
+    ratios = sorted(r / f for r, f in zip(tok_s[True], tok_s[False]))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 (odd --repeats: the middle one)
+    print(json.dumps({"policy": a.policy, "batch": rc.gpu_batch_size, "refill_median": round(med(tok_s[True]), 2),
+                      "fixed_median": round(med(tok_s[False]), 2), "pair_ratios": [round(r, 3) for r in ratios],
+                      "median_pair_ratio": round(med(ratios), 3)}))
 
 
 if __name__ == "__main__":
