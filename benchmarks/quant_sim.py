@@ -122,7 +122,9 @@ def main(argv: list) -> int:
     tok = load_model("smollm2", "float32").tokenizer
     wins = {}
     for item in argv[0].split(","):  # NAME or NAME:N (N windows spread over the text; a name or a file path)
-        name, _, n = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", "1")
+        name, _, n = item.rpartition(":")
+        if not n.isdigit():
+            name, n = item, "1"
         wins[os.path.basename(name).removesuffix(".txt")] = torch.tensor(
             text_windows(tok.encode(load_text(name)), 1024, int(n)))
 

@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench_common import median  # noqa: E402
+
 from flexh2o.batch.run import run_requests  # noqa: E402
 from flexh2o.batch.stopping import StopRule  # noqa: E402
 from flexh2o.config import ModelConfig, from_name  # noqa: E402
@@ -112,11 +114,10 @@ def alternate(rc: RunConfig, reqs: list, a) -> None:
                 print(json.dumps({"policy": a.policy, "refill": refill, "pair": i, "batch": rc.gpu_batch_size,
                                   "useful_tokens": useful, "seconds": round(stats.seconds, 3),
                                   "useful_tok_s": round(useful / stats.seconds, 2), "steps": stats.steps}), flush=True)
-    ratios = sorted(r / f for r, f in zip(tok_s[True], tok_s[False]))
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 (odd --repeats: the middle one)
-    print(json.dumps({"policy": a.policy, "batch": rc.gpu_batch_size, "refill_median": round(med(tok_s[True]), 2),
-                      "fixed_median": round(med(tok_s[False]), 2), "pair_ratios": [round(r, 3) for r in ratios],
-                      "median_pair_ratio": round(med(ratios), 3)}))
+    ratios = [r / f for r, f in zip(tok_s[True], tok_s[False])]  # in run order
+    print(json.dumps({"policy": a.policy, "batch": rc.gpu_batch_size,
+                      "refill_median": round(median(tok_s[True]), 2), "fixed_median": round(median(tok_s[False]), 2),
+                      "pair_ratios": [round(r, 3) for r in ratios], "median_pair_ratio": round(median(ratios), 3)}))
 
 
 if __name__ == "__main__":

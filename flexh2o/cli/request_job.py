@@ -53,12 +53,11 @@ def check_resume(args) -> None:
     out = args.output_file
     if args.resume and not is_request_job(args):
         raise ValueError("--resume continues a request job: give a .jsonl --output-file")
-    if getattr(args, "no_refill", False) and not is_request_job(args):
-        raise ValueError("--no-refill applies to request jobs: give a .jsonl --prompt-file or --output-file "
-                         "(fixed-length runs already use FlexGen's fixed batches)")
-    if getattr(args, "ignore_eos", False) and not is_request_job(args):
-        raise ValueError("--ignore-eos applies to request jobs: give a .jsonl --prompt-file or --output-file "
-                         "(fixed-length runs already generate --gen-len tokens whatever they sample)")
+    for flag, why in (("no_refill", "fixed-length runs already use FlexGen's fixed batches"),
+                      ("ignore_eos", "fixed-length runs already generate --gen-len tokens whatever they sample")):
+        if getattr(args, flag, False) and not is_request_job(args):
+            raise ValueError(f"--{flag.replace('_', '-')} applies to request jobs: give a .jsonl --prompt-file or "
+                             f"--output-file ({why})")
     if args.resume and not out:
         raise ValueError("--resume needs the .jsonl --output-file of the run to continue")
     if (out and out.endswith(".jsonl") and not args.resume and os.path.exists(out)
