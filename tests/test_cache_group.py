@@ -38,3 +38,9 @@ def test_command_line_carries_the_cache_group():
     assert "--cache-group-size" in line and line[line.index("--cache-group-size") + 1] == "32"
     back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
     assert (back.compress_weight, back.compress_cache) == (rc.compress_weight, rc.compress_cache)
+
+
+def test_a_bad_cache_group_is_refused_naming_its_flag(capsys):
+    assert run_cli.main(["--model", "opt-125m", "--compress-cache", "--cache-group-size", "1", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--cache-group-size 1" in err and "--compress-group-size" not in err

@@ -50,10 +50,15 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     if args.compress_cache:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
         group = getattr(args, "cache_group_size", None)
-        cache = CacheQuant(args.compress_bits, args.compress_group_size if group is None else group, keys,
-                           getattr(args, "key_outliers", DEFAULT_OUTLIERS),
-                           getattr(args, "cache_recent", DEFAULT_RECENT),
-                           getattr(args, "cache_sinks", DEFAULT_SINKS))  # validates the flags
+        try:
+            cache = CacheQuant(args.compress_bits, args.compress_group_size if group is None else group, keys,
+                               getattr(args, "key_outliers", DEFAULT_OUTLIERS),
+                               getattr(args, "cache_recent", DEFAULT_RECENT),
+                               getattr(args, "cache_sinks", DEFAULT_SINKS))  # validates the flags
+        except ValueError as e:  # the group's check names --compress-group-size: name the flag given
+            if group is None:
+                raise
+            raise ValueError(str(e).replace("--compress-group-size", "--cache-group-size")) from None
     if not args.compress_weight:
         return None, cache
     if args.compress_bits not in BITS:
