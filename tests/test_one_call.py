@@ -51,3 +51,32 @@ def test_one_call_over_ragged_rows_equals_each_row_alone():
         budget = None if policy == "full" else Budget(32, 32)  # no eviction: the budget exceeds every row
         out = attention.decode(q, k, v, cur, blk, make_policy(policy, budget), 0, evicts=policy != "full")
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_segments_choose_as_the_merged_segments_do():
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        b = int(torch.randint(1, 16, (1,), generator=g))
+        extents = torch.randint(1, 60 if trial % 2 else 600, (b,), generator=g).tolist()
+        if trial % 5 == 0:
+            extents = sorted(extents)  # runs of equal and rising extents, too
+        blk, _ = _block(extents, slots=max(extents))
+        want = attention.one_call_or(attention.used_segments(blk.pos, extents))
+        assert attention.decode_segments(blk.pos, extents) == [tuple(s) for s in want]
+
+
+def test_ragged_in_order_append_writes_each_row_at_its_position():
+    extents = [3, 9, 5, 5, 11, 2]  # rows at their own positions: the flat index write
+    blk, g = _block(extents)
+    want = KVBlock(blk.k.clone(), blk.v.clone(), blk.pos.clone(), blk.score.clone())
+    blk.score.uniform_(generator=g)
+    want.score.copy_(blk.score)
+    k, v = torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    cur = torch.tensor(extents)
+    slot = blk.append(k, v, cur, in_order=True, at=extents)
+    for row, p in enumerate(extents):  # the reference: each row's slot p written by hand
+        want.k[row, :, p], want.v[row, :, p] = k[row], v[row]
+        want.pos[row, :, p], want.score[row, :, p] = p, 0.0
+    for name in ("k", "v", "pos", "score"):
+        assert torch.equal(getattr(blk, name), getattr(want, name)), name
+    assert torch.equal(slot, cur.view(-1, 1).expand(6, 2))

@@ -144,7 +144,7 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     qg = q.view(b, kv, n // kv, d)
     # per row, its slots up to the last used one (once per step: the policy too)
     extents = [p + 1 for p in at] if in_order else row_extents(blk.pos)
-    segments = one_call_or(used_segments(blk.pos, extents))
+    segments = decode_segments(blk.pos, extents)
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
     if not policy.needs_scores and softcap is None and in_order:  # nothing to score or evict: K/V alone
         keys, values = (expand(x, q.dtype) for x in blk.front_kv(top))
@@ -170,10 +170,15 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
 def _fused(qg, keys, values, pos, segments: list, extents: Optional[list]) -> torch.Tensor:
     """The fused kernel over each segment of rows, the query heads of a KV head as rows: qg (b, kv, g, d),
     keys/values (b, kv, top, d), pos (b, kv, >= top) -> (b, kv, g, d). extents (in order): a segment whose every row
-    fills its slots runs unmasked; one segment of such rows is the kernel's own output."""
+    fills its slots runs unmasked, another is masked from the extents (one mask for every head, pos not read); one
+    segment of such rows is the kernel's own output."""
     def keep(r0, r1, used):  # each row holds its new token, so no row of the mask is empty
-        full = extents is not None and min(extents[r0:r1]) == used
-        return None if full else (pos[r0:r1, :, :used] >= 0)[:, :, None]
+        if extents is None:
+            return (pos[r0:r1, :, :used] >= 0)[:, :, None]
+        if min(extents[r0:r1]) == used:
+            return None
+        ext = torch.tensor(extents[r0:r1], device=pos.device).view(-1, 1)  # in order: slot i used iff i < extent
+        return (torch.arange(used, device=pos.device) < ext)[:, None, None]  # (rows, 1, 1, used): every head
     if len(segments) == 1:  # used: every slot of keys (KVBlock.front_kv cut them there)
         return F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep(*segments[0]))
     out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
@@ -214,13 +219,29 @@ def used_segments(pos: torch.Tensor, extents: Optional[list] = None) -> list:
     if pos.device.type != "cpu":
         return [(0, b, slots)]
     used = row_extents(pos) if extents is None else extents  # (b,) slots in use up to the last used one
+    return merged_runs(_runs(used), MAX_SEGMENTS)
+
+
+def _runs(used: list) -> list:
+    """Per-row extents -> [first row, end row, extent] runs of consecutive rows with the same extent."""
     runs = []
     for row, u in enumerate(used):
         if runs and runs[-1][2] == u:
             runs[-1][1] = row + 1
         else:
             runs.append([row, row + 1, u])
-    return merged_runs(runs, MAX_SEGMENTS)
+    return runs
+
+
+def decode_segments(pos: torch.Tensor, extents: list) -> list:
+    """one_call_or(used_segments(pos, extents)), with the one call tried on the rows' own runs first: merging runs
+    only adds reads, so where one call holds against the runs it holds against the merged segments too, and the
+    merge (a Python loop over the runs) is skipped."""
+    if pos.device.type == "cpu":
+        one = one_call_or(_runs(extents))
+        if len(one) == 1:
+            return [tuple(one[0])]
+    return one_call_or(used_segments(pos, extents))
 
 
 def one_call_or(segments: list) -> list:
