@@ -144,3 +144,17 @@ def test_packed_weight_rows_equal_the_expanded_table(monkeypatch, blocks_at_once
     assert torch.equal(PackedWeight.from_stored(ct).rows(ids), torch.nn.functional.embedding(ids, table))
     block = kernels.row_block()
     assert kernels.rows_buffer_bytes((128, 64)) == min(128 // block, blocks_at_once) * block * 64 * 4
+
+
+@pytest.mark.parametrize("meta_dtype", [torch.float16, torch.float32])  # Q4_0/Q4_1 blocks; Q4_K's fp32
+def test_kernel_scales_and_zeros_from_the_stored_meta(meta_dtype):
+    g = torch.Generator().manual_seed(3)
+    n, groups = 96, 18
+    meta = (torch.randn(n, groups, 2, generator=g) * torch.tensor([0.01, 1.0])).to(meta_dtype)
+    before = meta.clone()
+    scale, lo = meta[..., 0].float(), meta[..., 1].float()
+    want = torch.stack([scale, lo + 8 * scale], -1).to(torch.bfloat16).transpose(0, 1)  # (groups, n, 2)
+    got = kernels._scales_zeros(meta)
+    assert got.shape == (groups, n, 2) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(meta, before)  # the stored meta is never written
