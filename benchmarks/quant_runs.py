@@ -6,8 +6,9 @@ after another (nice 19: the evals are not timed), each writing benchmarks/result
 
 Lanes of every run: the full cache; h2o and `--other` at the fixed budgets `--fixed`, and at the token counts
 whose K and V take the bytes of 64, 128 and 256 fp16 tokens under that run's layout (`equal_tokens`: kv/layout.py's
-bytes a slot and a row, fp16 storage; a count reaching the context is the full cache, not run again). Schemes: new = keys per channel with --key-outliers 8 and the first --cache-sinks 4 tokens exact (the defaults) and the newest
---recent tokens exact (the --compress-cache default); flexgen = FlexGen's per-token keys, no window, no sinks.
+bytes a slot and a row, fp16 storage; a count reaching the context is the full cache, not run again). Schemes:
+new = keys per channel with --key-outliers 8 and the first --cache-sinks 4 tokens exact (the defaults) and the
+newest --recent tokens exact (the --compress-cache default); flexgen = FlexGen's per-token keys, no window, no sinks.
 """
 from __future__ import annotations
 
