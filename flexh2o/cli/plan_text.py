@@ -68,14 +68,9 @@ def _dtype_line(rc: RunConfig) -> str:
 
 def _compression_note(rc: RunConfig) -> str:
     from flexh2o.compress.kept import compresses_others, describe_kept
-    parts = [f"{what} {spec.bits}-bit/{spec.group_size}" for what, spec in
-             (("weights", rc.compress_weight if compresses_others(rc.compress_weight) else None),
-              ("cache", rc.compress_cache)) if spec]
-    if rc.compress_cache and rc.compress_cache.keys == "channel":
-        parts[-1] += f" (keys per channel, {rc.compress_cache.outliers} exact)"
-    if rc.compress_cache and rc.compress_cache.recent:
-        parts[-1] += f" (newest {rc.compress_cache.recent} tokens exact)"
-    if rc.compress_cache and rc.compress_cache.sinks:
-        parts[-1] += f" (first {rc.compress_cache.sinks} tokens exact)"
+    weights = rc.compress_weight if compresses_others(rc.compress_weight) else None
+    parts = [f"weights {weights.bits}-bit/{weights.group_size}"] if weights else []
+    if rc.compress_cache:
+        parts.append(f"cache {rc.compress_cache.describe()}")  # kv/layout.py's one description
     parts += [describe_kept(rc.compress_weight)] * bool(describe_kept(rc.compress_weight))
     return f"  compressed {', '.join(parts)}" if parts else ""

@@ -38,8 +38,8 @@ def defaults_of(args) -> Defaults:
 
 def load_request_file(args, cfg, tokenizer) -> Optional[list]:
     """The requests of a .jsonl --prompt-file (None for other prompt files); --gen-len becomes the longest
-    max_new_tokens so the plan counts it. Checks --resume first, so a refusal comes before anything runs."""
-    check_resume(args)
+    max_new_tokens so the plan counts it. Checks the job's flags first, so a refusal comes before anything runs."""
+    check_job_flags(args)
     if not str(args.prompt_file or "").endswith(".jsonl"):
         return None
     if not os.path.isfile(args.prompt_file):
@@ -49,7 +49,9 @@ def load_request_file(args, cfg, tokenizer) -> Optional[list]:
     return reqs
 
 
-def check_resume(args) -> None:
+def check_job_flags(args) -> None:
+    """The flags that only a request job takes (--resume, --no-refill, --ignore-eos) and the output file a job
+    would overwrite or continue: refused with the reason and the fix."""
     out = args.output_file
     if args.resume and not is_request_job(args):
         raise ValueError("--resume continues a request job: give a .jsonl --output-file")

@@ -77,8 +77,8 @@ class CacheQuant:
 
     def describe(self) -> str:
         keys = f"keys per channel, {self.outliers} exact" if self.keys == "channel" else "keys per token"
-        recent = f", newest {self.recent} exact" if self.recent else ""
-        recent += f", first {self.sinks} exact" if self.sinks else ""
+        recent = f", newest {self.recent} tokens exact" if self.recent else ""
+        recent += f", first {self.sinks} tokens exact" if self.sinks else ""
         return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"
 
 
