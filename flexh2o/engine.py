@@ -30,7 +30,7 @@ from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
 from flexh2o.schedule.until import until
 from flexh2o.storage.factory import make_tiers
-from flexh2o.weights.forms import kernel_layout, least_kernel
+from flexh2o.weights.forms import kept_scale_names, kernel_layout, least_kernel
 from flexh2o.weights.store import WeightStore
 
 
@@ -68,8 +68,9 @@ class Engine:
         self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
         self.weights = None
         try:  # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
+            kept = kept_scale_names(rc, rc.placement.weights, self.kernel) if self.plan.kept_scales else frozenset()
             self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight,
-                                       kernel_layout(rc))
+                                       kernel_layout(rc), kept)
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:

@@ -154,7 +154,7 @@ def test_kernel_scales_and_zeros_from_the_stored_meta(meta_dtype):
     before = meta.clone()
     scale, lo = meta[..., 0].float(), meta[..., 1].float()
     want = torch.stack([scale, lo + 8 * scale], -1).to(torch.bfloat16).transpose(0, 1)  # (groups, n, 2)
-    got = kernels._scales_zeros(meta)
+    got = kernels.kernel_scales(meta)
     assert got.shape == (groups, n, 2) and got.dtype == torch.bfloat16 and got.is_contiguous()
     assert torch.equal(got, want)
     assert torch.equal(meta, before)  # the stored meta is never written

@@ -23,6 +23,9 @@ def describe_plan(rc: RunConfig, plan_of=plan_memory) -> str:
     lines = [f"model {rc.model.name}  percent {rc.percent}  batch {rc.gpu_batch_size}x{rc.num_gpu_batches}  "
              f"prompt {rc.prompt_len} gen {rc.gen_len}  kv policy {rc.kv.describe()}"
              f"  cache slots {_slots_text(rc)}" + _compression_note(rc), _dtype_line(rc), plan.describe()]
+    if plan.kept_scales:
+        lines.append(f"gpu buffers include {fmt_bytes(plan.kept_scales)} of int4-kernel scales kept for the weights "
+                     "used in place (built once, not at every step)")
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
     best = {rc.kv.policy: (rc, largest_batch(rc, plan_of=plan_of))}

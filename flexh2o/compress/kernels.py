@@ -44,8 +44,13 @@ def kernel_shape_ok(shape: tuple, spec: Optional[CompressionSpec]) -> bool:
 def packed_bytes(shape: tuple, dtype: torch.dtype, spec: CompressionSpec) -> int:
     """Bytes of the PackedWeight of a (N, K) weight stored as `dtype` under `spec`: its stored data and meta, and
     the kernel's bf16 scales and zeros (K / group, N, 2)."""
+    return stored_bytes(tuple(shape), dtype, spec) + scales_bytes(shape, spec)
+
+
+def scales_bytes(shape: tuple, spec: CompressionSpec) -> int:
+    """Bytes of the kernel's bf16 scales and zeros (K / group, N, 2) of a (N, K) weight (`kernel_scales`)."""
     n, k = shape
-    return stored_bytes(tuple(shape), dtype, spec) + n * (k // spec.group_size) * 2 * 2
+    return n * (k // spec.group_size) * 2 * 2
 
 
 def rows_buffer_bytes(shape: tuple) -> int:
@@ -148,7 +153,7 @@ def from_kernel_order(ct: CompressedTensor) -> CompressedTensor:
     return CompressedTensor(q[..., 0] | (q[..., 1] << 4), ct.meta, k, ct.spec)
 
 
-def _scales_zeros(meta: torch.Tensor) -> torch.Tensor:
+def kernel_scales(meta: torch.Tensor) -> torch.Tensor:
     """meta (N, groups, 2) (scale, minimum) -> the kernel's bf16 (groups, N, 2) (scale, minimum + 8 scale). Each
     (scale, zero) bf16 pair is moved as one 32-bit word in the transposition: a weight's every load (each decode
     step's, for weights in memory) runs this, and transposing pairs of 16-bit values took over twice as long."""
@@ -162,28 +167,34 @@ def _scales_zeros(meta: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PackedWeight:
     """A (N, K) weight on the compute side in the kernel's form: packed bytes (N, K / 2), its scales and zeros
-    (K / group, N, 2) bf16, and the stored meta (N, groups, 2) (exact rows for embedding lookups). `linear` and
-    `rows` are the operations the models use on it; results come in `dtype` (the compute dtype). With `kernel`
-    False, `linear` is the generic path instead, a few row blocks at a time (no expanded copy of the whole weight)."""
+    (K / group, N, 2) bf16 (None with `kernel` False: only the kernel reads them), and the stored meta (N, groups,
+    2) (exact rows for embedding lookups). `linear` and `rows` are the operations the models use on it; results
+    come in `dtype` (the compute dtype). With `kernel` False, `linear` is the generic path instead, a few row blocks
+    at a time (no expanded copy of the whole weight)."""
 
     packed: torch.Tensor
-    scales_zeros: torch.Tensor
+    scales_zeros: Optional[torch.Tensor]
     meta: torch.Tensor
     spec: CompressionSpec
     dtype: torch.dtype = torch.float32
     kernel: bool = True
 
     @staticmethod
-    def from_stored(ct: CompressedTensor, dtype: torch.dtype = torch.float32, kernel: bool = True) -> "PackedWeight":
-        """From a kernel-order CompressedTensor (meta (N, groups, 2): scale, minimum)."""
-        return PackedWeight(ct.data, _scales_zeros(ct.meta), ct.meta, ct.spec, dtype, kernel)
+    def from_stored(ct: CompressedTensor, dtype: torch.dtype = torch.float32, kernel: bool = True,
+                    scales: Optional[torch.Tensor] = None) -> "PackedWeight":
+        """From a kernel-order CompressedTensor (meta (N, groups, 2): scale, minimum). scales: the kernel's scales
+        and zeros of this weight already built (`kernel_scales`: a weight store keeps them for weights it holds on
+        the compute side, weights/forms.py), else built here where the kernel runs."""
+        if scales is None and kernel:
+            scales = kernel_scales(ct.meta)
+        return PackedWeight(ct.data, scales if kernel else None, ct.meta, ct.spec, dtype, kernel)
 
     @property
     def group_size(self) -> int:
         return self.spec.group_size
 
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta))
+        return sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta) if x is not None)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations), or with

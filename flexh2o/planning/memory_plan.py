@@ -11,7 +11,7 @@ from flexh2o.placement import TIERS, Placement
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
-from flexh2o.weights.forms import compute_side_bytes, planned_kernel
+from flexh2o.weights.forms import compute_side_bytes, kept_scales_bytes, planned_kernel
 
 KINDS = ("weights", "cache", "activations", "buffers")
 PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte int object
@@ -47,6 +47,7 @@ def act_block_bytes(rc: RunConfig) -> int:
 class MemoryPlan:
     rc: RunConfig
     bytes: dict = field(default_factory=lambda: {t: dict.fromkeys(KINDS, 0) for t in TIERS})
+    kept_scales: int = 0  # bytes of int4-kernel scales kept built for the run (weights/forms.py), in gpu buffers
 
     def total(self, tier: str) -> int:
         return sum(self.bytes[tier].values())
@@ -89,8 +90,13 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None, kernel: Op
         plan.bytes[tier]["cache"] = nbytes
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
-    plan.bytes["gpu"]["buffers"] = working_bytes(rc, where, planned_kernel(rc) if kernel is None else kernel)
+    kernel = planned_kernel(rc) if kernel is None else kernel
+    plan.bytes["gpu"]["buffers"] = working_bytes(rc, where, kernel)
     plan.bytes["cpu"]["buffers"] = host_bytes(rc)
+    kept = kept_scales_bytes(rc, where.weights, kernel)  # only where the gpu tier still has room for them
+    if kept and plan.overflow() is None and plan.total("gpu") + kept <= plan.capacity("gpu"):
+        plan.bytes["gpu"]["buffers"] += kept
+        plan.kept_scales = kept
     return plan
 
 

@@ -12,6 +12,12 @@ blocks' matmuls run the kernel; then (`packed_form`)
   every other matmul                    a PackedWeight run by the kernel where its phase runs it, else expanded.
 Every other weight is used in place when it lives on the compute side in the compute dtype, else copied (converted,
 or expanded from the codec's order) into the compute dtype.
+
+A PackedWeight that runs the kernel needs the kernel's scales and zeros, built from the stored meta at each load
+(about 0.2 ms for a 1536 x 576 weight: a decode step of a memory-resident 4-bit model spent a third of its time
+there). For the weights the compute side uses in place and the kernel multiplies at decode (`kept_scale_names`) the
+run keeps them built instead, a quarter of the stored bytes more per weight, wherever the memory plan has room for
+them after everything else (planning/memory_plan.py decides, MemoryPlan.kept_scales).
 """
 from __future__ import annotations
 
@@ -20,8 +26,8 @@ from typing import Optional
 import torch
 
 from flexh2o.compress.choice import PHASES
-from flexh2o.compress.codec import weight_spec
-from flexh2o.compress.kernels import kernel_shape_ok, kernel_spec_ok, packed_bytes, rows_buffer_bytes
+from flexh2o.compress.codec import stored_bytes, weight_spec
+from flexh2o.compress.kernels import kernel_shape_ok, kernel_spec_ok, packed_bytes, rows_buffer_bytes, scales_bytes
 
 
 def kernel_layout(rc) -> bool:
@@ -90,5 +96,30 @@ def _weight_bytes(rc, layer: int, num_layers: int, s, home: str, compute: torch.
         return 0 if home in in_place_homes(rc) and rc.dtype == compute else s.numel * compute.itemsize
     form = packed_form(layer, num_layers, s, kernel, phase)
     if in_kernel_order(s, rc.compress_weight, kernel_layout(rc)) and form is not None:
-        return packed_bytes(s.shape, rc.dtype, spec) + (0 if form else rows_buffer_bytes(s.shape))
+        if form:  # run by the kernel: with its scales and zeros
+            return packed_bytes(s.shape, rc.dtype, spec)
+        return stored_bytes(s.shape, rc.dtype, spec) + rows_buffer_bytes(s.shape)  # expanded from the meta
     return s.numel * compute.itemsize
+
+
+def kept_scale_names(rc, homes, kernel: dict) -> frozenset:
+    """Names of the weights whose int4-kernel scales and zeros a run can keep built (module docstring): stored in
+    the kernel's order, homed on a tier the compute side uses in place (`in_place_homes`), run by the kernel at
+    decode. homes: a WeightHomes; kernel: phase -> the blocks' matmuls run the kernel."""
+    key = ("kept_scales", rc.compress_weight, kernel_layout(rc), bool(kernel.get("decode")), in_place_homes(rc))
+
+    def names(h) -> frozenset:
+        if not kernel.get("decode") or not kernel_layout(rc):
+            return frozenset()
+        last = len(h.layer_specs) - 2
+        return frozenset(s.name for i, layer in enumerate(h.layer_specs) for s in layer
+                         if h[s.name] in in_place_homes(rc) and in_kernel_order(s, rc.compress_weight, True)
+                         and packed_form(i, last, s, kernel, "decode") is True)
+    return homes.derived(key, names)
+
+
+def kept_scales_bytes(rc, homes, kernel: dict) -> int:
+    """Bytes of the scales and zeros of every weight in `kept_scale_names` (each once)."""
+    specs = {s.name: s for layer in homes.layer_specs for s in layer}
+    return sum(scales_bytes(specs[n].shape, weight_spec(specs[n].shape, rc.compress_weight, n))
+               for n in kept_scale_names(rc, homes, kernel))

@@ -14,7 +14,7 @@ import torch
 
 from flexh2o.compress import CompressedTensor, CompressionSpec, weight_spec
 from flexh2o.compress.codec import dequantize
-from flexh2o.compress.kernels import PackedWeight
+from flexh2o.compress.kernels import PackedWeight, kernel_scales
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
 from flexh2o.models.common import WeightSpec
 from flexh2o.placement import WeightHomes
@@ -42,8 +42,12 @@ class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
     def __init__(self, homes: WeightHomes, tiers: dict, dtype: torch.dtype,
-                 compress: Optional[CompressionSpec] = None, kernel_order: bool = False):
+                 compress: Optional[CompressionSpec] = None, kernel_order: bool = False,
+                 kept_scales: frozenset = frozenset()):
         self.specs, self.homes = homes.layer_specs, homes
+        self.kept_scales = kept_scales  # names whose kernel scales are built once and kept (weights/forms.py)
+        self._scales: dict = {}  # name -> those scales, built at the weight's first load that runs the kernel
+        self._compute_tier = tiers.get("gpu")  # charged for the kept scales (the compute side's memory)
         self.dtype = dtype
         self.buffers = ConvertBuffers()
         self.tiers = {}  # name -> the tier object that holds it
@@ -129,7 +133,7 @@ class WeightStore:
                 form = packed_form(layer, last, s, kernel or {}, phase) if s.name in self.kernel_order else None
                 t = self._expanded(tier, ct, s, dtype, form, on_cpu)
             read_s, expand_s = read_s + mid - start, expand_s + time.perf_counter() - mid
-            copied += _copied_bytes(t, h)
+            copied += _copied_bytes(t, h)  # kept scales too, as the plan's layers in flight count them
             out[s.name] = t
         with self.buffers.lock:
             self._lent[id(out)] = token
@@ -141,10 +145,24 @@ class WeightStore:
     def _expanded(self, tier, ct, s, dtype: torch.dtype, form: Optional[bool], on_cpu: bool):
         """A compressed weight as the compute side takes it: a PackedWeight (form not None), else expanded."""
         if form is not None:
-            return tier.pack(ct, dtype, form)
+            return tier.pack(ct, dtype, form, self._kept(s.name, ct) if form else None)
         if on_cpu:
             return tier.expand_into(ct, self.buffers.take(s.shape, dtype))
         return tier.expand(ct, dtype)
+
+    def _kept(self, name: str, ct: CompressedTensor) -> Optional[torch.Tensor]:
+        """The kept kernel scales of `name` (built from ct's meta the first time), None when it keeps none."""
+        if name not in self.kept_scales:
+            return None
+        with self.buffers.lock:
+            got = self._scales.get(name)
+        if got is None:
+            got = kernel_scales(ct.meta)
+            with self.buffers.lock:
+                if name not in self._scales and self._compute_tier is not None:
+                    self._compute_tier.charge(_nbytes(got))
+                got = self._scales.setdefault(name, got)
+        return got
 
     def _streamed(self, layer: int) -> list:
         """The layer's plain weights homed on the disk tier: read whole into a read arena."""
@@ -191,7 +209,11 @@ class WeightStore:
             self._readers = None
         for name, h in self.handles.items():
             self.tiers[name].free(h)
-        self.handles = {}
+        self.handles, self._scales = {}, {}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _copied_bytes(t, h) -> int:
