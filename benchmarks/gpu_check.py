@@ -6,7 +6,9 @@
    FlexGen --percent 100 0 100 0 100 0 batch 2, H2O 20% batch 4 with heavy = recent = 0.1 x 512) under
    --gpu-mem 16GB: flexh2o full, flexh2o h2o, and FlexGen 0.1.8 itself with the same flags where
    `pip install flexgen==0.1.8` works on that machine (it needs the facebook/opt-30b tokenizer in the HF cache);
-3. one JSON record per system in OUT/gpu_check.jsonl and the ratios printed.
+3. a JSONL request job through flexh2o-run (opt-125m dummy weights, fp32, refill, ragged lengths) on CUDA and on the
+   CPU: the same token ids for every id;
+4. one JSON record per system in OUT/gpu_check.jsonl and the ratios printed.
 
 `--dry-run` (run in CI) builds every command and checks that it parses: flexh2o-run's own parser, pytest's
 collection of the CUDA tests, and FlexGen's flag set (0.1.8's flex_opt add_parser_arguments, copied below).
@@ -29,7 +31,7 @@ FLEXGEN_FLAGS = {"--model", "--path", "--offload-dir", "--prompt-len", "--gen-le
                  "--gpu-batch-size", "--num-gpu-batches", "--percent", "--sep-layer", "--pin-weight",
                  "--cpu-cache-compute", "--attn-sparsity", "--compress-weight", "--compress-cache", "--log-file",
                  "--no-log", "--verbose", "--overlap"}
-TESTS = ["tests/test_cuda.py", "tests/test_gpu_equivalence.py"]
+TESTS = ["tests/test_cuda.py", "tests/test_gpu_equivalence.py", "tests/test_cuda_jobs.py"]
 
 
 def flexh2o_argv(system: str, out: str) -> list:
@@ -64,6 +66,11 @@ def check_parses(out: str) -> list:
     unknown = [a for a in flexgen_argv(out) if a.startswith("--") and a not in FLEXGEN_FLAGS]
     if unknown:
         problems.append(f"flexgen: unknown flags {unknown}")
+    from flexh2o.cli.run import build_parser as job_parser
+    try:
+        job_parser().parse_args(job_argv("cuda", out))
+    except SystemExit:
+        problems.append("request job: flexh2o-run refused its flags")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "cuda", *TESTS], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     if r.returncode not in (0, 5):  # 5: nothing collected (no test matched), still parsed
@@ -83,7 +90,30 @@ def _run(cmd: list, timeout: int, log) -> tuple:
     return status, tail
 
 
-def run_check(out: str) -> int:
+def job_argv(device: str, out: str) -> list:
+    """A request job of 16 ids with ragged answer lengths (refill), fp32 so that CUDA and the CPU agree."""
+    return ["--model", "opt-125m", "--device", device, "--dtype", "float32", "--gpu-batch-size", "4",
+            "--prompt-len", "8", "--gen-len", "24", "--prompt-file", os.path.join(out, "requests.jsonl"),
+            "--output-file", os.path.join(out, f"answers_{device}.jsonl"), "--verbose", "0",
+            "--offload-dir", os.path.join(out, "offload")]
+
+
+def _job(out: str, log) -> dict:
+    with open(os.path.join(out, "requests.jsonl"), "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"id": f"r{i}", "prompt_ids": [5 + i, 9, 200 + i, 17], "max_new_tokens": 4 + i}) + "\n")
+    answers = {}
+    for device in ("cuda", "cpu"):
+        status, _ = _run([sys.executable, "-m", "flexh2o.cli", *job_argv(device, out)], 120, log)
+        if status != "ok":
+            return {"system": "request_job", "status": f"{device}: {status}"}
+        with open(os.path.join(out, f"answers_{device}.jsonl")) as f:
+            answers[device] = {r["id"]: r["token_ids"] for r in map(json.loads, f)}
+    same = answers["cuda"] == answers["cpu"] and len(answers["cuda"]) == 16
+    return {"system": "request_job", "status": "ok" if same else "cuda answers differ from the cpu's"}
+
+
+def run_check(out: str, flexgen: bool = True) -> int:
     import torch
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (run --dry-run on a CPU machine)", file=sys.stderr)
@@ -91,13 +121,15 @@ def run_check(out: str) -> int:
     os.makedirs(out, exist_ok=True)
     records = []
     with open(os.path.join(out, "gpu_check.log"), "a") as log:
-        status, _ = _run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", *TESTS], 240, log)
+        status, _ = _run([sys.executable, "-m", "pytest", "-q", "-n", "4", "-m", "cuda", *TESTS], 240, log)
         records.append({"system": "cuda_tests", "status": status})
         for system in T4:
             status, _ = _run([sys.executable, "-m", "flexh2o.cli", *flexh2o_argv(system, out)], 150, log)
             rec = _last_json(os.path.join(out, f"flexh2o_{system}.jsonl"))
             records.append({"system": f"flexh2o_{system}", "status": status, **_figures(rec)})
-        records.append(_flexgen(out, log))
+        records.append(_job(out, log))
+        if flexgen:
+            records.append(_flexgen(out, log))
     with open(os.path.join(out, "gpu_check.jsonl"), "a") as f:
         for rec in records:
             f.write(json.dumps({**rec, "gpu": torch.cuda.get_device_name(0)}) + "\n")
@@ -141,6 +173,7 @@ def _figures(rec: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="check that every command parses; run nothing")
+    p.add_argument("--no-flexgen", action="store_true", help="skip FlexGen 0.1.8 (its pip install needs a network)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_check"))
     args = p.parse_args(argv)
     if args.dry_run:
@@ -149,7 +182,7 @@ def main(argv=None) -> int:
             print(f"gpu_check: {line}", file=sys.stderr)
         print("gpu_check --dry-run: " + ("every command parses" if not problems else f"{len(problems)} problems"))
         return 1 if problems else 0
-    return run_check(args.out)
+    return run_check(args.out, not args.no_flexgen)
 
 
 if __name__ == "__main__":
