@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexh2o.compress.codec import assign, expand
 from flexh2o.kv.cache import KVBlock, merged_values, row_extents
@@ -16,7 +17,18 @@ from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.tensors import moved
 
 
+# cuDNN's fused attention builds a graph for every new key length, which is every decode step's (about 40 ms
+# each on an H200 with torch 2.11, against a few for the step's own work); the others need no build
+CUDA_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 WORKSPACE = 16 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
+
+
+def sdpa(q, k, v, attn_mask=None, enable_gqa: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA without the cuDNN backend (CUDA_SDPA)."""
+    if q.is_cuda:
+        with sdpa_kernel(list(CUDA_SDPA)):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
 def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
@@ -61,8 +73,7 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
             allowed = allowed & (idx[None, :] > idx[s:e, None] - window)[None]
         allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
         if not wanted and softcap is None:  # no probabilities needed: the fused kernel
-            out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k, v, attn_mask=allowed[:, None],
-                                                            enable_gqa=g > 1)
+            out[:, :, s:e] = sdpa(q[:, :, s:e], k, v, attn_mask=allowed[:, None], enable_gqa=g > 1)
             continue
         att = _capped(torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float(), softcap)
         att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
@@ -180,11 +191,10 @@ def _fused(qg, keys, values, pos, segments: list, extents: Optional[list]) -> to
         ext = torch.tensor(extents[r0:r1], device=pos.device).view(-1, 1)  # in order: slot i used iff i < extent
         return (torch.arange(used, device=pos.device) < ext)[:, None, None]  # (rows, 1, 1, used): every head
     if len(segments) == 1:  # used: every slot of keys (KVBlock.front_kv cut them there)
-        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep(*segments[0]))
+        return sdpa(qg, keys, values, attn_mask=keep(*segments[0]))
     out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
     for r0, r1, used in segments:
-        out[r0:r1] = F.scaled_dot_product_attention(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used],
-                                                    attn_mask=keep(r0, r1, used))
+        out[r0:r1] = sdpa(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used], attn_mask=keep(r0, r1, used))
     return out
 
 
