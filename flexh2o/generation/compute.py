@@ -44,11 +44,13 @@ class LayerCompute:
         return self.family.block(self.cfg, w, cache_layer, x, clamped, attend)
 
     def _step_positions(self, pos: torch.Tensor) -> tuple:
-        """pos (b, 1) of a decode step -> (pos clamped at 0, pos (b,), its values as a list on a CPU, else None):
-        every layer of a step is handed the same tensor (Sequences.inputs), so they are derived once a step."""
+        """pos (b, 1) of a decode step -> (pos clamped at 0, pos (b,), its values as a list): every layer of a step
+        is handed the same tensor (Sequences.inputs), so they are derived once a step. On CUDA the list is one read
+        a step and GPU batch, made after the previous step's logits were read (Sequences.emit), so the device has
+        little left to finish; it spares every layer a search for the free slot and four indexed writes."""
         if self._step is None or self._step[0] is not pos:
             cur = pos[:, 0]
-            self._step = pos, (pos.clamp(min=0), cur, cur.tolist() if cur.device.type == "cpu" else None)
+            self._step = pos, (pos.clamp(min=0), cur, cur.tolist())
         return self._step[1]
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:

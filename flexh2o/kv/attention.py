@@ -17,8 +17,8 @@ from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.tensors import moved
 
 
-# cuDNN's fused attention builds a graph for every new key length, which is every decode step's (about 40 ms
-# each on an H200 with torch 2.11, against a few for the step's own work); the others need no build
+# torch (2.11, an H200) picks cuDNN's fused attention first, and cuDNN builds a graph for each new masked shape,
+# hundreds of ms each (a new prompt length, a cache of a new width: inside the timed run); the others build nothing
 CUDA_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 WORKSPACE = 16 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
 
@@ -149,7 +149,7 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
-    in_order = not evicts and window is None and dev.type == "cpu"
+    in_order = not evicts and window is None and (at is not None or dev.type == "cpu")  # off the CPU: from `at`
     at = (cur_pos.tolist() if at is None else at) if in_order else None
     blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order, at)
     qg = q.view(b, kv, n // kv, d)
