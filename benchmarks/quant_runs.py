@@ -8,7 +8,8 @@ Lanes of every run: the full cache; h2o and `--other` at the fixed budgets `--fi
 whose K and V take the bytes of 64, 128 and 256 fp16 tokens under that run's layout (`equal_tokens`: kv/layout.py's
 bytes a slot and a row, fp16 storage; a count reaching the context is the full cache, not run again). Schemes:
 new = keys per channel with --key-outliers 8 and the first --cache-sinks 4 tokens exact (the defaults) and the
-newest --recent tokens exact (the --compress-cache default); flexgen = FlexGen's per-token keys, no window, no sinks.
+newest --recent tokens exact (the --compress-cache default); fitted = new with each channel's levels fitted to the
+prompt (--cache-keys fitted); flexgen = FlexGen's per-token keys, no window, no sinks.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from flexh2o.kv.layout import DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS, C
 
 FP16_TOKEN = 2 * 64 * 2  # K and V bytes of one fp16 token of one SmolLM2 KV head (head_dim 64)
 SCHEMES = {"new": dict(keys="channel", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_SINKS),
+           "fitted": dict(keys="fitted", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_SINKS),
            "flexgen": dict(keys="token", outliers=0, recent=0, sinks=0)}
 
 

@@ -5,9 +5,11 @@ when j > i - W (or j < S: sinks) and its quantize-dequantize copy otherwise; tea
 setting, so schemes are compared in seconds instead of the engine's streaming minutes; the engine's own runs
 (benchmarks/quant_runs.py) are the figures of record. Keys: "channel" (per-channel min/max of the prompt, clamped,
 `nout` values of largest error exact), "token" (FlexGen's groups along head_dim), "kivi" (per channel in groups of
-G tokens, each calibrated on itself); pre=True quantizes keys before RoPE; cs: the channel scales calibrated on the
+G tokens, each calibrated on itself), "nuq" (per channel, 2^kbits levels fitted to the prompt's values by k-means,
+`iters` rounds, `nout` exact, as KVQuant's non-uniform datatype); pre=True quantizes keys before RoPE; cs: the channel scales calibrated on the
 prompt from token cs on; clip: their range the [clip, 1 - clip] quantiles instead of min and max. Values per token
-(FlexGen's), in groups of vgroup along head_dim (None: the whole head_dim, 64 on SmolLM2: FlexGen's default).
+(FlexGen's), in groups of vgroup along head_dim (None: the whole head_dim, 64 on SmolLM2: FlexGen's default):
+vscheme "uniform" (min and max, FlexGen's) or "normal" (mean and std, the Lloyd-Max levels of a normal variable).
 
     python benchmarks/quant_sim.py hamlet,macbeth "kbits=4,vbits=4,W=16,nout=8" "vbits=3,W=16" ...
     python benchmarks/quant_sim.py lear.txt:4,julius_caesar:4 ...   # 4 windows of each (texts held out from the tables)
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 PROMPT = 64
 DEFAULTS = dict(kbits=None, vbits=None, vgroup=None, kscheme="channel", nout=4, cs=0, clip=0.0, G=32, W=0, S=0,
-                pre=False)
+                pre=False, vscheme="uniform", iters=25)
 
 
 def q_token(x, bits, group=None):  # x (..., T, d): per token along d in groups of `group` (None: all d), fp16
@@ -49,6 +51,47 @@ def q_channel(x, bits, nout, cs=0, clip=0.0):  # x (b, h, T, d): calibrated on t
         idx = (r - x).abs().topk(nout, -1).indices
         r = r.scatter(-1, idx, x.gather(-1, idx))
     return r
+
+
+def lloyd(samples, levels, iters):  # samples (..., n) -> levels (..., levels): 1-D k-means from uniform starts
+    lo, hi = samples.amin(-1, keepdim=True), samples.amax(-1, keepdim=True)
+    c = lo + (hi - lo) * (torch.arange(levels, dtype=samples.dtype) + 0.5) / levels
+    for _ in range(iters):
+        a = (samples[..., :, None] - c[..., None, :]).abs().argmin(-1)  # (..., n) nearest level
+        hit = F.one_hot(a, levels).to(samples.dtype)  # (..., n, levels)
+        cnt = hit.sum(-2)
+        c = torch.where(cnt > 0, (hit * samples[..., :, None]).sum(-2) / cnt.clamp_min(1), c)
+    return c.sort(-1).values
+
+
+def nearest(x, c):  # x (..., n), c (..., levels) -> each value of x replaced by its nearest level
+    return c.gather(-1, (x[..., :, None] - c[..., None, :]).abs().argmin(-1))
+
+
+def q_nuq(x, bits, nout, cs, iters):  # x (b, h, T, d): per channel, 2^bits levels fitted on the prompt (k-means)
+    p = x[:, :, cs:PROMPT].transpose(-1, -2)  # (b, h, d, prompt)
+    c = lloyd(p, 2 ** bits, iters).half().float()  # (b, h, d, levels): stored fp16
+    r = nearest(x.transpose(-1, -2), c).transpose(-1, -2)
+    if nout:
+        idx = (r - x).abs().topk(nout, -1).indices
+        r = r.scatter(-1, idx, x.gather(-1, idx))
+    return r
+
+
+_NORMAL: dict = {}
+
+
+def q_normal(x, bits, group=None):  # per token in groups: mean and std (fp16), Lloyd-Max levels of a normal
+    if group and group < x.shape[-1]:
+        return q_normal(x.unflatten(-1, (-1, group)), bits).flatten(-2)
+    if bits not in _NORMAL:
+        g = torch.Generator().manual_seed(0)
+        _NORMAL[bits] = lloyd(torch.randn(200_000, generator=g), 2 ** bits, 60)
+    mu = x.mean(-1, keepdim=True).half().float()
+    sd = x.std(-1, keepdim=True).half().float().clamp_min(1e-8)
+    z = (x - mu) / sd
+    lv = _NORMAL[bits]
+    return mu + sd * lv[(z[..., None] - lv).abs().argmin(-1)]
 
 
 def q_kivi(x, bits, group):  # x (b, h, T, d): per channel over groups of `group` tokens
@@ -74,6 +117,8 @@ def key_quant(k, c, theta):
         return q_token(k, c["kbits"])
     if c["kscheme"] == "channel":
         return q_channel(k, c["kbits"], c["nout"], c["cs"], c["clip"])
+    if c["kscheme"] == "nuq":
+        return q_nuq(k, c["kbits"], c["nout"], c["cs"], c["iters"])
     return q_kivi(k, c["kbits"], c["G"])
 
 
@@ -82,7 +127,8 @@ def attention_of(c: dict, theta: float):
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         t, rep = query.shape[2], query.shape[1] // key.shape[1]
         kq = key_quant(key.float(), c, theta)
-        vq = value.float() if c["vbits"] is None else q_token(value, c["vbits"], c["vgroup"])
+        vq = value.float() if c["vbits"] is None else (q_normal if c["vscheme"] == "normal" else q_token)(
+            value.float(), c["vbits"], c["vgroup"])
         k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (key, value, kq, vq))  # (b, hq, T, d)
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
         exact = (j > i - c["W"]) | (j < c["S"]) | (i < PROMPT)  # the prompt's queries: prefill reads exact K/V

@@ -50,6 +50,48 @@ def per_channel(bits: int, outliers: int):
     return quant
 
 
+def per_channel_fitted(bits: int, outliers: int, rounds: int = 25):
+    """Keys per channel with fitted levels (KVQuant's non-uniform datatype): each head's channel gets 2**bits
+    levels from 1-D k-means over its values in the prompt: they start at the centres of 2**bits equal bins between
+    the values' minimum and maximum; for `rounds` rounds each value joins its nearest level (equidistant: the lower)
+    and each level that was joined moves to the mean of its values, the others stay. Every token's value then
+    becomes its nearest level (equidistant: the lower); the outliers as in per_channel."""
+    n = 2 ** bits
+
+    def nearest(value: float, lv: list) -> int:
+        best = 0
+        for i in range(1, n):
+            if abs(value - lv[i]) < abs(value - lv[best]):
+                best = i
+        return best
+
+    def fit(values: list) -> list:
+        lo, hi = min(values), max(values)
+        lv = [lo + (hi - lo) * (i + 0.5) / n for i in range(n)]
+        for _ in range(rounds):
+            groups = [[] for _ in range(n)]
+            for value in values:
+                groups[nearest(value, lv)].append(value)
+            lv = [sum(g) / len(g) if g else lv[i] for i, g in enumerate(groups)]
+        return sorted(lv)
+
+    def quant(x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        out = x.clone()
+        T, kv, d = x.shape
+        xd = x.double()
+        for h in range(kv):
+            for c in range(d):
+                lv = fit(xd[:prompt_len, h, c].tolist())
+                lv32 = torch.tensor(lv, dtype=torch.float64).to(x.dtype).double().tolist()  # stored as x's dtype
+                for t in range(T):
+                    out[t, h, c] = lv32[nearest(float(xd[t, h, c]), lv32)]
+            for t, errors in enumerate((out[:, h] - x[:, h]).abs().tolist()):
+                for _, c in sorted((-e, c) for c, e in enumerate(errors))[:outliers]:
+                    out[t, h, c] = x[t, h, c]
+        return out
+    return quant
+
+
 def recent(keys, values, window: int, sinks: int = 0) -> tuple:
     """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens and its first
     `sinks` tokens exact: the (keys, values, window, sinks) tuple tests/reference_kv.attention reads (query i reads

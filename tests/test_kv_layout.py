@@ -13,7 +13,7 @@ from flexh2o.kv.layout import CacheLayout, CacheQuant
 from test_kv_equivalence import _rc
 
 QUANTS = [None, CacheQuant(4, 16, "token"), CacheQuant(4, 16, "channel", 2), CacheQuant(3, 16, "channel", 1),
-          CacheQuant(2, 16, "token")]
+          CacheQuant(2, 16, "token"), CacheQuant(3, 16, "fitted", 1)]
 
 
 def test_layout_bytes_by_hand():
@@ -25,6 +25,8 @@ def test_layout_bytes_by_hand():
     tok = CacheLayout(2, 3, 10, 64, torch.float16, CacheQuant(3, 64, "token"))
     assert tok.kv_slot_bytes() == 2 * (24 + 4) and tok.kv_row_bytes() == 0
     assert CacheLayout(2, 3, 10, 64, torch.float16).nbytes == 60 * (256 + 12)
+    fit = CacheLayout(2, 3, 10, 64, torch.float16, CacheQuant(3, 64, "fitted", 4))  # 8 levels a channel, fp16
+    assert fit.kv_slot_bytes() == (24 + 4 + 8) + (24 + 4) and fit.kv_row_bytes() == 64 * 8 * 2
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
@@ -134,6 +136,7 @@ def test_lane_passes_count_the_quantized_layout():
 
 @pytest.mark.parametrize("flags", [["--compress-cache", "--cache-keys", "channel", "--key-outliers", "2",
                                     "--compress-bits", "3"],
+                                   ["--compress-cache", "--cache-keys", "fitted", "--key-outliers", "2"],
                                    ["--compress-cache", "--cache-keys", "token", "--compress-bits", "2"]])
 def test_printed_command_line_reads_back_the_cache_quantization(flags):
     from flexh2o.cli import run as run_cli
@@ -143,3 +146,18 @@ def test_printed_command_line_reads_back_the_cache_quantization(flags):
     line = command_line(rc).split()
     back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
     assert back.compress_cache == rc.compress_cache and rc.compress_cache.keys == flags[2]
+
+
+def test_fitted_levels_follow_the_prompt_not_its_range():
+    """Fitted key levels (--cache-keys fitted): a channel whose prompt values crowd in 4.0-4.5 between two far ones
+    (0 and 10) gets a level at their mean (4.25), so they read back within 0.25, where 4 evenly spaced levels over
+    0-10 (0, 3.33, 6.67, 10) leave 4.5 1.17 away."""
+    prompt = torch.tensor([0.0, 4.0, 4.1, 4.2, 4.3, 4.4, 4.5, 10.0]).view(1, 1, 8, 1).expand(1, 1, 8, 4)
+    valid = torch.ones(1, 1, 8, dtype=torch.bool)
+    errs = {}
+    for keys in ("channel", "fitted"):
+        blk = KVBlock(**CacheLayout(1, 1, 8, 4, torch.float32, CacheQuant(2, 4, keys, 0)).empty("cpu"))
+        blk.calibrate(prompt, valid)
+        assign(blk.k, (slice(None), slice(None), slice(0, 8)), prompt)
+        errs[keys] = float((expand(blk.k, torch.float32) - prompt).abs().max())
+    assert errs["fitted"] <= 0.25 + 1e-6 and errs["channel"] > 1.1

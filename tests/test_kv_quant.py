@@ -21,14 +21,16 @@ _OPT = [p for p in POLICIES if p not in ("merge", "h2o")]
 CASES = [("opt", "h2o", c) for c in COMBOS] + [("opt", p, COMBOS[i % len(COMBOS)]) for i, p in enumerate(_OPT)] + \
     [("llama", p, COMBOS[i * 2 % len(COMBOS)]) for i, p in enumerate(("h2o", "tova", "adakv"))]
 BITS = [(CacheQuant(b, HEAD_DIM, keys, n), p) for b in (2, 3, 8) for keys, n in (("channel", 2), ("token", 0))
-        for p in ("h2o",)] + [(CacheQuant(4, HEAD_DIM, "channel", 0), "full")]
+        for p in ("h2o",)] + [(CacheQuant(4, HEAD_DIM, "channel", 0), "full")] + \
+    [(CacheQuant(b, HEAD_DIM, "fitted", 2), "h2o") for b in (2, 3, 4)] + [(CacheQuant(3, HEAD_DIM, "fitted", 0), "full")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ref_quant(q: CacheQuant) -> tuple:
     """The reference's (keys, values) quantize-dequantize for `q`."""
-    keys = rq.per_channel(q.bits, q.outliers) if q.keys == "channel" else rq.per_token(q.bits, q.group_size)
+    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers), "token": lambda: rq.per_token(q.bits, q.group_size),
+            "fitted": lambda: rq.per_channel_fitted(q.bits, q.outliers)}[q.keys]()
     return rq.recent(keys, rq.per_token(q.bits, q.group_size), q.recent, q.sinks)
 
 
@@ -76,10 +78,20 @@ def test_engine_matches_reference_with_channel_keys(model, policy, combo, data, 
 @pytest.mark.parametrize("q, policy", [pytest.param(q, p, id=f"{q.bits}bit-{q.keys}-{q.outliers}-{p}")
                                        for q, p in BITS])
 def test_engine_matches_reference_at_every_width(q, policy, data, quant_reference, offload_dir):
-    """2, 3 and 8 bits, keys per channel and per token (FlexGen's), and no outliers, on the disk tier."""
+    """2, 3 and 8 bits, keys per channel (evenly spaced and fitted levels) and per token (FlexGen's), and no
+    outliers, on the disk tier."""
     gen = _run("opt", policy, COMBOS[2], q, data, offload_dir)
     _assert_matches(gen, quant_reference("opt", policy, q), BUDGETS[policy],
                     _ref_policy("opt", policy, BUDGETS[policy]))
+
+
+def test_fitted_levels_move_the_logits(data, quant_reference):
+    """The fitted-levels comparison is sharp too: evenly spaced and fitted levels give logits far apart."""
+    from test_kv_equivalence import ATOL
+    a = quant_reference("opt", "h2o", CacheQuant(3, HEAD_DIM, "fitted", 2))
+    b = quant_reference("opt", "h2o", CacheQuant(3, HEAD_DIM, "channel", 2))
+    gap = max(float((x - y).abs().max()) for ra, rb in zip(a, b) for x, y in zip(ra.step_logits, rb.step_logits))
+    assert gap > 100 * ATOL
 
 
 def test_channel_keys_move_the_logits(data, quant_reference):

@@ -15,11 +15,12 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     a("--compress-cache", action="store_true", help="keep the KV cache quantized in every tier: values per token "
       "in groups along head_dim (FlexGen), keys as --cache-keys says")
     a("--cache-keys", choices=list(KEY_SCHEMES), default=DEFAULT_KEYS,
-      help=f"--compress-cache's keys: token (FlexGen's groups along head_dim) or channel (per-channel scales "
-           f"calibrated on the prompt, each token quantized alone, --key-outliers values a token kept exact); "
-           f"default {DEFAULT_KEYS}")
+      help=f"--compress-cache's keys: token (FlexGen's groups along head_dim), channel (per-channel scales "
+           f"calibrated on the prompt, each token quantized alone, --key-outliers values a token kept exact) or "
+           f"fitted (as channel, with each channel's levels fitted to the prompt's values by k-means: KVQuant's "
+           f"non-uniform levels); default {DEFAULT_KEYS}")
     a("--key-outliers", type=int, default=DEFAULT_OUTLIERS,
-      help=f"key values per token kept exact under --cache-keys channel (default {DEFAULT_OUTLIERS})")
+      help=f"key values per token kept exact under --cache-keys channel or fitted (default {DEFAULT_OUTLIERS})")
     a("--cache-recent", type=int, default=DEFAULT_RECENT, metavar="N",
       help=f"--compress-cache: the newest N tokens of each sequence also kept exact in the storage dtype (both "
            f"key schemes; a token is read quantized once it leaves them; eviction still sees every token; the "

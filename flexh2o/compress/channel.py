@@ -5,13 +5,16 @@ each (row, KV head, channel) gets its own minimum and scale, set once from the p
 (`calibrate`); every token, prompt or generated, is then quantized alone with them (clamped to the calibrated
 range), so a token fills one slot and an evicted slot is rewritten in place. Per token, the `outliers` values whose
 quantization error is largest are kept exact (their channel index and value), which also catches a generated token
-that leaves the prompt's range.
+that leaves the prompt's range. With `fitted` levels (KVQuant's non-uniform datatype) each channel's 2**bits levels
+are not evenly spaced but fitted to the prompt's values of that channel (1-D k-means, `fit_levels`), and a value
+takes its nearest level.
 
 Layout of keys (b, h, slots, d) stored as `dtype` (the parts a tier holds, compress/channel's ChannelSpec.parts):
   data   uint8 (b, h, slots, d * bits / 8)   levels packed as compress/bits.py says
   index  uint8 (b, h, slots, outliers)       channels kept exact (int16 when d > 256), in decreasing error
   exact  dtype (b, h, slots, outliers)       their values
-  calib  dtype (b, h, d, 2)                  [..., 0] scale, [..., 1] minimum (per row and head: not per slot)
+  calib  dtype (b, h, d, 2)                  [..., 0] scale, [..., 1] minimum (per row and head: not per slot);
+         dtype (b, h, d, 2**bits)            fitted: the levels, ascending
 """
 from __future__ import annotations
 
@@ -24,14 +27,17 @@ from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
 from flexh2o.compress.codec import _round_down, _round_up
 
 SLOT_PARTS = ("data", "index", "exact")  # indexed by slot at dimension 2; calib is per row and head
+FIT_ROUNDS = 25  # k-means rounds of fitted levels (from evenly spaced ones; SmolLM2's keys settle well before)
 
 
 @dataclass(frozen=True)
 class ChannelSpec:
-    """bits (2, 3, 4 or 8) a key value; outliers: values per token kept exact (0 to head_dim)."""
+    """bits (2, 3, 4 or 8) a key value; outliers: values per token kept exact (0 to head_dim); fitted: each
+    channel's levels fitted to the prompt (k-means) instead of evenly spaced between its minimum and maximum."""
 
     bits: int = 4
     outliers: int = 4
+    fitted: bool = False
 
     def __post_init__(self):
         if self.bits not in PACKABLE:
@@ -43,6 +49,11 @@ class ChannelSpec:
     def levels(self) -> int:
         return (1 << self.bits) - 1
 
+    @property
+    def calib_width(self) -> int:
+        """Values of `calib` per channel: (scale, minimum), or the 2**bits fitted levels."""
+        return 1 << self.bits if self.fitted else 2
+
     def parts(self, shape: tuple, dtype: torch.dtype) -> dict:
         """name -> (shape, dtype) of each stored part of keys of `shape` (b, h, slots, d) stored as `dtype`."""
         b, h, s, d = (int(x) for x in shape)
@@ -51,7 +62,7 @@ class ChannelSpec:
         n = self.outliers
         return {"data": ((b, h, s, packed_width(d, self.bits)), torch.uint8),
                 "index": ((b, h, s, n), torch.uint8 if d <= 256 else torch.int16),
-                "exact": ((b, h, s, n), dtype), "calib": ((b, h, d, 2), dtype)}
+                "exact": ((b, h, s, n), dtype), "calib": ((b, h, d, self.calib_width), dtype)}
 
 
 @dataclass
@@ -90,7 +101,11 @@ class ChannelKeys:
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         """Set every row's and head's per-channel minimum and scale from keys k (b, h, t, d) over the tokens marked
         in valid (b, h, t): the minimum rounded down and the scale up to the storage dtype, so each key of the
-        prompt is within half a step of its level (a row with no valid token gets scale 0, minimum 0)."""
+        prompt is within half a step of its level (a row with no valid token gets scale 0, minimum 0). Fitted:
+        the levels of `fit_levels`, rounded to the storage dtype."""
+        if self.spec.fitted:
+            self.calib.copy_(fit_levels(k, valid, 1 << self.spec.bits))
+            return
         kf, ok = k.float(), valid[..., None]
         lo = torch.where(ok, kf, float("inf")).amin(2)  # (b, h, d)
         hi = torch.where(ok, kf, float("-inf")).amax(2)
@@ -112,9 +127,13 @@ class ChannelKeys:
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
         """The keys (b, h, slots, d) in `dtype`; arithmetic in fp32."""
         d = self.calib.shape[2]
-        x = unpack(self.data, self.spec.bits, d).float()  # (b, h, s, d)
-        scale, lo = (self.calib[..., i].float().unsqueeze(2) for i in (0, 1))  # (b, h, 1, d)
-        x = x.mul_(scale).add_(lo)
+        q = unpack(self.data, self.spec.bits, d)  # (b, h, s, d)
+        if self.spec.fitted:
+            lv = self.calib.float().unsqueeze(2)  # (b, h, 1, d, n)
+            x = lv.expand(*q.shape, lv.shape[-1]).gather(-1, q.long().unsqueeze(-1)).squeeze(-1)
+        else:
+            scale, lo = (self.calib[..., i].float().unsqueeze(2) for i in (0, 1))  # (b, h, 1, d)
+            x = q.float().mul_(scale).add_(lo)
         if self.spec.outliers:
             x.scatter_(-1, self.index.long(), self.exact.float())
         return x.to(dtype)
@@ -125,8 +144,36 @@ def quantize_token(x: torch.Tensor, calib: torch.Tensor, spec: ChannelSpec, dtyp
     (..., n) int64, their exact values (..., n) in `dtype`): levels clamped to [0, 2**bits - 1]; the outliers are
     the n channels of largest error, ties to the lower channel."""
     xf = x.float()
-    scale, lo = calib[..., 0].float(), calib[..., 1].float()
-    q = ((xf - lo) / torch.where(scale > 0, scale, 1.0)).round_().clamp_(0, spec.levels)
-    err = (q * scale + lo - xf).abs()
+    if spec.fitted:  # the nearest level (a value halfway between two takes the lower)
+        lv = calib.float().expand(*xf.shape, calib.shape[-1])  # (..., d, n)
+        q = torch.searchsorted((lv[..., 1:] + lv[..., :-1]).mul_(0.5).contiguous(), xf.unsqueeze(-1).contiguous())
+        err = (lv.gather(-1, q).squeeze(-1) - xf).abs()
+        q = q.squeeze(-1)
+    else:
+        scale, lo = calib[..., 0].float(), calib[..., 1].float()
+        q = ((xf - lo) / torch.where(scale > 0, scale, 1.0)).round_().clamp_(0, spec.levels)
+        err = (q * scale + lo - xf).abs()
     idx = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :spec.outliers]
     return pack(q.to(torch.uint8), spec.bits), idx, xf.gather(-1, idx).to(dtype)
+
+
+def fit_levels(k: torch.Tensor, valid: torch.Tensor, n: int, rounds: int = FIT_ROUNDS) -> torch.Tensor:
+    """Keys k (b, h, t, d), valid (b, h, t) -> each row's, head's and channel's n levels (b, h, d, n), ascending:
+    1-D k-means over the valid tokens' values of the channel, from n levels evenly spaced at the centres of n equal
+    bins between their minimum and maximum; each round every value takes its nearest level (halfway: the lower) and
+    every level with a value becomes the mean of its values (in fp64), one without keeps its place. A row and head
+    with no valid token gets levels 0."""
+    x = k.double().transpose(2, 3)  # (b, h, d, t)
+    w = valid[:, :, None, :].expand_as(x).double()
+    ok = w > 0
+    lo = torch.where(ok, x, float("inf")).amin(-1, keepdim=True)
+    hi = torch.where(ok, x, float("-inf")).amax(-1, keepdim=True)
+    empty = ~ok.any(-1, keepdim=True)
+    lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    c = lo + (hi - lo) * (torch.arange(n, dtype=torch.float64, device=k.device) + 0.5) / n  # (b, h, d, n)
+    for _ in range(rounds):
+        a = torch.searchsorted((c[..., 1:] + c[..., :-1]).mul_(0.5).contiguous(), x.contiguous())
+        total = torch.zeros_like(c).scatter_add_(-1, a, x * w)
+        count = torch.zeros_like(c).scatter_add_(-1, a, w)
+        c = torch.where(count > 0, total / count.clamp_min(1.0), c)
+    return c.sort(-1).values

@@ -6,7 +6,8 @@ head_dim d, stored as `dtype`:
   k, v     plain (b, h, s, d) `dtype`; or quantized under a CacheQuant: values per token (FlexGen's groups along
            head_dim: data + meta, compress/codec.py), keys per token as well (FlexGen's scheme, keys "token") or per
            channel with scales calibrated on the prompt (keys "channel": data, index, exact, calib;
-           compress/channel.py); with `recent` R > 0 both also keep a ring of their newest R tokens exact
+           compress/channel.py) or with levels fitted to the prompt (keys "fitted": the same parts, calib holding
+           each channel's 2**bits levels); with `recent` R > 0 both also keep a ring of their newest R tokens exact
            (recent, rslot; compress/recent.py), R = min(recent, slots)
   pos      int64 (b, h, s): the token a slot holds (-1: empty)
   score    fp32 (b, h, s): the policy's accumulated attention
@@ -22,7 +23,7 @@ from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
 from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
 from flexh2o.compress.recent import RING_PARTS, Recent
 
-KEY_SCHEMES = ("channel", "token")
+KEY_SCHEMES = ("channel", "fitted", "token")
 DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (benchmarks/ACCURACY.md, issue 26)
 DEFAULT_OUTLIERS = 8  # key values per token kept exact (1/8 of SmolLM2's head_dim of 64: ACCURACY.md, issue 26)
 DEFAULT_RECENT = 16  # newest tokens of a row kept exact: of 8, 16, 32, the best 4-bit full cache on SmolLM2
@@ -35,7 +36,8 @@ FIELDS = ("k", "v", "pos", "score")
 class CacheQuant:
     """How the KV cache is quantized: values per token in groups of `group_size` along head_dim at `bits`
     (FlexGen's scheme); keys either the same way (keys "token") or per channel, calibrated on the prompt, with
-    `outliers` values per token kept exact (keys "channel"); both with the newest `recent` tokens of each row also
+    `outliers` values per token kept exact (keys "channel": evenly spaced levels; "fitted": levels fitted to the
+    prompt's values of each channel); all with the newest `recent` tokens of each row also
     kept exact (0: none). group_dim (-1) is the values' grouped dimension."""
 
     bits: int = 4
@@ -64,7 +66,9 @@ class CacheQuant:
     @property
     def key_spec(self):
         """ChannelSpec (keys per channel) or CacheGroupSpec (per token, as the values)."""
-        return ChannelSpec(self.bits, self.outliers) if self.keys == "channel" else self.value_spec
+        if self.keys == "token":
+            return self.value_spec
+        return ChannelSpec(self.bits, self.outliers, self.keys == "fitted")
 
     @staticmethod
     def of(spec) -> Optional["CacheQuant"]:
@@ -76,7 +80,8 @@ class CacheQuant:
         raise TypeError(f"not a cache quantization: {spec!r}")
 
     def describe(self) -> str:
-        keys = f"keys per channel, {self.outliers} exact" if self.keys == "channel" else "keys per token"
+        keys = "keys per token" if self.keys == "token" else \
+            f"keys per channel{', fitted levels' if self.keys == 'fitted' else ''}, {self.outliers} exact"
         recent = f", newest {self.recent} tokens exact" if self.recent else ""
         recent += f", first {self.sinks} tokens exact" if self.sinks else ""
         return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"

@@ -130,7 +130,7 @@ def compression_flags(rc: RunConfig) -> list:
         out.append(f"--cache-group-size {cache.group_size}")
     if cache and cache.keys != DEFAULT_KEYS:
         out.append(f"--cache-keys {cache.keys}")
-    if cache and cache.keys == "channel" and cache.outliers != DEFAULT_OUTLIERS:
+    if cache and cache.keys != "token" and cache.outliers != DEFAULT_OUTLIERS:
         out.append(f"--key-outliers {cache.outliers}")
     if cache and cache.recent != DEFAULT_RECENT:
         out.append(f"--cache-recent {cache.recent}")
