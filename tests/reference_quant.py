@@ -2,14 +2,27 @@
 heads, groups and tokens; fp32 storage, where rounding a scale or minimum to the storage dtype changes nothing).
 
 Each function takes the K or V of one layer, x (T, kv, d), and prompt_len (the first tokens are the prompt) and
-returns what a cache holding every token of x would give back.
+returns what a cache holding every token of x would give back. Given a list `margins`, each call also appends the
+smallest distance of a level it rounded (unclamped, before rounding) from a rounding half (`near_half`): the engine
+computes K and V in another order of summation, a few fp32 ulps away, so a level within float noise of a half may
+round the other way there (one step's difference in one value; tests/test_kv_sinks.py's vatp case met one).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 
-def per_token(bits: int, group: int):
+def near_half(level: torch.Tensor, levels: int) -> float:
+    """The smallest |level - (floor(level) + 1/2)| over the levels that rounding decides (those within [0, levels]);
+    1 when there is none."""
+    inside = (level >= 0) & (level <= levels)
+    gap = (level - level.floor() - 0.5).abs()
+    return float(torch.where(inside, gap, 1.0).min()) if level.numel() else 1.0
+
+
+def per_token(bits: int, group: int, margins: Optional[list] = None):
     """FlexGen's scheme: every token and head in groups of `group` values along head_dim, each group's minimum and
     (max - min) / (2**bits - 1) step; a value becomes min + step * round((x - min) / step)."""
     levels = 2 ** bits - 1
@@ -21,13 +34,15 @@ def per_token(bits: int, group: int):
             g = x[:, :, start:start + group]  # (T, kv, group): one group of every token and head
             lo = g.min(-1, keepdim=True).values
             step = (g.max(-1, keepdim=True).values - lo) / levels
-            q = torch.round((g - lo) / torch.where(step > 0, step, 1.0)).clamp(0, levels)
-            out[:, :, start:start + group] = q * step + lo
+            level = (g - lo) / torch.where(step > 0, step, 1.0)
+            if margins is not None:
+                margins.append(near_half(torch.where(step > 0, level, 0.0), levels))
+            out[:, :, start:start + group] = torch.round(level).clamp(0, levels) * step + lo
         return out
     return quant
 
 
-def per_channel(bits: int, outliers: int):
+def per_channel(bits: int, outliers: int, margins: Optional[list] = None):
     """Keys per channel: each head's channel gets the minimum and (max - min) / (2**bits - 1) step of its values over
     the prompt; each token's value becomes min + step * level, the level rounded and clamped to [0, 2**bits - 1];
     then the `outliers` values of the token (per head) that this moved the most keep their exact value (ties: the
@@ -41,8 +56,10 @@ def per_channel(bits: int, outliers: int):
             prompt = x[:prompt_len, h]  # (n, d)
             lo = prompt.min(0).values
             step = (prompt.max(0).values - lo) / levels
-            level = torch.round((x[:, h] - lo) / torch.where(step > 0, step, 1.0)).clamp(0, levels)  # (T, d)
-            out[:, h] = level * step + lo
+            level = (x[:, h] - lo) / torch.where(step > 0, step, 1.0)  # (T, d)
+            if margins is not None:
+                margins.append(near_half(torch.where(step > 0, level, 0.0), levels))
+            out[:, h] = torch.round(level).clamp(0, levels) * step + lo
             for t, errors in enumerate((out[:, h] - x[:, h]).abs().tolist()):
                 for _, c in sorted((-e, c) for c, e in enumerate(errors))[:outliers]:
                     out[t, h, c] = x[t, h, c]

@@ -27,24 +27,32 @@ BITS = [(CacheQuant(b, HEAD_DIM, keys, n), p) for b in (2, 3, 8) for keys, n in 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def ref_quant(q: CacheQuant) -> tuple:
-    """The reference's (keys, values) quantize-dequantize for `q`."""
-    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers), "token": lambda: rq.per_token(q.bits, q.group_size),
+def ref_quant(q: CacheQuant, margins: list = None) -> tuple:
+    """The reference's (keys, values) quantize-dequantize for `q` (margins: see reference_quant; not recorded for
+    fitted levels, whose nearest-level choice has no .5 boundary)."""
+    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers, margins),
+            "token": lambda: rq.per_token(q.bits, q.group_size, margins),
             "fitted": lambda: rq.per_channel_fitted(q.bits, q.outliers)}[q.keys]()
-    return rq.recent(keys, rq.per_token(q.bits, q.group_size), q.recent, q.sinks)
+    return rq.recent(keys, rq.per_token(q.bits, q.group_size, margins), q.recent, q.sinks)
 
 
-@pytest.fixture(scope="module")
-def data():
-    g = torch.Generator().manual_seed(3)
+def seeded_data(seed: int) -> tuple:
+    """(prompts of the LENS lengths, forced tokens (len(LENS), GEN)) drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENS]
     return prompts, torch.randint(4, 1000, (len(LENS), GEN), generator=g)
 
 
 @pytest.fixture(scope="module")
-def quant_reference(tmp_path_factory, data):
-    """(model, policy, CacheQuant) -> one RefGeneration per prompt."""
-    cache, weights = {}, {}
+def data():
+    return seeded_data(3)
+
+
+def quant_references(tmp_path_factory, data):
+    """(model, policy, CacheQuant) -> one RefGeneration per prompt of `data`, cached; `.margin` of the same
+    arguments: the smallest distance of a level the reference's quantizers rounded from a rounding half (over every
+    call of the run: reference_quant.near_half)."""
+    cache, weights, margins = {}, {}, {}
     prompts, forced = data
 
     def get(model: str, policy: str, q: CacheQuant) -> list:
@@ -53,10 +61,21 @@ def quant_reference(tmp_path_factory, data):
                 weights[model] = {k: v.clone() for k, v in eng.weights.handles.items()}
         if (model, policy, q) not in cache:
             pol = _ref_policy(model, policy, BUDGETS[policy])
+            seen = margins[model, policy, q] = []
             cache[model, policy, q] = [ref.generate(MODELS[model], weights[model], p, GEN, pol, forced[i].tolist(),
-                                                    ref_quant(q)) for i, p in enumerate(prompts)]
+                                                    ref_quant(q, seen)) for i, p in enumerate(prompts)]
         return cache[model, policy, q]
+
+    def margin(model: str, policy: str, q: CacheQuant) -> float:
+        get(model, policy, q)
+        return min(margins[model, policy, q])
+    get.margin = margin
     return get
+
+
+@pytest.fixture(scope="module")
+def quant_reference(tmp_path_factory, data):
+    return quant_references(tmp_path_factory, data)
 
 
 def _run(model, policy, combo, q, data, offload_dir):
