@@ -82,6 +82,20 @@ def stop_rule(args, cfg, tokenizer):
     return StopRule(frozenset(i for i in ids if i is not None), tokenizer)
 
 
+def rounds_line(n: int, num_seqs: int, what: str = "requests") -> str:
+    """FlexGen's fixed rounds: every round starts once all rows of the one before have finished."""
+    return (f"{n} {what} run in {-(-n // num_seqs)} rounds of {num_seqs} sequences (--gpu-batch-size x "
+            "--num-gpu-batches)")
+
+
+def schedule_line(n: int, num_seqs: int, refill: bool) -> str:
+    """How n requests share num_seqs rows: refilled rows (no rounds), or --no-refill's fixed rounds."""
+    if not refill:
+        return rounds_line(n, num_seqs)
+    return (f"{n} requests run on {num_seqs} rows (--gpu-batch-size x --num-gpu-batches); a row that finishes "
+            "takes the next request at once (--no-refill: fixed rounds)")
+
+
 def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenizer, opts) -> int:
     """Answer the requests (or the older formats' prompts as requests '0', '1', ...) not yet in the output."""
     from flexh2o.batch.progress import Progress
@@ -98,6 +112,8 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
     if not todo:
         print(f"flexh2o-run: every request is already answered in {args.output_file}", file=sys.stderr)
         return 0
+    if len(todo) > rc.num_seqs:  # a request job's own line: it counts the requests still to answer
+        print(f"flexh2o-run: {schedule_line(len(todo), rc.num_seqs, refill=not args.no_refill)}", file=sys.stderr)
     writer = ResultWriter(args.output_file) if args.output_file else None
     on_result = writer.write if writer else _print_result
     with Progress(len(reqs), len(reqs) - len(todo), enabled=opts.verbose >= 1) as bar:
