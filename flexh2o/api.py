@@ -27,8 +27,12 @@ class SamplingParams:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
-    stop: Sequence[str] = ()
+    stop: Sequence[str] = ()  # a string alone is one stop string (as vLLM takes it), not its characters
     ignore_eos: Optional[bool] = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
 
 
 def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:

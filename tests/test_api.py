@@ -72,3 +72,28 @@ def test_example_script_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) >= 2 and all("->" in ln and "tokens," in ln for ln in lines)
+
+
+@pytest.fixture(scope="module")
+def ckpt_tok(tmp_path_factory):
+    """The tiny checkpoint with a word-level tokenizer.json beside it (LLM picks it up: text in, text out)."""
+    pytest.importorskip("tokenizers")
+    from request_helpers import write_tokenizer
+    from tiny_models import tiny_opt
+    path = write_tiny_checkpoint(str(tmp_path_factory.mktemp("apitok") / "ckpt"))
+    write_tokenizer(os.path.join(path, "tokenizer.json"), tiny_opt().vocab)
+    return path
+
+
+def test_stop_given_as_one_string_is_one_stop_string(ckpt_tok, offload_dir):
+    """SamplingParams(stop="...") is one stop string, as vLLM takes it; it was split into its characters, so a row
+    stopped at the first generated text holding any of them (silently, finish_reason 'stop')."""
+    with LLM(ckpt_tok, offload_dir=offload_dir, no_warmup=True, verbose=0, ignore_eos=True) as llm:
+        sampled = {"max_tokens": 8, "temperature": 1.0, "seed": 3}  # varied words, the same ones every call
+        (full,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled))
+        words = full.text.split(" ")
+        stop = next(w for k, w in enumerate(words) if k >= 3 and full.text.find(w) == len(" ".join(words[:k])) + 1)
+        (listed,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled, stop=[stop]))
+        (alone,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled, stop=stop))
+    assert listed.finish_reason == "stop" and listed.generated_tokens >= 4, (full, stop)
+    assert alone.record() == listed.record()
