@@ -126,13 +126,23 @@ class LLM:
         fields = {k: v for k, v in given.items() if v is not None}
         out = []
         for i, p in enumerate(prompts):
-            key = "prompt" if isinstance(p, str) else "prompt_ids"
             try:
-                out.append(request_from({"id": str(i), key: list(p) if key == "prompt_ids" else p, **fields},
-                                        defaults, self.cfg.vocab, self.tokenizer))
+                out.append(request_from({"id": str(i), **_prompt_field(p), **fields}, defaults, self.cfg.vocab,
+                                        self.tokenizer))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return out
+
+
+def _prompt_field(p) -> dict:
+    """One prompt as a request line's field: text, or token ids (a list, tuple, 1-D array or tensor)."""
+    if isinstance(p, str):
+        return {"prompt": p}
+    ids = p.tolist() if hasattr(p, "tolist") else p
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"give a string or a list of token ids, not {type(p).__name__} {p!r} (one prompt of "
+                         "token ids is [[5, 6, 7]], not [5, 6, 7])")
+    return {"prompt_ids": list(ids)}
 
 
 def serves(kept, rc) -> bool:

@@ -48,6 +48,18 @@ def test_bad_prompts_and_params_are_refused(ckpt):
         llm.generate([[5, 10 ** 6]])
 
 
+def test_prompt_of_another_type_is_refused_in_one_line(ckpt):
+    """generate([5, 6, 7]) (one prompt's ids, not wrapped in a list) crashed with TypeError: 'int' object is not
+    iterable; now a ValueError naming the prompt and the fix. Arrays and tensors of ids are token-id lists."""
+    llm = LLM(ckpt, verbose=0, no_warmup=True)
+    for bad in ([5, 6, 7], [None], [{"prompt": "x"}]):
+        with pytest.raises(ValueError, match=r"prompt 0: give a string or a list of token ids.*\[\[5, 6, 7\]\]"):
+            llm.generate(bad, SamplingParams(max_tokens=2))
+    import torch
+    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].record()
+    assert llm.generate([torch.tensor([5, 6, 7])], SamplingParams(max_tokens=2))[0].record() == want
+
+
 def test_api_equals_cli(tmp_path, ckpt, offload_dir):
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [40, 41, 42, 43, 44]]
     common = {"gpu_batch_size": 2, "kv_policy": "h2o", "kv_budget": 3, "offload_dir": offload_dir,
