@@ -90,17 +90,23 @@ class LLM:
     def __del__(self):
         self.close()
 
-    def generate(self, prompts: Sequence, params: Optional[SamplingParams] = None) -> list:
-        """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order."""
+    def generate(self, prompts: Sequence, params=None) -> list:
+        """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order. params: a
+        SamplingParams for every prompt, or a list of them, one per prompt (as vLLM takes them)."""
         from flexh2o.batch.progress import Progress
         from flexh2o.batch.run import run_requests
         from flexh2o.cli.request_job import stop_rule
         from flexh2o.cli.run import build_run_config
-        reqs = self.requests(prompts, params or SamplingParams())
+        prompts = _prompt_list(prompts)
+        per = _per_prompt(params, len(prompts))
+        reqs = self.requests(prompts, per)
         args = copy.copy(self.args)
         args.gen_len = max(r.max_new_tokens for r in reqs)
-        given = (params or SamplingParams()).ignore_eos
-        args.ignore_eos = self.args.ignore_eos if given is None else given  # None: the LLM's own (ignore_eos=...)
+        ignore = {self.args.ignore_eos if p.ignore_eos is None else p.ignore_eos for p in per}  # None: the LLM's
+        if len(ignore) > 1:
+            raise ValueError("params: ignore_eos differs between prompts; it holds for a whole generate() call: give "
+                             "every prompt the same, or generate them in separate calls")
+        args.ignore_eos = ignore.pop()
         rc = build_run_config(args, self.cfg, [list(r.prompt_ids) for r in reqs])
         warm = self.engine is None or not serves(self.engine.rc, rc)
         if warm:  # the first call, or one the kept engine's plan cannot serve: (re)build it
@@ -114,24 +120,45 @@ class LLM:
         order = {r.id: i for i, r in enumerate(reqs)}
         return sorted(stats.results, key=lambda res: order[res.id])
 
-    def requests(self, prompts: Sequence, params: SamplingParams) -> list:
-        """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are."""
+    def requests(self, prompts: Sequence, params) -> list:
+        """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are; params: one SamplingParams
+        for all, or a list of them, one per prompt."""
         from flexh2o.requests import Defaults, request_from
-        if isinstance(prompts, (str, bytes)) or not prompts:
-            raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+        prompts = _prompt_list(prompts)
         a = self.args
         defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed)
-        given = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                 "seed": params.seed, "stop": list(params.stop) if params.stop else None}
-        fields = {k: v for k, v in given.items() if v is not None}
         out = []
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, _per_prompt(params, len(prompts)))):
+            given = {"max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+                     "seed": sp.seed, "stop": list(sp.stop) if sp.stop else None}
+            fields = {k: v for k, v in given.items() if v is not None}
             try:
                 out.append(request_from({"id": str(i), **_prompt_field(p), **fields}, defaults, self.cfg.vocab,
                                         self.tokenizer))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return out
+
+
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, bytes)) or prompts is None or not hasattr(prompts, "__iter__"):
+        raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+    return prompts
+
+
+def _per_prompt(params, n: int) -> list:
+    """n SamplingParams: params for every prompt (None: the defaults), or a list of them, one per prompt."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"params: give a SamplingParams, or a list of them, one per prompt (not "
+                         f"{type(params).__name__})")
+    if len(params) != n:
+        raise ValueError(f"params: {len(params)} SamplingParams for {n} prompts: give one per prompt, or one for all")
+    return list(params)
 
 
 def _prompt_field(p) -> dict:

@@ -109,3 +109,21 @@ def test_stop_given_as_one_string_is_one_stop_string(ckpt_tok, offload_dir):
         (alone,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled, stop=stop))
     assert listed.finish_reason == "stop" and listed.generated_tokens >= 4, (full, stop)
     assert alone.record() == listed.record()
+
+
+def test_params_per_prompt(ckpt, offload_dir):
+    """A list of SamplingParams, one per prompt (as vLLM takes them), crashed with AttributeError: 'list' object
+    has no attribute 'max_tokens'; each prompt now runs with its own, as it does alone. A list of another length,
+    another type or ignore_eos that differs (it holds for the whole call) is one ValueError."""
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    per = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=6, temperature=0.8, seed=2),
+           SamplingParams(max_tokens=2, temperature=1.0, top_p=0.5, seed=9)]
+    with LLM(ckpt, gpu_batch_size=2, offload_dir=offload_dir, no_warmup=True, verbose=0, ignore_eos=True) as llm:
+        got = [o.record() for o in llm.generate(prompts, per)]
+        alone = [llm.generate([p], sp)[0].record() for p, sp in zip(prompts, per)]
+        for bad, says in ((per[:2], "2 SamplingParams for 3 prompts"), ({"max_tokens": 3}, "not dict"),
+                          ([per[0], per[1], SamplingParams(ignore_eos=False)], "ignore_eos differs")):
+            with pytest.raises(ValueError, match=f"params: .*{says}"):
+                llm.generate(prompts, bad)
+    assert [len(r["token_ids"]) for r in got] == [3, 6, 2]
+    assert [{**r, "id": "0"} for r in got] == alone
