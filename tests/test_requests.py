@@ -102,6 +102,19 @@ def test_cli_refuses_before_running(capsys, tmp_path, model, offload_dir):
     assert "--resume" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--cut-gen-len", "2"], ["--debug-mode", "fewer_batch"]])
+def test_shortened_run_flags_refused_in_a_request_job(capsys, tmp_path, model, offload_dir, flag):
+    """--cut-gen-len and --debug-mode fewer_batch (FlexGen's shortened benchmark runs) were silently ignored by a
+    request job, which answered every request in full: now one line naming the flag, exit 2, no results file."""
+    ckpt, _, _ = model
+    p = write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "prompt_ids": [3, 4], "max_new_tokens": 6}])
+    out = tmp_path / "o.jsonl"
+    assert cli.main(_argv(ckpt, p, out, offload_dir, *flag)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and " ".join(flag[:1] if flag[0] == "--cut-gen-len" else flag) in err
+    assert "request job" in err and not out.exists()
+
+
 def _hf_generate(hf, prompt: list, max_new: int, eos=None) -> list:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
