@@ -209,22 +209,24 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     choose = getattr(args, "policy", "given") != "auto"  # --policy auto chooses the dtypes with its search
     if choose:
         rc = _choose_dtypes(args, rc)
-    if auto:
-        rc = _auto_batch(rc)
+    if auto:  # the largest batch that fits, but no more rows than the prompts of a --prompt-file fill
+        cap = -(-len(prompts) // max(nb, 1)) if prompts else None
+        rc, best = _auto_batch(rc, cap)
         if choose:  # the dtypes again at the batch that runs (a decode step's best dtype depends on its rows)
             again = _choose_dtypes(args, rc)
             if (again.dtype, again.compute, again.decode_compute) != (rc.dtype, rc.compute, rc.decode_compute):
-                rc = _auto_batch(again)
-        print(f"--gpu-batch-size auto: picked {rc.gpu_batch_size} (largest that fits, policy {kv.policy})",
-              file=sys.stderr)
+                rc, best = _auto_batch(again, cap)
+        why = "largest that fits" if rc.gpu_batch_size == best else f"the prompts' rows; {best} would fit"
+        print(f"--gpu-batch-size auto: picked {rc.gpu_batch_size} ({why}, policy {kv.policy})", file=sys.stderr)
     return rc
 
 
-def _auto_batch(rc: RunConfig) -> RunConfig:
+def _auto_batch(rc: RunConfig, cap: Optional[int] = None) -> tuple:
+    """(rc at the largest batch that fits, capped at cap rows; that largest batch)."""
     best = largest_batch(rc.with_(gpu_batch_size=1))
     if best == 0:
         plan_memory(rc.with_(gpu_batch_size=1)).check()
-    return rc.with_(gpu_batch_size=best)
+    return rc.with_(gpu_batch_size=min(best, cap or best)), best
 
 
 def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
