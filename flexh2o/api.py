@@ -123,7 +123,7 @@ class LLM:
     def requests(self, prompts: Sequence, params) -> list:
         """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are; params: one SamplingParams
         for all, or a list of them, one per prompt."""
-        from flexh2o.requests import Defaults, request_from
+        from flexh2o.requests import Defaults, fit_positions, request_from
         prompts = _prompt_list(prompts)
         a = self.args
         defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed)
@@ -134,9 +134,13 @@ class LLM:
             fields = {k: v for k, v in given.items() if v is not None}
             try:
                 out.append(request_from({"id": str(i), **_prompt_field(p), **fields}, defaults, self.cfg.vocab,
-                                        self.tokenizer))
+                                        self.tokenizer, self.cfg.max_positions))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        try:
+            fit_positions(out, self.cfg.max_positions, lambda r: f"prompt {r.id}")
+        except ValueError as e:
+            raise ValueError(f"prompts: {e}") from None
         return out
 
 

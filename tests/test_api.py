@@ -48,6 +48,16 @@ def test_bad_prompts_and_params_are_refused(ckpt):
         llm.generate([[5, 10 ** 6]])
 
 
+def test_prompts_past_the_models_positions_name_the_prompt(ckpt):
+    """The refusal said 'shorten --prompt-len/--gen-len', flags the API's requests do not set."""
+    llm = LLM(ckpt, verbose=0)
+    n = llm.cfg.max_positions
+    with pytest.raises(ValueError, match=f"prompt 1: max_new_tokens {n - 1}: .* lower max_new_tokens"):
+        llm.generate([[5], [6, 7]], SamplingParams(max_tokens=n - 1))  # not --prompt-len/--gen-len, not API options
+    with pytest.raises(ValueError, match=r"prompts: the longest prompt \(4 tokens, prompt 1\) \+ the largest"):
+        llm.generate([[5], [6, 7, 8, 9]], [SamplingParams(max_tokens=n - 2), SamplingParams(max_tokens=2)])
+
+
 def test_prompt_of_another_type_is_refused_in_one_line(ckpt):
     """generate([5, 6, 7]) (one prompt's ids, not wrapped in a list) crashed with TypeError: 'int' object is not
     iterable; now a ValueError naming the prompt and the fix. Arrays and tensors of ids are token-id lists."""

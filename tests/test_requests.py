@@ -131,6 +131,30 @@ def test_auto_batch_takes_no_more_rows_than_the_requests(capsys, tmp_path, model
     assert cli.main(argv) == 0 and len(read_jsonl(out)) == 5
 
 
+def test_requests_past_the_models_positions_named_by_line(capsys, tmp_path, model, offload_dir):
+    """A request whose prompt + max_new_tokens exceed the model's positions was refused with 'shorten
+    --prompt-len/--gen-len', flags that do not set a request job's lengths; now the line and the fix are named,
+    and so are the two lines when the longest prompt and the largest max_new_tokens together exceed them."""
+    ckpt, _, _ = model
+    n = TINY.max_positions
+    out = tmp_path / "o.jsonl"
+    alone = write_jsonl(tmp_path / "alone.jsonl", [{"id": "a", "prompt_ids": [3], "max_new_tokens": 2},
+                                                   {"id": "b", "prompt_ids": [4] * (n - 2), "max_new_tokens": 3}])
+    assert cli.main(_argv(ckpt, alone, out, offload_dir)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 2: max_new_tokens 3" in err and f"model's {n} positions" in err
+    assert "--prompt-len" not in err and "lower max_new_tokens" in err
+    pair = write_jsonl(tmp_path / "pair.jsonl", [{"id": "a", "prompt_ids": [3] * (n - 4), "max_new_tokens": 2},
+                                                 {"id": "b", "prompt_ids": [4], "max_new_tokens": 9}])
+    assert cli.main(_argv(ckpt, pair, out, offload_dir)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"longest prompt ({n - 4} tokens, line 1)" in err
+    assert "largest max_new_tokens (9, line 2)" in err and "--prompt-len" not in err and not out.exists()
+    with pytest.raises(ValueError, match="line 2: max_new_tokens 3"):
+        load_requests(alone, Defaults(), TINY.vocab, positions=n)
+    assert len(load_requests(alone, Defaults(), TINY.vocab, positions=n + 1)) == 2
+
+
 def _hf_generate(hf, prompt: list, max_new: int, eos=None) -> list:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

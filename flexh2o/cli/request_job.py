@@ -44,7 +44,7 @@ def load_request_file(args, cfg, tokenizer) -> Optional[list]:
         return None
     if not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
-    reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer)
+    reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer, cfg.max_positions)
     args.gen_len = max(r.max_new_tokens for r in reqs)
     return reqs
 
