@@ -138,7 +138,7 @@ def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, pos
     """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line;
     positions: the model's (a request past them, or a job whose rows would be, is refused)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Notepad's) is no text
             lines = f.read().split("\n")
     except OSError as e:
         raise ValueError(f"--prompt-file {path} cannot be read ({e.strerror or e})") from None

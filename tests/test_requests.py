@@ -69,6 +69,22 @@ def test_bad_line_refused_naming_line_and_field(tmp_path, line, field):
     assert "line 2:" in msg and field in msg and "\n" not in msg
 
 
+def test_utf8_byte_order_mark_is_no_text(tmp_path, model):
+    """A file saved with a UTF-8 byte-order mark (Windows Notepad): a .jsonl was refused ('Unexpected UTF-8 BOM
+    (decode using utf-8-sig)') and a text prompt file silently began its first prompt with the mark (three more
+    tokens with SmolLM2's tokenizer); the mark is now skipped."""
+    from flexh2o.prompts import load_prompts
+    from flexh2o.tokenizer import load_tokenizer
+    _, tok, _ = model
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt_ids": [3, 4]}\r\n{"id": "b", "prompt": "w5 w6"}\r\n')
+    a, b = load_requests(str(jsonl), Defaults(), 100, WordTok())
+    assert (a.prompt_ids, b.prompt_ids) == ((3, 4), (5, 6))
+    text = tmp_path / "p.txt"
+    text.write_bytes(b"\xef\xbb\xbfw5 w6\r\nw7\r\n")
+    assert load_prompts(str(text), TINY.vocab, load_tokenizer(tok)) == [[5, 6], [7]]
+
+
 def test_request_checks_itself():
     with pytest.raises(ValueError, match="max_new_tokens"):
         Request("a", (1,), max_new_tokens=0)
