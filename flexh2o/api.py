@@ -178,12 +178,13 @@ def _prompt_field(p) -> dict:
 
 def serves(kept, rc) -> bool:
     """A kept engine planned for `kept` (a RunConfig) can run `rc`'s requests: the same run in every respect but
-    prompt and generation lengths, and those within its plan (so its weights, tiers and cache are rc's). The tier
-    capacities are measured afresh by each call (free disk space moves); the kept engine already holds its memory."""
-    if rc.prompt_len > kept.prompt_len or rc.gen_len > kept.gen_len:
+    prompt and generation lengths and the GPU batch (the default one follows the number of prompts), and those
+    within its plan (so its weights, tiers and cache are rc's; spare rows idle). The tier capacities are measured
+    afresh by each call (free disk space moves); the kept engine already holds its memory."""
+    if rc.prompt_len > kept.prompt_len or rc.gen_len > kept.gen_len or rc.gpu_batch_size > kept.gpu_batch_size:
         return False
-    same = {"prompt_len": rc.prompt_len, "gen_len": rc.gen_len, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
-            "disk_mem": rc.disk_mem}
+    same = {"prompt_len": rc.prompt_len, "gen_len": rc.gen_len, "gpu_batch_size": rc.gpu_batch_size,
+            "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem, "disk_mem": rc.disk_mem}
     return kept.with_(**same) == rc
 
 
