@@ -27,8 +27,12 @@ class SamplingParams:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
-    stop: Sequence[str] = ()
+    stop: Sequence[str] = ()  # a string alone is one stop string (as vLLM takes it), not its characters
     ignore_eos: Optional[bool] = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
 
 
 def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:
@@ -86,17 +90,23 @@ class LLM:
     def __del__(self):
         self.close()
 
-    def generate(self, prompts: Sequence, params: Optional[SamplingParams] = None) -> list:
-        """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order."""
+    def generate(self, prompts: Sequence, params=None) -> list:
+        """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order. params: a
+        SamplingParams for every prompt, or a list of them, one per prompt (as vLLM takes them)."""
         from flexh2o.batch.progress import Progress
         from flexh2o.batch.run import run_requests
         from flexh2o.cli.request_job import stop_rule
         from flexh2o.cli.run import build_run_config
-        reqs = self.requests(prompts, params or SamplingParams())
+        prompts = _prompt_list(prompts)
+        per = _per_prompt(params, len(prompts))
+        reqs = self.requests(prompts, per)
         args = copy.copy(self.args)
         args.gen_len = max(r.max_new_tokens for r in reqs)
-        given = (params or SamplingParams()).ignore_eos
-        args.ignore_eos = self.args.ignore_eos if given is None else given  # None: the LLM's own (ignore_eos=...)
+        ignore = {self.args.ignore_eos if p.ignore_eos is None else p.ignore_eos for p in per}  # None: the LLM's
+        if len(ignore) > 1:
+            raise ValueError("params: ignore_eos differs between prompts; it holds for a whole generate() call: give "
+                             "every prompt the same, or generate them in separate calls")
+        args.ignore_eos = ignore.pop()
         rc = build_run_config(args, self.cfg, [list(r.prompt_ids) for r in reqs])
         warm = self.engine is None or not serves(self.engine.rc, rc)
         if warm:  # the first call, or one the kept engine's plan cannot serve: (re)build it
@@ -110,35 +120,71 @@ class LLM:
         order = {r.id: i for i, r in enumerate(reqs)}
         return sorted(stats.results, key=lambda res: order[res.id])
 
-    def requests(self, prompts: Sequence, params: SamplingParams) -> list:
-        """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are."""
-        from flexh2o.requests import Defaults, request_from
-        if isinstance(prompts, (str, bytes)) or not prompts:
-            raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+    def requests(self, prompts: Sequence, params) -> list:
+        """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are; params: one SamplingParams
+        for all, or a list of them, one per prompt."""
+        from flexh2o.requests import Defaults, fit_positions, request_from
+        prompts = _prompt_list(prompts)
         a = self.args
         defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed)
-        given = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                 "seed": params.seed, "stop": list(params.stop) if params.stop else None}
-        fields = {k: v for k, v in given.items() if v is not None}
         out = []
-        for i, p in enumerate(prompts):
-            key = "prompt" if isinstance(p, str) else "prompt_ids"
+        for i, (p, sp) in enumerate(zip(prompts, _per_prompt(params, len(prompts)))):
+            given = {"max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+                     "seed": sp.seed, "stop": list(sp.stop) if sp.stop else None}
+            fields = {k: v for k, v in given.items() if v is not None}
             try:
-                out.append(request_from({"id": str(i), key: list(p) if key == "prompt_ids" else p, **fields},
-                                        defaults, self.cfg.vocab, self.tokenizer))
+                out.append(request_from({"id": str(i), **_prompt_field(p), **fields}, defaults, self.cfg.vocab,
+                                        self.tokenizer, self.cfg.max_positions))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        try:
+            fit_positions(out, self.cfg.max_positions, lambda r: f"prompt {r.id}")
+        except ValueError as e:
+            raise ValueError(f"prompts: {e}") from None
         return out
+
+
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, bytes)) or prompts is None or not hasattr(prompts, "__iter__"):
+        raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
+    return prompts
+
+
+def _per_prompt(params, n: int) -> list:
+    """n SamplingParams: params for every prompt (None: the defaults), or a list of them, one per prompt."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"params: give a SamplingParams, or a list of them, one per prompt (not "
+                         f"{type(params).__name__})")
+    if len(params) != n:
+        raise ValueError(f"params: {len(params)} SamplingParams for {n} prompts: give one per prompt, or one for all")
+    return list(params)
+
+
+def _prompt_field(p) -> dict:
+    """One prompt as a request line's field: text, or token ids (a list, tuple, 1-D array or tensor)."""
+    if isinstance(p, str):
+        return {"prompt": p}
+    ids = p.tolist() if hasattr(p, "tolist") else p
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"give a string or a list of token ids, not {type(p).__name__} {p!r} (one prompt of "
+                         "token ids is [[5, 6, 7]], not [5, 6, 7])")
+    return {"prompt_ids": list(ids)}
 
 
 def serves(kept, rc) -> bool:
     """A kept engine planned for `kept` (a RunConfig) can run `rc`'s requests: the same run in every respect but
-    prompt and generation lengths, and those within its plan (so its weights, tiers and cache are rc's). The tier
-    capacities are measured afresh by each call (free disk space moves); the kept engine already holds its memory."""
-    if rc.prompt_len > kept.prompt_len or rc.gen_len > kept.gen_len:
+    prompt and generation lengths and the GPU batch (the default one follows the number of prompts), and those
+    within its plan (so its weights, tiers and cache are rc's; spare rows idle). The tier capacities are measured
+    afresh by each call (free disk space moves); the kept engine already holds its memory."""
+    if rc.prompt_len > kept.prompt_len or rc.gen_len > kept.gen_len or rc.gpu_batch_size > kept.gpu_batch_size:
         return False
-    same = {"prompt_len": rc.prompt_len, "gen_len": rc.gen_len, "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem,
-            "disk_mem": rc.disk_mem}
+    same = {"prompt_len": rc.prompt_len, "gen_len": rc.gen_len, "gpu_batch_size": rc.gpu_batch_size,
+            "gpu_mem": rc.gpu_mem, "cpu_mem": rc.cpu_mem, "disk_mem": rc.disk_mem}
     return kept.with_(**same) == rc
 
 

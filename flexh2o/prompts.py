@@ -34,7 +34,7 @@ def load_prompts(path: str, vocab: int, tokenizer=None) -> list:
         raise ValueError(f"--prompt-file {path} is text: pass --tokenizer PATH (a local tokenizer file or folder), "
                          "or give a .json list of token-id lists")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first prompt
             lines = [ln.rstrip("\n") for ln in f if ln.strip()]
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "

@@ -64,8 +64,28 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def request_from(obj: dict, defaults: Defaults, vocab: int, tokenizer=None) -> Request:
-    """A Request from one JSON object; ValueError('FIELD: what is wrong') when it cannot be one."""
+def request_from(obj: dict, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None) -> Request:
+    """A Request from one JSON object; ValueError('FIELD: what is wrong') when it cannot be one (positions: the
+    model's, which its prompt and max_new_tokens may not exceed together)."""
+    req = _request(obj, defaults, vocab, tokenizer)
+    if positions is not None and len(req.prompt_ids) + req.max_new_tokens > positions:
+        raise ValueError(f"max_new_tokens {req.max_new_tokens}: with the prompt's {len(req.prompt_ids)} tokens it "
+                         f"exceeds the model's {positions} positions: shorten the prompt or lower max_new_tokens")
+    return req
+
+
+def fit_positions(reqs: list, positions: int, name=lambda r: f"id {r.id!r}") -> None:
+    """Every row of a job is planned for its longest prompt plus its largest max_new_tokens: ValueError when those
+    two, of different requests, exceed the model's positions (each request within them is checked by request_from)."""
+    longest = max(reqs, key=lambda r: len(r.prompt_ids))
+    most = max(reqs, key=lambda r: r.max_new_tokens)
+    if len(longest.prompt_ids) + most.max_new_tokens > positions:
+        raise ValueError(f"the longest prompt ({len(longest.prompt_ids)} tokens, {name(longest)}) + the largest "
+                         f"max_new_tokens ({most.max_new_tokens}, {name(most)}) exceed the model's {positions} "
+                         "positions, and every row is planned for both: run such requests in separate jobs")
+
+
+def _request(obj: dict, defaults: Defaults, vocab: int, tokenizer) -> Request:
     if not isinstance(obj, dict):
         raise ValueError("the line is not a JSON object: give {\"id\": ..., \"prompt\": ...}")
     unknown = sorted(set(obj) - set(FIELDS))
@@ -114,10 +134,11 @@ def _prompt_ids(obj: dict, vocab: int, tokenizer) -> tuple:
     return ids, text
 
 
-def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None) -> list:
-    """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line."""
+def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None) -> list:
+    """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line;
+    positions: the model's (a request past them, or a job whose rows would be, is refused)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Notepad's) is no text
             lines = f.read().split("\n")
     except OSError as e:
         raise ValueError(f"--prompt-file {path} cannot be read ({e.strerror or e})") from None
@@ -132,7 +153,7 @@ def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None) -> 
         except json.JSONDecodeError as e:
             raise ValueError(f"--prompt-file {path} line {num}: not valid JSON ({e.msg} at column {e.colno})") from None
         try:
-            req = request_from(obj, defaults, vocab, tokenizer)
+            req = request_from(obj, defaults, vocab, tokenizer, positions)
         except ValueError as e:
             raise ValueError(f"--prompt-file {path} line {num}: {e}") from None
         if req.id in seen:
@@ -142,6 +163,11 @@ def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None) -> 
         out.append(req)
     if not out:
         raise ValueError(f"--prompt-file {path} has no requests (one JSON object per line)")
+    if positions is not None:
+        try:
+            fit_positions(out, positions, lambda r: f"line {seen[r.id]}")
+        except ValueError as e:
+            raise ValueError(f"--prompt-file {path}: {e}") from None
     return out
 
 

@@ -61,7 +61,7 @@ class RunConfig:
         limit = self.max_positions or self.model.max_positions
         if self.prompt_len + self.gen_len > limit:
             raise ValueError(f"prompt {self.prompt_len} + gen {self.gen_len} tokens exceed the model's {limit} "
-                             "positions: shorten --prompt-len/--gen-len")
+                             "positions: shorten the prompts (--prompt-len, or those of --prompt-file) or --gen-len")
         if self.max_positions and self.model.family == "opt" and self.max_positions > self.model.max_positions:
             raise ValueError("OPT has learned positions: it cannot run past its "
                              f"{self.model.max_positions}-token table")

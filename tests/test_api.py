@@ -48,6 +48,28 @@ def test_bad_prompts_and_params_are_refused(ckpt):
         llm.generate([[5, 10 ** 6]])
 
 
+def test_prompts_past_the_models_positions_name_the_prompt(ckpt):
+    """The refusal said 'shorten --prompt-len/--gen-len', flags the API's requests do not set."""
+    llm = LLM(ckpt, verbose=0)
+    n = llm.cfg.max_positions
+    with pytest.raises(ValueError, match=f"prompt 1: max_new_tokens {n - 1}: .* lower max_new_tokens"):
+        llm.generate([[5], [6, 7]], SamplingParams(max_tokens=n - 1))  # not --prompt-len/--gen-len, not API options
+    with pytest.raises(ValueError, match=r"prompts: the longest prompt \(4 tokens, prompt 1\) \+ the largest"):
+        llm.generate([[5], [6, 7, 8, 9]], [SamplingParams(max_tokens=n - 2), SamplingParams(max_tokens=2)])
+
+
+def test_prompt_of_another_type_is_refused_in_one_line(ckpt):
+    """generate([5, 6, 7]) (one prompt's ids, not wrapped in a list) crashed with TypeError: 'int' object is not
+    iterable; now a ValueError naming the prompt and the fix. Arrays and tensors of ids are token-id lists."""
+    llm = LLM(ckpt, verbose=0, no_warmup=True)
+    for bad in ([5, 6, 7], [None], [{"prompt": "x"}]):
+        with pytest.raises(ValueError, match=r"prompt 0: give a string or a list of token ids.*\[\[5, 6, 7\]\]"):
+            llm.generate(bad, SamplingParams(max_tokens=2))
+    import torch
+    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].record()
+    assert llm.generate([torch.tensor([5, 6, 7])], SamplingParams(max_tokens=2))[0].record() == want
+
+
 def test_api_equals_cli(tmp_path, ckpt, offload_dir):
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [40, 41, 42, 43, 44]]
     common = {"gpu_batch_size": 2, "kv_policy": "h2o", "kv_budget": 3, "offload_dir": offload_dir,
@@ -72,3 +94,46 @@ def test_example_script_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) >= 2 and all("->" in ln and "tokens," in ln for ln in lines)
+
+
+@pytest.fixture(scope="module")
+def ckpt_tok(tmp_path_factory):
+    """The tiny checkpoint with a word-level tokenizer.json beside it (LLM picks it up: text in, text out)."""
+    pytest.importorskip("tokenizers")
+    from request_helpers import write_tokenizer
+    from tiny_models import tiny_opt
+    path = write_tiny_checkpoint(str(tmp_path_factory.mktemp("apitok") / "ckpt"))
+    write_tokenizer(os.path.join(path, "tokenizer.json"), tiny_opt().vocab)
+    return path
+
+
+def test_stop_given_as_one_string_is_one_stop_string(ckpt_tok, offload_dir):
+    """SamplingParams(stop="...") is one stop string, as vLLM takes it; it was split into its characters, so a row
+    stopped at the first generated text holding any of them (silently, finish_reason 'stop')."""
+    with LLM(ckpt_tok, offload_dir=offload_dir, no_warmup=True, verbose=0, ignore_eos=True) as llm:
+        sampled = {"max_tokens": 8, "temperature": 1.0, "seed": 3}  # varied words, the same ones every call
+        (full,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled))
+        words = full.text.split(" ")
+        stop = next(w for k, w in enumerate(words) if k >= 3 and full.text.find(w) == len(" ".join(words[:k])) + 1)
+        (listed,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled, stop=[stop]))
+        (alone,) = llm.generate(["w5 w6 w7"], SamplingParams(**sampled, stop=stop))
+    assert listed.finish_reason == "stop" and listed.generated_tokens >= 4, (full, stop)
+    assert alone.record() == listed.record()
+
+
+def test_params_per_prompt(ckpt, offload_dir):
+    """A list of SamplingParams, one per prompt (as vLLM takes them), crashed with AttributeError: 'list' object
+    has no attribute 'max_tokens'; each prompt now runs with its own, as it does alone. A list of another length,
+    another type or ignore_eos that differs (it holds for the whole call) is one ValueError."""
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    per = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=6, temperature=0.8, seed=2),
+           SamplingParams(max_tokens=2, temperature=1.0, top_p=0.5, seed=9)]
+    with LLM(ckpt, gpu_batch_size=2, offload_dir=offload_dir, no_warmup=True, verbose=0, ignore_eos=True) as llm:
+        got = [o.record() for o in llm.generate(prompts, per)]
+        alone = [llm.generate([p], sp)[0].record() for p, sp in zip(prompts, per)]
+        for bad, says in ((per[:2], "2 SamplingParams for 3 prompts"), ({"max_tokens": 3}, "not dict"),
+                          ([per[0], per[1], SamplingParams(ignore_eos=False)], "ignore_eos differs")):
+            with pytest.raises(ValueError, match=f"params: .*{says}"):
+                llm.generate(prompts, bad)
+    assert [len(r["token_ids"]) for r in got] == [3, 6, 2]
+    assert [{**r, "id": "0"} for r in got] == alone

@@ -36,3 +36,23 @@ def test_second_generate_reuses_the_engine(ckpt, offload_dir, monkeypatch):
     assert [r["token_ids"] for r in shorter] == [r["token_ids"][:3] for r in first]
     with LLM(ckpt, **opts) as fresh:
         assert [o.record() for o in fresh.generate(prompts, params)] == first
+
+
+def test_fewer_prompts_reuse_the_engine(ckpt, offload_dir, monkeypatch):
+    """The default GPU batch follows the number of prompts, so every call with another number of prompts loaded
+    the weights again (opt-350m: 4, 2, 4, 1 prompts = four engines), though a call with fewer prompts fits the kept
+    plan (the README: reused while prompts and answers are no longer); its spare rows now idle."""
+    loads = []
+    fill = WeightStore.fill_from
+    monkeypatch.setattr(WeightStore, "fill_from", lambda self, *a, **k: (loads.append(1), fill(self, *a, **k))[1])
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [40, 41, 42, 43, 44]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    opts = {"offload_dir": offload_dir, "no_warmup": True, "verbose": 0}
+    with LLM(ckpt, **opts) as llm:
+        first = [o.record() for o in llm.generate(prompts, params)]
+        eng = llm.engine
+        fewer = [o.record() for o in llm.generate(prompts[1:3], params)]
+        assert llm.engine is eng and len(loads) == 1
+    with LLM(ckpt, **opts) as fresh:
+        assert [o.record() for o in fresh.generate(prompts[1:3], params)] == fewer
+    assert [r["token_ids"] for r in fewer] == [r["token_ids"] for r in first[1:3]]

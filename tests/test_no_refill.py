@@ -45,6 +45,31 @@ def test_cli_no_refill_runs_fixed_rounds_with_the_same_answers(ckpt, tmp_path, o
     assert fixed == refilled and [len(fixed[str(i)]["token_ids"]) for i in range(7)] == list(MAX)
 
 
+def _said_before(ckpt, tmp_path, off, capsys, *extra) -> list:
+    """The lines flexh2o-run prints on stderr before a job of the 7 requests on 2 rows."""
+    rows = write_jsonl(tmp_path / "said.jsonl", [{"id": str(i), "prompt_ids": p, "max_new_tokens": m}
+                                                 for i, (p, m) in enumerate(zip(_prompts(), MAX))])
+    capsys.readouterr()
+    assert cli.main(["--path", ckpt, "--prompt-file", rows, "--output-file", str(tmp_path / "said-out.jsonl"),
+                     "--gpu-batch-size", "2", "--offload-dir", off, "--no-warmup", "--verbose", "0",
+                     "--ignore-eos", *extra]) == 0
+    return [ln for ln in capsys.readouterr().err.splitlines() if "--gpu-batch-size x --num-gpu-batches" in ln]
+
+
+def test_cli_says_rows_are_refilled_not_rounds(ckpt, tmp_path, offload_dir, capsys):
+    """Before the job: refilled rows have no rounds (the line said '7 prompts run in 4 rounds'); --no-refill's
+    fixed rounds are named as such; a resumed job counts only the requests still to answer."""
+    (refilled,) = _said_before(ckpt, tmp_path, offload_dir, capsys)
+    assert "rounds of" not in refilled and "7 requests run on 2 rows" in refilled and "next request" in refilled
+    (tmp_path / "said-out.jsonl").unlink()
+    assert _said_before(ckpt, tmp_path, offload_dir, capsys, "--no-refill") == [
+        "flexh2o-run: 7 requests run in 4 rounds of 2 sequences (--gpu-batch-size x --num-gpu-batches)"]
+    lines = (tmp_path / "said-out.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "said-out.jsonl").write_text("".join(lines[:4]))  # 3 requests left: more than the 2 rows
+    (resumed,) = _said_before(ckpt, tmp_path, offload_dir, capsys, "--resume")
+    assert "3 requests run on 2 rows" in resumed
+
+
 def test_api_no_refill_is_the_cli_flag(ckpt, offload_dir, monkeypatch):
     seen = []
     real = batch_run.run_requests

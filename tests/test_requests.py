@@ -69,6 +69,22 @@ def test_bad_line_refused_naming_line_and_field(tmp_path, line, field):
     assert "line 2:" in msg and field in msg and "\n" not in msg
 
 
+def test_utf8_byte_order_mark_is_no_text(tmp_path, model):
+    """A file saved with a UTF-8 byte-order mark (Windows Notepad): a .jsonl was refused ('Unexpected UTF-8 BOM
+    (decode using utf-8-sig)') and a text prompt file silently began its first prompt with the mark (three more
+    tokens with SmolLM2's tokenizer); the mark is now skipped."""
+    from flexh2o.prompts import load_prompts
+    from flexh2o.tokenizer import load_tokenizer
+    _, tok, _ = model
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt_ids": [3, 4]}\r\n{"id": "b", "prompt": "w5 w6"}\r\n')
+    a, b = load_requests(str(jsonl), Defaults(), 100, WordTok())
+    assert (a.prompt_ids, b.prompt_ids) == ((3, 4), (5, 6))
+    text = tmp_path / "p.txt"
+    text.write_bytes(b"\xef\xbb\xbfw5 w6\r\nw7\r\n")
+    assert load_prompts(str(text), TINY.vocab, load_tokenizer(tok)) == [[5, 6], [7]]
+
+
 def test_request_checks_itself():
     with pytest.raises(ValueError, match="max_new_tokens"):
         Request("a", (1,), max_new_tokens=0)
@@ -100,6 +116,59 @@ def test_cli_refuses_before_running(capsys, tmp_path, model, offload_dir):
     out.write_text('{"id": "a"}\n')
     assert cli.main(_argv(ckpt, p, out, offload_dir, "--tokenizer", tok)) == 2  # results there, no --resume
     assert "--resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--cut-gen-len", "2"], ["--debug-mode", "fewer_batch"]])
+def test_shortened_run_flags_refused_in_a_request_job(capsys, tmp_path, model, offload_dir, flag):
+    """--cut-gen-len and --debug-mode fewer_batch (FlexGen's shortened benchmark runs) were silently ignored by a
+    request job, which answered every request in full: now one line naming the flag, exit 2, no results file."""
+    ckpt, _, _ = model
+    p = write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "prompt_ids": [3, 4], "max_new_tokens": 6}])
+    out = tmp_path / "o.jsonl"
+    assert cli.main(_argv(ckpt, p, out, offload_dir, *flag)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and " ".join(flag[:1] if flag[0] == "--cut-gen-len" else flag) in err
+    assert "request job" in err and not out.exists()
+
+
+def test_auto_batch_takes_no_more_rows_than_the_requests(capsys, tmp_path, model, offload_dir):
+    """--gpu-batch-size auto picked the largest batch that fits (thousands of rows on this tiny model) for a job of
+    5 requests, so every step ran thousands of idle rows (opt-125m: 190 s instead of 0.4 s); it now takes the
+    requests' rows over --num-gpu-batches and says so."""
+    ckpt, _, _ = model
+    p = write_jsonl(tmp_path / "r.jsonl", [{"id": str(i), "prompt_ids": [3 + i, 4], "max_new_tokens": 3}
+                                           for i in range(5)])
+    out = tmp_path / "o.jsonl"
+    argv = _argv(ckpt, p, out, offload_dir, "--gpu-batch-size", "auto", "--num-gpu-batches", "2")
+    assert cli.main(argv + ["--dry-run"]) == 0
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "picked" in ln]
+    assert len(said) == 1 and said[0].startswith("--gpu-batch-size auto: picked 3 (the prompts' rows; "), said
+    assert int(said[0].split("; ")[1].split()[0]) > 3  # the largest batch that fits, named beside it
+    assert cli.main(argv) == 0 and len(read_jsonl(out)) == 5
+
+
+def test_requests_past_the_models_positions_named_by_line(capsys, tmp_path, model, offload_dir):
+    """A request whose prompt + max_new_tokens exceed the model's positions was refused with 'shorten
+    --prompt-len/--gen-len', flags that do not set a request job's lengths; now the line and the fix are named,
+    and so are the two lines when the longest prompt and the largest max_new_tokens together exceed them."""
+    ckpt, _, _ = model
+    n = TINY.max_positions
+    out = tmp_path / "o.jsonl"
+    alone = write_jsonl(tmp_path / "alone.jsonl", [{"id": "a", "prompt_ids": [3], "max_new_tokens": 2},
+                                                   {"id": "b", "prompt_ids": [4] * (n - 2), "max_new_tokens": 3}])
+    assert cli.main(_argv(ckpt, alone, out, offload_dir)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 2: max_new_tokens 3" in err and f"model's {n} positions" in err
+    assert "--prompt-len" not in err and "lower max_new_tokens" in err
+    pair = write_jsonl(tmp_path / "pair.jsonl", [{"id": "a", "prompt_ids": [3] * (n - 4), "max_new_tokens": 2},
+                                                 {"id": "b", "prompt_ids": [4], "max_new_tokens": 9}])
+    assert cli.main(_argv(ckpt, pair, out, offload_dir)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"longest prompt ({n - 4} tokens, line 1)" in err
+    assert "largest max_new_tokens (9, line 2)" in err and "--prompt-len" not in err and not out.exists()
+    with pytest.raises(ValueError, match="line 2: max_new_tokens 3"):
+        load_requests(alone, Defaults(), TINY.vocab, positions=n)
+    assert len(load_requests(alone, Defaults(), TINY.vocab, positions=n + 1)) == 2
 
 
 def _hf_generate(hf, prompt: list, max_new: int, eos=None) -> list:

@@ -44,7 +44,7 @@ def load_request_file(args, cfg, tokenizer) -> Optional[list]:
         return None
     if not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
-    reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer)
+    reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer, cfg.max_positions)
     args.gen_len = max(r.max_new_tokens for r in reqs)
     return reqs
 
@@ -60,6 +60,10 @@ def check_job_flags(args) -> None:
         if getattr(args, flag, False) and not is_request_job(args):
             raise ValueError(f"--{flag.replace('_', '-')} applies to request jobs: give a .jsonl --prompt-file or "
                              f"--output-file ({why})")
+    shortened = "--cut-gen-len" if args.cut_gen_len is not None else "--debug-mode fewer_batch"
+    if is_request_job(args) and (args.cut_gen_len is not None or args.debug_mode == "fewer_batch"):
+        raise ValueError(f"{shortened} shortens FlexGen's fixed-length benchmark runs; a request job answers every "
+                         "request in full: drop it (or lower max_new_tokens / --gen-len)")
     if args.resume and not out:
         raise ValueError("--resume needs the .jsonl --output-file of the run to continue")
     if (out and out.endswith(".jsonl") and not args.resume and os.path.exists(out)
@@ -82,6 +86,20 @@ def stop_rule(args, cfg, tokenizer):
     return StopRule(frozenset(i for i in ids if i is not None), tokenizer)
 
 
+def rounds_line(n: int, num_seqs: int, what: str = "requests") -> str:
+    """FlexGen's fixed rounds: every round starts once all rows of the one before have finished."""
+    return (f"{n} {what} run in {-(-n // num_seqs)} rounds of {num_seqs} sequences (--gpu-batch-size x "
+            "--num-gpu-batches)")
+
+
+def schedule_line(n: int, num_seqs: int, refill: bool) -> str:
+    """How n requests share num_seqs rows: refilled rows (no rounds), or --no-refill's fixed rounds."""
+    if not refill:
+        return rounds_line(n, num_seqs)
+    return (f"{n} requests run on {num_seqs} rows (--gpu-batch-size x --num-gpu-batches); a row that finishes "
+            "takes the next request at once (--no-refill: fixed rounds)")
+
+
 def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenizer, opts) -> int:
     """Answer the requests (or the older formats' prompts as requests '0', '1', ...) not yet in the output."""
     from flexh2o.batch.progress import Progress
@@ -98,6 +116,8 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
     if not todo:
         print(f"flexh2o-run: every request is already answered in {args.output_file}", file=sys.stderr)
         return 0
+    if len(todo) > rc.num_seqs:  # a request job's own line: it counts the requests still to answer
+        print(f"flexh2o-run: {schedule_line(len(todo), rc.num_seqs, refill=not args.no_refill)}", file=sys.stderr)
     writer = ResultWriter(args.output_file) if args.output_file else None
     on_result = writer.write if writer else _print_result
     with Progress(len(reqs), len(reqs) - len(todo), enabled=opts.verbose >= 1) as bar:

@@ -26,7 +26,8 @@ from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
-from flexh2o.cli.request_job import add_request_flags, is_request_job, load_request_file, run_request_job
+from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, rounds_line,
+                                     run_request_job)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,9 +137,8 @@ def _run(args) -> int:
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (pipeline/job.py)
         # before anything is built from the sizes (the prompts included); a refusal's search shows a bar on a tty
         check_fits(rc, hw, progress=opts.verbose > 0 and sys.stderr.isatty())
-    if prompts is not None and len(prompts) > rc.num_seqs:  # every prompt runs: job.py runs them in rounds
-        print(f"flexh2o-run: {len(prompts)} prompts run in {-(-len(prompts) // rc.num_seqs)} rounds of {rc.num_seqs} "
-              "sequences (--gpu-batch-size x --num-gpu-batches)", file=sys.stderr)
+    if prompts is not None and len(prompts) > rc.num_seqs and not is_request_job(args):  # job.py: in rounds
+        print(f"flexh2o-run: {rounds_line(len(prompts), rc.num_seqs, 'prompts')}", file=sys.stderr)
     if prompts is None:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     if is_request_job(args):
@@ -209,22 +209,24 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     choose = getattr(args, "policy", "given") != "auto"  # --policy auto chooses the dtypes with its search
     if choose:
         rc = _choose_dtypes(args, rc)
-    if auto:
-        rc = _auto_batch(rc)
+    if auto:  # the largest batch that fits, but no more rows than the prompts of a --prompt-file fill
+        cap = -(-len(prompts) // max(nb, 1)) if prompts else None
+        rc, best = _auto_batch(rc, cap)
         if choose:  # the dtypes again at the batch that runs (a decode step's best dtype depends on its rows)
             again = _choose_dtypes(args, rc)
             if (again.dtype, again.compute, again.decode_compute) != (rc.dtype, rc.compute, rc.decode_compute):
-                rc = _auto_batch(again)
-        print(f"--gpu-batch-size auto: picked {rc.gpu_batch_size} (largest that fits, policy {kv.policy})",
-              file=sys.stderr)
+                rc, best = _auto_batch(again, cap)
+        why = "largest that fits" if rc.gpu_batch_size == best else f"the prompts' rows; {best} would fit"
+        print(f"--gpu-batch-size auto: picked {rc.gpu_batch_size} ({why}, policy {kv.policy})", file=sys.stderr)
     return rc
 
 
-def _auto_batch(rc: RunConfig) -> RunConfig:
+def _auto_batch(rc: RunConfig, cap: Optional[int] = None) -> tuple:
+    """(rc at the largest batch that fits, capped at cap rows; that largest batch)."""
     best = largest_batch(rc.with_(gpu_batch_size=1))
     if best == 0:
         plan_memory(rc.with_(gpu_batch_size=1)).check()
-    return rc.with_(gpu_batch_size=best)
+    return rc.with_(gpu_batch_size=min(best, cap or best)), best
 
 
 def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
