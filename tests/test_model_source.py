@@ -135,3 +135,23 @@ def test_bad_model_paths(tmp_path):
         done = subprocess.run([sys.executable, "-m", "flexh2o.cli", "--model", model, "--dry-run"],
                               env=_env(str(tmp_path / "c")), capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_source_is_the_tokenizer_unless_one_is_given(hf_folder, tmp_path, monkeypatch):
+    """A .gguf holds its vocabulary and a folder with tokenizer.json its tokenizer: --model on either tokenizes text
+    prompts without --tokenizer (as the API does); a given --tokenizer stays; a folder without one gets none."""
+    import argparse
+    from flexh2o.cli.model_source import resolve_source
+    from tiny_gguf import write_tiny_gguf
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+
+    def resolved(model, tokenizer=None):
+        args = argparse.Namespace(model=model, path="_DUMMY_", tokenizer=tokenizer)
+        resolve_source(args, "test")
+        return args.tokenizer
+    assert resolved(gguf) == gguf
+    assert resolved(gguf, "mine.json") == "mine.json"
+    assert resolved(hf_folder) is None
+    open(os.path.join(hf_folder, "tokenizer.json"), "w").close()
+    assert resolved(hf_folder) == hf_folder

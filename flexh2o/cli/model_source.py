@@ -12,7 +12,9 @@ from flexh2o.planning.machine import cache_dir
 def resolve_source(args, prog: str) -> None:
     """Point args.path at the checkpoint to load: a converted checkpoint given to --model is taken as --path, and
     a Hugging Face folder or .gguf given to --model or --path is converted once into the cache (args.model then
-    None). Built-in names (opt-125m, facebook/opt-30b, ...) are left as they are."""
+    None), and is the tokenizer unless --tokenizer names one (a .gguf holds its vocabulary; a folder, when it has
+    tokenizer.json), as the Python API does. Built-in names (opt-125m, facebook/opt-30b, ...) are left as they
+    are."""
     from flexh2o.weights.source_cache import converted, is_source
     model = args.model
     if model is not None and os.path.isdir(model) and os.path.isfile(os.path.join(model, CONFIG_FILE)):
@@ -26,6 +28,9 @@ def resolve_source(args, prog: str) -> None:
             raise ValueError(f"--model {model}: the folder has no config.json: give a Hugging Face model folder, "
                              "a .gguf file or a flexh2o checkpoint")
         return
+    if getattr(args, "tokenizer", "") is None and (given.endswith(".gguf")
+                                                   or os.path.isfile(os.path.join(given, "tokenizer.json"))):
+        args.tokenizer = given
     bar = ConvertBar(sys.stderr.isatty())
     try:
         path, fresh = converted(given, os.path.join(cache_dir(), "models"), progress=bar)

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
       "prompt's length)")
     a("--gen-len", type=int, default=32, help="tokens generated per sequence")
     a("--prompt-file", help=".json list of token-id lists, or text (one prompt per line) with --tokenizer")
-    a("--tokenizer", help="local tokenizer file or folder (never downloaded)")
+    a("--tokenizer", help="local tokenizer file or folder (never downloaded; default: the --model .gguf, or its "
+                          "folder's tokenizer.json)")
     a("--output-file", help="write generated tokens (and text) as JSON")
     a("--log-file", help="append one JSON record of this run")
     a("--dtype", default="auto", help="storage dtype of weights and cache, or auto (the compute dtype when all is "
