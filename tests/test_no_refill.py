@@ -116,3 +116,10 @@ def test_api_ignore_eos_of_the_llm_holds_unless_the_params_say(ckpt, offload_dir
         llm.generate(_prompts()[:2], SamplingParams(max_tokens=3))
         llm.generate(_prompts()[:2], SamplingParams(max_tokens=3, ignore_eos=False))
     assert seen == [frozenset(), frozenset({5})]
+
+
+def test_eos_id_outside_a_request_job_is_refused_in_one_line(capsys):
+    """A fixed-length run never stops at EOS: --eos-id there would change nothing, so it is refused, not ignored."""
+    assert cli.main(["--model", "opt-125m", "--eos-id", "2", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--eos-id applies to request jobs" in err, err

@@ -50,14 +50,15 @@ def load_request_file(args, cfg, tokenizer) -> Optional[list]:
 
 
 def check_job_flags(args) -> None:
-    """The flags that only a request job takes (--resume, --no-refill, --ignore-eos) and the output file a job
-    would overwrite or continue: refused with the reason and the fix."""
+    """The flags that only a request job takes (--resume, --no-refill, --ignore-eos, --eos-id; --ignore-eos wins
+    over --eos-id) and the output file a job would overwrite or continue: refused with the reason and the fix."""
     out = args.output_file
     if args.resume and not is_request_job(args):
         raise ValueError("--resume continues a request job: give a .jsonl --output-file")
     for flag, why in (("no_refill", "fixed-length runs already use FlexGen's fixed batches"),
-                      ("ignore_eos", "fixed-length runs already generate --gen-len tokens whatever they sample")):
-        if getattr(args, flag, False) and not is_request_job(args):
+                      ("ignore_eos", "fixed-length runs already generate --gen-len tokens whatever they sample"),
+                      ("eos_id", "fixed-length runs generate --gen-len tokens whatever they sample")):
+        if getattr(args, flag, None) and not is_request_job(args):
             raise ValueError(f"--{flag.replace('_', '-')} applies to request jobs: give a .jsonl --prompt-file or "
                              f"--output-file ({why})")
     shortened = "--cut-gen-len" if args.cut_gen_len is not None else "--debug-mode fewer_batch"
