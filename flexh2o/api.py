@@ -145,12 +145,10 @@ class LLM:
 
 
 def _prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, bytes)) or prompts is None or not hasattr(prompts, "__iter__"):
+    listed = [] if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
+    if not listed:
         raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
-    return prompts
+    return listed
 
 
 def _per_prompt(params, n: int) -> list:

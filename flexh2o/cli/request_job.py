@@ -61,8 +61,8 @@ def check_job_flags(args) -> None:
         if getattr(args, flag, None) and not is_request_job(args):
             raise ValueError(f"--{flag.replace('_', '-')} applies to request jobs: give a .jsonl --prompt-file or "
                              f"--output-file ({why})")
-    shortened = "--cut-gen-len" if args.cut_gen_len is not None else "--debug-mode fewer_batch"
     if is_request_job(args) and (args.cut_gen_len is not None or args.debug_mode == "fewer_batch"):
+        shortened = "--cut-gen-len" if args.cut_gen_len is not None else "--debug-mode fewer_batch"
         raise ValueError(f"{shortened} shortens FlexGen's fixed-length benchmark runs; a request job answers every "
                          "request in full: drop it (or lower max_new_tokens / --gen-len)")
     if args.resume and not out:

@@ -144,9 +144,9 @@ def quantize_token(x: torch.Tensor, calib: torch.Tensor, spec: ChannelSpec, dtyp
     (..., n) int64, their exact values (..., n) in `dtype`): levels clamped to [0, 2**bits - 1]; the outliers are
     the n channels of largest error, ties to the lower channel."""
     xf = x.float()
-    if spec.fitted:  # the nearest level (a value halfway between two takes the lower)
+    if spec.fitted:
         lv = calib.float().expand(*xf.shape, calib.shape[-1])  # (..., d, n)
-        q = torch.searchsorted((lv[..., 1:] + lv[..., :-1]).mul_(0.5).contiguous(), xf.unsqueeze(-1).contiguous())
+        q = nearest_level(lv, xf.unsqueeze(-1))
         err = (lv.gather(-1, q).squeeze(-1) - xf).abs()
         q = q.squeeze(-1)
     else:
@@ -172,8 +172,14 @@ def fit_levels(k: torch.Tensor, valid: torch.Tensor, n: int, rounds: int = FIT_R
     lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     c = lo + (hi - lo) * (torch.arange(n, dtype=torch.float64, device=k.device) + 0.5) / n  # (b, h, d, n)
     for _ in range(rounds):
-        a = torch.searchsorted((c[..., 1:] + c[..., :-1]).mul_(0.5).contiguous(), x.contiguous())
+        a = nearest_level(c, x)
         total = torch.zeros_like(c).scatter_add_(-1, a, x * w)
         count = torch.zeros_like(c).scatter_add_(-1, a, w)
         c = torch.where(count > 0, total / count.clamp_min(1.0), c)
     return c.sort(-1).values
+
+
+def nearest_level(levels: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """levels (..., n) ascending, x (..., m) -> the index of each value's nearest level (..., m) int64; a value
+    halfway between two levels takes the lower."""
+    return torch.searchsorted((levels[..., 1:] + levels[..., :-1]).mul_(0.5).contiguous(), x.contiguous())
