@@ -8,6 +8,12 @@ before the clock starts), useful tok/s, steps, rounds, batch.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy h2o --refill true
     OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy full --gpu-mem 48MB --refill both --repeats 5
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/refill.py --policy h2o --gpu-mem 48MB --refill both --percent "0 0 100 0"
+
+The default placement keeps the weights in memory, so a step is mostly the engine's own small ops (the case least
+kind to refill: a refilled row's prefill and the ragged rows' masked attention are extra work beside them);
+`--percent "0 0 100 0"` streams the weights from the disk tier every step, the offloading engine's own regime,
+where the weight pass a refilled prompt shares is the step's cost.
 
 `--steps-only 4 18` prints the steps either way at those batches from the lengths alone (they equal the runs'),
 the bound the batch puts on the ratio before any step's cost counts.
@@ -71,6 +77,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--min-len", type=int, default=8)
     p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--percent", default="0 100 100 0", help="weights gpu, cpu; cache gpu, cpu (%%; the rest on disk)"
+                   " as flexh2o-run --percent; default: weights in the cpu tier, cache in the gpu tier")
+    p.add_argument("--offload-dir", default="/tmp", help="the disk tier's folder")
     p.add_argument("--gpu-mem", default="24MB", help="the gpu tier's capacity that sets each policy's largest batch")
     p.add_argument("--batch", type=int, default=None, help="GPU batch (default: the largest that fits)")
     p.add_argument("--seed", type=int, default=0)
@@ -79,9 +88,10 @@ def main() -> None:
     a = p.parse_args()
     cfg = SMALL if a.model == "small" else from_name(a.model)
     kv = KVSpec.from_flags(a.policy, a.prompt_len, a.hh_ratio if a.policy == "h2o" else None, None, None)
-    rc = RunConfig(model=cfg, percent=Percent.parse([0, 100, 100, 0]), gpu_batch_size=1, prompt_len=a.prompt_len,
+    percent = Percent.parse([int(x) for x in a.percent.split()])
+    rc = RunConfig(model=cfg, percent=percent, gpu_batch_size=1, prompt_len=a.prompt_len,
                    gen_len=a.max_len, dtype=torch.float32, kv=kv, gpu_mem=parse_bytes(a.gpu_mem),
-                   cpu_mem=parse_bytes("8GB"), offload_dir="/tmp")
+                   cpu_mem=parse_bytes("8GB"), offload_dir=a.offload_dir)
     rc = rc.with_(gpu_batch_size=a.batch or largest_batch(rc, limit=a.requests))
     reqs = requests(a.requests, a.prompt_len, a.min_len, a.max_len, cfg.vocab, a.seed)
     if a.steps_only:
