@@ -169,6 +169,9 @@ def main(argv=None) -> int:
                     "default: measured by one short run under the cap, fair.measured_overhead)")
     ap.add_argument("--fair-max-batch", type=int, default=256, help="most sequences at once (--fair): the largest "
                     "Accelerate batch tried and flexh2o's search limit (--max-seqs)")
+    ap.add_argument("--fair-peer-batches", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="Accelerate's batches tried (--fair), e.g. 16,32,64,128: in increasing order up to the first "
+                    "that does not complete, instead of doubling from 1 and bisecting (fair.largest_completing)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")

@@ -4,8 +4,10 @@ flexh2o: its own policy search (flexh2o-run --policy auto --dry-run) with the ti
 minus the process overhead (--fair-overhead: torch, Python, the I/O buffers outside the tiers) split between the gpu
 and cpu tiers in a few ways (on a CPU both are host memory), the best predicted split kept, per KV policy.
 Accelerate: the largest batch that completes under the cap, found by doubling from 1 and then bisecting, each try a
-whole run (same lengths) with a timeout; every try is logged. Both are held to at most --fair-max-batch sequences at
-once (flexh2o's search through --max-seqs), so neither wins by a batch the other was not allowed to try.
+whole run (same lengths) with a timeout; every try is logged. --fair-peer-batches B1,B2,... tries only those, in
+increasing order up to the first that fails (each try of a large model streamed from disk takes minutes: the best
+of the listed batches, not the exact boundary, which the log then shows). Both are held to at most --fair-max-batch
+sequences at once (flexh2o's search through --max-seqs), so neither wins by a batch the other was not allowed to try.
 
 The regime is checked first (regime_rows): the model's weights at the dtype each system stores them must exceed the
 cap (the paper's setting: a model larger than memory), else the run is refused naming the smallest built-in model
@@ -18,7 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from bench_common import REPO
 from flexh2o.planning.memory_plan import largest_passing
@@ -93,14 +95,22 @@ def flexh2o_best(base_argv: list, budget: int, env: dict, timeout: float = 600) 
     return best[0], best[1], tried
 
 
-def largest_completing(completes: Callable[[int], bool], limit: int = 1024) -> tuple:
+def largest_completing(completes: Callable[[int], bool], limit: int = 1024, batches: Optional[list] = None) -> tuple:
     """(largest batch b <= limit with completes(b), [(b, ok)...]): doubling from 1, then bisection between the
-    last success and the first failure. 0 when batch 1 fails."""
+    last success and the first failure. 0 when batch 1 fails. batches: only these are tried, in increasing order,
+    up to the first that fails (for a peer whose every try is a long run: the best among them, not the boundary)."""
     tries = []
 
     def ok(b: int) -> bool:
         tries.append((b, completes(b)))
         return tries[-1][1]
+    if batches:
+        best = 0
+        for b in sorted(x for x in set(batches) if 1 <= x <= limit):
+            if not ok(b):
+                break
+            best = b
+        return best, tries
     return largest_passing(ok, limit), tries
 
 
@@ -135,7 +145,7 @@ def fair_commands(args, env: dict, mem_cap: int, cmds: dict, ckpt: str, log=prin
             got = run_peer(peer, args.timeout, env, mem_cap)
             log(f"fair: accelerate batch {b}: {got.status} {got.message}")
             return got.status == "ok"
-        best, tries = largest_completing(completes, args.fair_max_batch)
+        best, tries = largest_completing(completes, args.fair_max_batch, args.fair_peer_batches)
         if best == 0:
             raise RuntimeError(f"Accelerate completes no batch under the cap: {tries}")
         peer[i] = str(best)

@@ -21,3 +21,15 @@ def test_largest_completing_finds_the_boundary(largest):
 def test_largest_completing_stops_at_the_limit():
     got, tries = fair.largest_completing(lambda b: True, limit=40)
     assert got == 40 and max(b for b, _ in tries) <= 40
+
+
+def test_largest_completing_listed_batches_stop_at_the_first_failure():
+    seen = []
+
+    def completes(b):
+        seen.append(b)
+        return b <= 40
+    got, tries = fair.largest_completing(completes, limit=100, batches=[64, 16, 32, 128])
+    assert got == 32 and seen == [16, 32, 64] and tries == [(16, True), (32, True), (64, False)]
+    assert fair.largest_completing(lambda b: False, limit=100, batches=[8])[0] == 0
+    assert fair.largest_completing(lambda b: True, limit=50, batches=[8, 64])[0] == 8  # 64 is over the limit

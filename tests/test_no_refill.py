@@ -40,7 +40,7 @@ def _cli(ckpt, tmp_path, off, name, capsys, *extra) -> tuple:
 def test_cli_no_refill_runs_fixed_rounds_with_the_same_answers(ckpt, tmp_path, offload_dir, capsys):
     refilled, said = _cli(ckpt, tmp_path, offload_dir, "refill", capsys)
     fixed, said_fixed = _cli(ckpt, tmp_path, offload_dir, "fixed", capsys, "--no-refill")
-    assert said.startswith("requests 7 in 1 rounds")
+    assert said.startswith("requests 7 on 2 refilled rows")  # one run whose 2 rows take the requests in turn
     assert said_fixed.startswith("requests 7 in 4 rounds")  # ceil(7 / 2) rounds of the GPU batch
     assert fixed == refilled and [len(fixed[str(i)]["token_ids"]) for i in range(7)] == list(MAX)
 

@@ -36,8 +36,9 @@ class BatchStats:
     requests: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
-    rounds: int = 0
+    rounds: int = 0  # fixed rounds run (a refilled job is one run of its rows)
     steps: int = 0  # generation steps run, summed over rounds
+    refilled_rows: int = 0  # with refill: the rows that took the requests in turn; 0: fixed rounds
     results: list = field(default_factory=list)
 
     @property
@@ -45,7 +46,9 @@ class BatchStats:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"requests {self.requests} in {self.rounds} rounds ({self.steps} steps): {self.generated_tokens} "
+        how = (f"on {self.refilled_rows} refilled rows" if self.refilled_rows else
+               f"in {self.rounds} round{'s' * (self.rounds != 1)}")
+        return (f"requests {self.requests} {how} ({self.steps} steps): {self.generated_tokens} "
                 f"generated tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} useful tok/s")
 
 
@@ -62,7 +65,8 @@ def run_requests(rc: RunConfig, requests: list, rule: StopRule, on_result: Optio
 
 
 def _answer(eng, requests, rule, on_result, on_step, progress, warmup, refill) -> BatchStats:
-    rc, stats = eng.rc, BatchStats()
+    rc = eng.rc
+    stats = BatchStats(refilled_rows=rc.num_seqs if refill else 0)
     if warmup and requests:
         warm_up(eng, [r.prompt_ids for r in requests], rc.num_seqs)
     start = time.perf_counter()
