@@ -9,7 +9,8 @@ whose K and V take the bytes of 64, 128 and 256 fp16 tokens under that run's lay
 bytes a slot and a row, fp16 storage; a count reaching the context is the full cache, not run again). Schemes:
 new = keys per channel with --key-outliers 8 and the first --cache-sinks 4 tokens exact (the defaults) and the
 newest --recent tokens exact (the --compress-cache default); fitted = new with each channel's levels fitted to the
-prompt (--cache-keys fitted); flexgen = FlexGen's per-token keys, no window, no sinks.
+prompt (--cache-keys fitted); rotated = new with K and V quantized in a Hadamard-rotated basis (--cache-rotate);
+flexgen = FlexGen's per-token keys, no window, no sinks.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from flexh2o.kv.layout import DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS, C
 FP16_TOKEN = 2 * 64 * 2  # K and V bytes of one fp16 token of one SmolLM2 KV head (head_dim 64)
 SCHEMES = {"new": dict(keys="channel", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_SINKS),
            "fitted": dict(keys="fitted", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_SINKS),
+           "rotated": dict(keys="channel", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_SINKS, rotate=True),
            "flexgen": dict(keys="token", outliers=0, recent=0, sinks=0)}
 
 
@@ -49,7 +51,7 @@ def command(text: str, q: CacheQuant, args) -> list:
             "--windows", "1", "--texts", text, "--prefix", "64", *lanes, "--threads", str(args.threads),
             "--no-progress", "--compress-cache", "--compress-bits", str(q.bits), "--cache-group-size",
             str(q.group_size), "--cache-keys", q.keys, "--key-outliers", str(q.outliers), "--cache-recent",
-            str(q.recent), "--cache-sinks", str(q.sinks)]
+            str(q.recent), "--cache-sinks", str(q.sinks), "--cache-rotate" if q.rotate else "--no-cache-rotate"]
 
 
 def main(argv=None) -> int:

@@ -6,10 +6,14 @@ setting, so schemes are compared in seconds instead of the engine's streaming mi
 (benchmarks/quant_runs.py) are the figures of record. Keys: "channel" (per-channel min/max of the prompt, clamped,
 `nout` values of largest error exact), "token" (FlexGen's groups along head_dim), "kivi" (per channel in groups of
 G tokens, each calibrated on itself), "nuq" (per channel, 2^kbits levels fitted to the prompt's values by k-means,
-`iters` rounds, `nout` exact, as KVQuant's non-uniform datatype); pre=True quantizes keys before RoPE; cs: the channel scales calibrated on the
-prompt from token cs on; clip: their range the [clip, 1 - clip] quantiles instead of min and max. Values per token
-(FlexGen's), in groups of vgroup along head_dim (None: the whole head_dim, 64 on SmolLM2: FlexGen's default):
-vscheme "uniform" (min and max, FlexGen's) or "normal" (mean and std, the Lloyd-Max levels of a normal variable).
+`iters` rounds, `nout` exact, as KVQuant's non-uniform datatype); pre=True quantizes keys before RoPE; cs: the
+channel scales calibrated on the prompt from token cs on; clip: their range the [clip, 1 - clip] quantiles instead
+of min and max. Values per token (FlexGen's), in groups of vgroup along head_dim (None: the whole head_dim, 64 on
+SmolLM2: FlexGen's default): vscheme "uniform" (min and max, FlexGen's) or "normal" (mean and std, the Lloyd-Max
+levels of a normal variable).
+rotk / rotv: keys / values multiplied by an orthonormal Hadamard matrix along head_dim before they are quantized and
+by its transpose after (QuaRot's rotation: q.k and the attention output are unchanged by it, a channel's outliers
+are spread over every channel of the token).
 
     python benchmarks/quant_sim.py hamlet,macbeth "kbits=4,vbits=4,W=16,nout=8" "vbits=3,W=16" ...
     python benchmarks/quant_sim.py lear.txt:4,julius_caesar:4 ...   # 4 windows of each (texts held out from the tables)
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 
 PROMPT = 64
 DEFAULTS = dict(kbits=None, vbits=None, vgroup=None, kscheme="channel", nout=4, cs=0, clip=0.0, G=32, W=0, S=0,
-                pre=False, vscheme="uniform", iters=25)
+                pre=False, vscheme="uniform", iters=25, rotk=False, rotv=False)
 
 
 def q_token(x, bits, group=None):  # x (..., T, d): per token along d in groups of `group` (None: all d), fp16
@@ -108,9 +112,25 @@ def rope(k, sign, theta):  # k (b, h, T, d) rotated by sign * position (HF's rot
     return k * cos + sign * torch.cat([-k[..., d // 2:], k[..., :d // 2]], -1) * sin
 
 
+def hadamard(d: int) -> torch.Tensor:  # (d, d) orthonormal, d a power of 2 (Sylvester's construction)
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(d)
+
+
+def rotated(fn, x, on: bool):  # fn(x) in the Hadamard basis when on: fn(x H) H^T
+    if not on:
+        return fn(x)
+    h = hadamard(x.shape[-1])
+    return fn(x @ h) @ h.T
+
+
 def key_quant(k, c, theta):
     if c["kbits"] is None:
         return k
+    if c["rotk"]:
+        return rotated(lambda x: key_quant(x, {**c, "rotk": False}, theta), k, True)
     if c["pre"]:
         return rope(key_quant(rope(k, -1, theta), {**c, "pre": False}, theta), 1, theta)
     if c["kscheme"] == "token":
@@ -127,8 +147,8 @@ def attention_of(c: dict, theta: float):
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         t, rep = query.shape[2], query.shape[1] // key.shape[1]
         kq = key_quant(key.float(), c, theta)
-        vq = value.float() if c["vbits"] is None else (q_normal if c["vscheme"] == "normal" else q_token)(
-            value.float(), c["vbits"], c["vgroup"])
+        vq = value.float() if c["vbits"] is None else rotated(lambda x: (
+            q_normal if c["vscheme"] == "normal" else q_token)(x, c["vbits"], c["vgroup"]), value.float(), c["rotv"])
         k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (key, value, kq, vq))  # (b, hq, T, d)
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
         exact = (j > i - c["W"]) | (j < c["S"]) | (i < PROMPT)  # the prompt's queries: prefill reads exact K/V

@@ -109,6 +109,33 @@ def per_channel_fitted(bits: int, outliers: int, rounds: int = 25):
     return quant
 
 
+def rotation(d: int) -> torch.Tensor:
+    """(d, d) fp32: for d a power of 2 the Hadamard matrix H[i][j] = (-1)**popcount(i & j) / sqrt(d), written
+    entry by entry; otherwise a block diagonal of those, one block per power of 2 in d's binary expansion, the
+    largest first."""
+    out = torch.zeros(d, d)
+    start = 0
+    for bit in reversed(range(d.bit_length())):
+        n = 1 << bit
+        if not d & n:
+            continue
+        for i in range(n):
+            for j in range(n):
+                out[start + i, start + j] = (-1) ** bin(i & j).count("1") / n ** 0.5
+        start += n
+    return out
+
+
+def rotated(quant):
+    """quant in a rotated basis (after QuaRot): each token times `rotation(d)`, then quant's quantize-dequantize
+    (a per-channel key's scales from the prompt's rotated keys, its outliers those of the rotated key), then times
+    the rotation's transpose."""
+    def quant_rotated(x: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        h = rotation(x.shape[-1])
+        return quant(x.float() @ h, prompt_len) @ h.T
+    return quant_rotated
+
+
 def recent(keys, values, window: int, sinks: int = 0) -> tuple:
     """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens and its first
     `sinks` tokens exact: the (keys, values, window, sinks) tuple tests/reference_kv.attention reads (query i reads

@@ -44,3 +44,26 @@ def test_a_bad_cache_group_is_refused_naming_its_flag(capsys):
     assert run_cli.main(["--model", "opt-125m", "--compress-cache", "--cache-group-size", "1", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--cache-group-size 1" in err and "--compress-group-size" not in err
+
+
+def test_a_cache_flag_without_the_quantized_cache_is_refused(capsys):
+    """--cache-keys, --key-outliers, --cache-recent, --cache-sinks, --cache-group-size and --cache-rotate set the
+    quantized cache: given without --compress-cache they would change nothing, so the run is refused in one line."""
+    for flags in (["--cache-keys", "fitted"], ["--key-outliers", "2"], ["--cache-recent", "0"], ["--cache-sinks", "0"],
+                  ["--cache-group-size", "32"], ["--cache-rotate"]):
+        assert run_cli.main(["--model", "opt-125m", *flags, "--dry-run"]) == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flags[0] in err and "--compress-cache" in err, err
+    assert run_cli.main(["--model", "opt-125m", "--cache-keys", "channel", "--dry-run"]) == 0  # its default: no-op
+
+
+def test_command_line_carries_the_rotation():
+    from flexh2o.config import from_name
+    from flexh2o.tuning.search import command_line
+    argv = ["--model", "opt-125m", "--compress-cache", "--cache-rotate", "--compress-bits", "3"]
+    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(argv), from_name("opt-125m"), None)
+    assert rc.compress_cache.rotate and "rotated" in rc.compress_cache.describe()
+    line = command_line(rc).split()
+    assert "--cache-rotate" in line
+    back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
+    assert back.compress_cache == rc.compress_cache

@@ -134,12 +134,12 @@ def _ref_policy(model: str, policy: str, b, num_sinks: int = SINKS) -> ref.RefPo
                          MODELS[model].num_layers, RATIO, HEAD_CAP)
 
 
-def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None) -> None:
+def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None, atol: float = ATOL) -> None:
     assert len(gen.step_logits) == GEN
     for i, r in enumerate(refs):
         assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
         for step in range(GEN):
-            torch.testing.assert_close(gen.step_logits[step][i], r.step_logits[step], atol=ATOL, rtol=RTOL,
+            torch.testing.assert_close(gen.step_logits[step][i], r.step_logits[step], atol=atol, rtol=RTOL,
                                        msg=lambda m: f"sequence {i}, step {step}: {m}")
     for layer, n in gen.kept.items():
         assert n == max(len(kept) for r in refs for kept in r.kept[layer]), f"layer {layer} kept count"

@@ -33,7 +33,10 @@ def ref_quant(q: CacheQuant, margins: list = None) -> tuple:
     keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers, margins),
             "token": lambda: rq.per_token(q.bits, q.group_size, margins),
             "fitted": lambda: rq.per_channel_fitted(q.bits, q.outliers)}[q.keys]()
-    return rq.recent(keys, rq.per_token(q.bits, q.group_size, margins), q.recent, q.sinks)
+    values = rq.per_token(q.bits, q.group_size, margins)
+    if q.rotate:
+        keys, values = rq.rotated(keys), rq.rotated(values)
+    return rq.recent(keys, values, q.recent, q.sinks)
 
 
 def seeded_data(seed: int) -> tuple:

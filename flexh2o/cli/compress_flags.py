@@ -6,7 +6,8 @@ import argparse
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.codec import BITS
 from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
-from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS, KEY_SCHEMES, CacheQuant
+from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS, \
+    KEY_SCHEMES, CacheQuant
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,10 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     a("--cache-sinks", type=int, default=DEFAULT_SINKS, metavar="N",
       help=f"--compress-cache: the first N tokens of each sequence (attention sinks) also kept exact in the storage "
            f"dtype while they are kept; the plan counts their bytes; 0: none; default {DEFAULT_SINKS}")
+    a("--cache-rotate", action=argparse.BooleanOptionalAction, default=DEFAULT_ROTATE,
+      help="--compress-cache: quantize K and V times a Hadamard matrix along head_dim (rotated back when read; "
+           "QuaRot's rotation, which spreads a token's outlier channels over all of them; no extra bytes); "
+           f"default {'on' if DEFAULT_ROTATE else 'off'}")
     a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=4,
       help="bits a value under --compress-* (default 4; 2 and 3: the cache only)")
     a("--compress-group-size", type=int, default=64, help="values per quantization group of the weights and of "
@@ -48,6 +53,8 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     dimension 0 (FlexGen's) or, where the int4 kernel can run them (--weight-kernel auto/int4), along the input
     dimension (1)."""
     cache = None
+    if not args.compress_cache:
+        _refuse_cache_flags_alone(args)
     if args.compress_cache:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
         group = getattr(args, "cache_group_size", None)
@@ -55,7 +62,8 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
             cache = CacheQuant(args.compress_bits, args.compress_group_size if group is None else group, keys,
                                getattr(args, "key_outliers", DEFAULT_OUTLIERS),
                                getattr(args, "cache_recent", DEFAULT_RECENT),
-                               getattr(args, "cache_sinks", DEFAULT_SINKS))  # validates the flags
+                               getattr(args, "cache_sinks", DEFAULT_SINKS),
+                               getattr(args, "cache_rotate", DEFAULT_ROTATE))  # validates the flags
         except ValueError as e:  # the group's check names --compress-group-size: name the flag given
             if group is None:
                 raise
@@ -67,6 +75,20 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
                          f"{' or '.join(map(str, BITS))} bits")
     spec = CompressionSpec(args.compress_bits, args.compress_group_size)  # validates the two flags
     return spec.along(weight_group_dim(args, spec, device)), cache
+
+
+def _refuse_cache_flags_alone(args: argparse.Namespace) -> None:
+    """ValueError naming a quantized-cache flag given a value other than its default without --compress-cache (it
+    would change nothing)."""
+    defaults = {"cache_keys": DEFAULT_KEYS, "key_outliers": DEFAULT_OUTLIERS, "cache_recent": DEFAULT_RECENT,
+                "cache_sinks": DEFAULT_SINKS, "cache_rotate": DEFAULT_ROTATE, "cache_group_size": None}
+    for name, default in defaults.items():
+        if getattr(args, name, default) != default:
+            flag = "--" + name.replace("_", "-")
+            if name == "cache_rotate":
+                flag = "--cache-rotate" if args.cache_rotate else "--no-cache-rotate"
+            raise ValueError(f"{flag} sets the quantized KV cache, which is off: add --compress-cache or drop "
+                             f"{flag}")
 
 
 def weight_group_dim(args: argparse.Namespace, spec: CompressionSpec, device: str) -> int:

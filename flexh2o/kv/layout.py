@@ -7,8 +7,9 @@ head_dim d, stored as `dtype`:
            head_dim: data + meta, compress/codec.py), keys per token as well (FlexGen's scheme, keys "token") or per
            channel with scales calibrated on the prompt (keys "channel": data, index, exact, calib;
            compress/channel.py) or with levels fitted to the prompt (keys "fitted": the same parts, calib holding
-           each channel's 2**bits levels); with `recent` R > 0 both also keep a ring of their newest R tokens exact
-           (recent, rslot; compress/recent.py), R = min(recent, slots)
+           each channel's 2**bits levels); `rotate`: either form holds its tokens times a Hadamard matrix
+           (compress/rotation.py's Rotated: the same parts, in the rotated basis); with `recent` R > 0 both also
+           keep a ring of their newest R tokens exact (recent, rslot; compress/recent.py), R = min(recent, slots)
   pos      int64 (b, h, s): the token a slot holds (-1: empty)
   score    fp32 (b, h, s): the policy's accumulated attention
 """
@@ -22,6 +23,7 @@ import torch
 from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
 from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
 from flexh2o.compress.recent import RING_PARTS, Recent
+from flexh2o.compress.rotation import Rotated
 
 KEY_SCHEMES = ("channel", "fitted", "token")
 DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (benchmarks/ACCURACY.md, issue 26)
@@ -29,6 +31,7 @@ DEFAULT_OUTLIERS = 8  # key values per token kept exact (1/8 of SmolLM2's head_d
 DEFAULT_RECENT = 16  # newest tokens of a row kept exact: of 8, 16, 32, the best 4-bit full cache on SmolLM2
 # (ACCURACY.md)
 DEFAULT_SINKS = 4  # first tokens of a row kept exact (attention sinks): macbeth 4-bit full cache +1.2% -> +0.4%
+DEFAULT_ROTATE = False  # K and V quantized in a Hadamard-rotated basis (--cache-rotate)
 FIELDS = ("k", "v", "pos", "score")
 
 
@@ -38,7 +41,8 @@ class CacheQuant:
     (FlexGen's scheme); keys either the same way (keys "token") or per channel, calibrated on the prompt, with
     `outliers` values per token kept exact (keys "channel": evenly spaced levels; "fitted": levels fitted to the
     prompt's values of each channel); all with the newest `recent` tokens of each row also
-    kept exact (0: none). group_dim (-1) is the values' grouped dimension."""
+    kept exact (0: none); `rotate`: K and V quantized times a Hadamard matrix along head_dim (compress/rotation.py).
+    group_dim (-1) is the values' grouped dimension."""
 
     bits: int = 4
     group_size: int = 64
@@ -46,6 +50,7 @@ class CacheQuant:
     outliers: int = DEFAULT_OUTLIERS
     recent: int = 0
     sinks: int = 0
+    rotate: bool = DEFAULT_ROTATE
 
     def __post_init__(self):
         if self.keys not in KEY_SCHEMES:
@@ -84,6 +89,7 @@ class CacheQuant:
             f"keys per channel{', fitted levels' if self.keys == 'fitted' else ''}, {self.outliers} exact"
         recent = f", newest {self.recent} tokens exact" if self.recent else ""
         recent += f", first {self.sinks} tokens exact" if self.sinks else ""
+        recent += ", rotated" if self.rotate else ""
         return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"
 
 
@@ -226,6 +232,8 @@ class CacheLayout:
             inner = ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], spec)
         else:
             inner = CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
+        if self.quant.rotate:
+            inner = Rotated(inner)
         return Recent(inner, tensors["recent"], tensors["rslot"], self.sinks) if self.ring else inner
 
     @staticmethod
@@ -233,6 +241,8 @@ class CacheLayout:
         """A field's object -> its parts' tensors (name -> tensor), as assemble takes them."""
         if isinstance(obj, Recent):
             return {**CacheLayout.split(obj.inner), **{n: getattr(obj, n) for n in RING_PARTS}}
+        if isinstance(obj, Rotated):
+            return CacheLayout.split(obj.inner)
         if isinstance(obj, ChannelKeys):
             return obj.tensors()
         if isinstance(obj, CompressedTensor):

@@ -15,7 +15,7 @@ from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.tuning.cost_model import predict_with
-from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS
+from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.tuning.hardware import Rates
 from flexh2o.run_config import RunConfig
@@ -136,6 +136,8 @@ def compression_flags(rc: RunConfig) -> list:
         out.append(f"--cache-recent {cache.recent}")
     if cache and cache.sinks != DEFAULT_SINKS:
         out.append(f"--cache-sinks {cache.sinks}")
+    if cache and cache.rotate != DEFAULT_ROTATE:
+        out.append("--cache-rotate" if cache.rotate else "--no-cache-rotate")
     if rc.compress_weight and rc.weight_kernel != "auto":
         out.append(f"--weight-kernel {'off' if rc.weight_kernel == 'generic' else rc.weight_kernel}")
     return out

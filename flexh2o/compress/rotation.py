@@ -1,0 +1,91 @@
+"""A quantized K or V stored in a rotated basis (`--cache-rotate`, after QuaRot): every token is multiplied by a
+Hadamard matrix H along head_dim before it is calibrated and quantized, and by H's transpose after it is
+dequantized, so what attention and the policies read is in the model's own basis (H is orthonormal). A key's outlier
+channels (RoPE's slow pairs, a few channels far larger than the rest) and a value's outliers are spread over every
+channel of the rotated token, so per-channel key ranges calibrated on the prompt fit the tokens generated after it,
+and a value's group range is not set by one channel. It costs no byte: H is a constant.
+
+H is Sylvester's Hadamard matrix scaled by 1 / sqrt(n) for a head_dim n that is a power of 2; any other head_dim
+(Phi-3's 96) takes a block diagonal of such matrices, one per power of 2 in its binary expansion (96 = 64 + 32),
+largest first: still orthonormal, each block spreading the outliers of its own channels.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flexh2o.compress.codec import assign, expand
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(d: int, device: str) -> torch.Tensor:
+    """The (d, d) fp32 rotation of the module docstring on `device`, made once (read only: never written in place)."""
+    if d < 1:
+        raise ValueError(f"head_dim {d}: a rotation needs at least one channel")
+    blocks, rest = [], d
+    while rest:
+        n = 1 << (rest.bit_length() - 1)  # the largest power of 2 left
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        blocks.append(h / math.sqrt(n))
+        rest -= n
+    return torch.block_diag(*blocks).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x (..., d) in fp32 times H: in the rotated basis."""
+    return x.float() @ _hadamard(x.shape[-1], str(x.device))
+
+
+def unrotate(x: torch.Tensor) -> torch.Tensor:
+    """x (..., d) fp32 in the rotated basis times H^T: back in the model's basis."""
+    return x @ _hadamard(x.shape[-1], str(x.device)).T
+
+
+@dataclass
+class Rotated:
+    """A quantized form (`inner`: a CompressedTensor or compress/channel.py's ChannelKeys) that holds its tokens
+    rotated (module docstring); the same interface as the inner form, in the model's basis."""
+
+    inner: object
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return self.inner.shape
+
+    @property
+    def spec(self):
+        return self.inner.spec
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def map(self, fn) -> "Rotated":
+        """fn applied to every part (indexing of rows or heads, .to(device))."""
+        return Rotated(self.inner.map(fn))
+
+    def front(self, n: int) -> "Rotated":
+        """The first n slots."""
+        return Rotated(self.inner.front(n) if hasattr(self.inner, "front") else self.inner.map(lambda t: t[:, :, :n]))
+
+    def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
+        """Per-channel keys: their scales from the rotated prompt keys; a per-token form needs nothing."""
+        if hasattr(self.inner, "calibrate"):
+            self.inner.calibrate(rotate(k), valid)
+
+    def assign(self, index: tuple, values: torch.Tensor) -> None:
+        """self[index] = values (..., d): rotated, then quantized as the inner form does."""
+        assign(self.inner, index, rotate(values))
+
+    def expanded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The tokens (b, h, slots, d) in `dtype`, dequantized (fp32) and rotated back."""
+        return unrotate(expand(self.inner, torch.float32)).to(dtype)
