@@ -32,7 +32,7 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     a("--cache-rotate", action=argparse.BooleanOptionalAction, default=DEFAULT_ROTATE,
       help="--compress-cache: quantize K and V times a Hadamard matrix along head_dim (rotated back when read; "
            "QuaRot's rotation, which spreads a token's outlier channels over all of them; no extra bytes); "
-           f"default {'on' if DEFAULT_ROTATE else 'off'}")
+           f"default {str(DEFAULT_ROTATE).lower()} ({'on' if DEFAULT_ROTATE else 'off'})")
     a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=4,
       help="bits a value under --compress-* (default 4; 2 and 3: the cache only)")
     a("--compress-group-size", type=int, default=64, help="values per quantization group of the weights and of "
