@@ -50,20 +50,24 @@ def test_a_cache_flag_without_the_quantized_cache_is_refused(capsys):
     """--cache-keys, --key-outliers, --cache-recent, --cache-sinks, --cache-group-size and --cache-rotate set the
     quantized cache: given without --compress-cache they would change nothing, so the run is refused in one line."""
     for flags in (["--cache-keys", "fitted"], ["--key-outliers", "2"], ["--cache-recent", "0"], ["--cache-sinks", "0"],
-                  ["--cache-group-size", "32"], ["--cache-rotate"]):
+                  ["--cache-group-size", "32"], ["--no-cache-rotate"]):
         assert run_cli.main(["--model", "opt-125m", *flags, "--dry-run"]) == 2, flags
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flags[0] in err and "--compress-cache" in err, err
     assert run_cli.main(["--model", "opt-125m", "--cache-keys", "channel", "--dry-run"]) == 0  # its default: no-op
 
 
-def test_command_line_carries_the_rotation():
+def test_the_rotation_is_the_default_and_the_command_line_carries_its_absence():
     from flexh2o.config import from_name
     from flexh2o.tuning.search import command_line
-    argv = ["--model", "opt-125m", "--compress-cache", "--cache-rotate", "--compress-bits", "3"]
-    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(argv), from_name("opt-125m"), None)
-    assert rc.compress_cache.rotate and "rotated" in rc.compress_cache.describe()
-    line = command_line(rc).split()
-    assert "--cache-rotate" in line
-    back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
-    assert back.compress_cache == rc.compress_cache
+    parse = run_cli.build_parser().parse_args
+    argv = ["--model", "opt-125m", "--compress-cache", "--compress-bits", "3"]
+    rc = run_cli.build_run_config(parse(argv), from_name("opt-125m"), None)
+    assert rc.compress_cache.rotate and "rotated" in rc.compress_cache.describe()  # --cache-rotate's default
+    off = run_cli.build_run_config(parse(argv + ["--no-cache-rotate"]), rc.model, None)
+    assert not off.compress_cache.rotate
+    for cfg, flag in ((rc, None), (off, "--no-cache-rotate")):
+        line = command_line(cfg).split()
+        assert (flag in line) if flag else not any("rotate" in x for x in line)
+        back = run_cli.build_run_config(parse(line[1:]), rc.model, None)
+        assert back.compress_cache == cfg.compress_cache
