@@ -45,7 +45,9 @@ def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:
             known = ", ".join(sorted(k for k in actions if k not in NOT_OPTIONS and k != "help"))
             raise ValueError(f"unknown option {key!r}: LLM takes flexh2o-run's flags as keywords ({known})")
         flag = action.option_strings[-1]
-        if action.nargs == 0:  # store_true
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one the value names
+            argv += [] if value is None else [action.option_strings[0 if value else 1]]
+        elif action.nargs == 0:  # store_true
             argv += [flag] if value else []
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]

@@ -30,6 +30,18 @@ def test_options_are_the_cli_flags(ckpt, offload_dir):
     assert a.gen_len == cli.build_parser().parse_args([]).gen_len  # the CLI's defaults
 
 
+def test_a_two_way_flag_takes_the_form_its_value_names():
+    """cache_rotate=True / False are --cache-rotate / --no-cache-rotate (an --x / --no-x flag's last spelling is its
+    negation, which a plain store_true mapping would pass for True)."""
+    from flexh2o.api import option_argv
+    parser = cli.build_parser()
+    assert option_argv(parser, {"cache_rotate": True}) == ["--cache-rotate"]
+    assert option_argv(parser, {"cache_rotate": False}) == ["--no-cache-rotate"]
+    assert option_argv(parser, {"cache_rotate": None}) == []
+    args = parser.parse_args(option_argv(parser, {"compress_cache": True, "cache_rotate": False}))
+    assert args.compress_cache and args.cache_rotate is False
+
+
 @pytest.mark.parametrize("options,says", [({"hh_ratio": 1.5}, "--hh-ratio"), ({"colour": 1}, "'colour'"),
                                          ({"prompt_file": "x"}, "'prompt_file'"),
                                          ({"hh_ratio": 0.2, "kv_budget": 8}, "give one of them")])
