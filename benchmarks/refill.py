@@ -88,8 +88,7 @@ def main() -> None:
     a = p.parse_args()
     cfg = SMALL if a.model == "small" else from_name(a.model)
     kv = KVSpec.from_flags(a.policy, a.prompt_len, a.hh_ratio if a.policy == "h2o" else None, None, None)
-    percent = Percent.parse([int(x) for x in a.percent.split()])
-    rc = RunConfig(model=cfg, percent=percent, gpu_batch_size=1, prompt_len=a.prompt_len,
+    rc = RunConfig(model=cfg, percent=Percent.parse(a.percent.split()), gpu_batch_size=1, prompt_len=a.prompt_len,
                    gen_len=a.max_len, dtype=torch.float32, kv=kv, gpu_mem=parse_bytes(a.gpu_mem),
                    cpu_mem=parse_bytes("8GB"), offload_dir=a.offload_dir)
     rc = rc.with_(gpu_batch_size=a.batch or largest_batch(rc, limit=a.requests))

@@ -55,7 +55,7 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     cache = None
     if not args.compress_cache:
         _refuse_cache_flags_alone(args)
-    if args.compress_cache:
+    else:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
         group = getattr(args, "cache_group_size", None)
         try:

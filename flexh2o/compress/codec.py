@@ -219,6 +219,17 @@ def expand(x, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(x, dtype) if isinstance(x, CompressedTensor) else moved(x, dtype=dtype)
 
 
+def first_slots(x, n: int):
+    """The first n slots (dimension 2) of a KV cache form: another form's own `front` (compress/channel.py's keys,
+    the exact window's and the rotation's wrappers), a CompressedTensor's parts cut alike, or a plain tensor (itself
+    when it has n slots)."""
+    if hasattr(x, "front"):
+        return x.front(n)
+    if isinstance(x, CompressedTensor):
+        return x.map(lambda t: t[:, :, :n])
+    return x if n == x.shape[2] else x[:, :, :n]
+
+
 def assign(dst, index, values: torch.Tensor) -> None:
     """dst[index] = values for a plain tensor, or the quantized values for a CompressedTensor (its grouped
     dimension is the last: `index` selects whole groups, e.g. one KV slot per row and head), or another quantized

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compress.codec import assign, expand
+from flexh2o.compress.codec import assign, expand, first_slots
 
 RING_PARTS = ("recent", "rslot")
 
@@ -59,8 +59,7 @@ class Recent:
 
     def front(self, n: int) -> "Recent":
         """The first n slots (the ring unchanged: entries naming a later slot are not read)."""
-        inner = self.inner.front(n) if hasattr(self.inner, "front") else self.inner.map(lambda t: t[:, :, :n])
-        return Recent(inner, self.recent, self.rslot, self.sinks)
+        return Recent(first_slots(self.inner, n), self.recent, self.rslot, self.sinks)
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         if hasattr(self.inner, "calibrate"):

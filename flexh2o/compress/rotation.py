@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compress.codec import assign, expand
+from flexh2o.compress.codec import assign, expand, first_slots
 
 
 @functools.lru_cache(maxsize=16)
@@ -75,7 +75,7 @@ class Rotated:
 
     def front(self, n: int) -> "Rotated":
         """The first n slots."""
-        return Rotated(self.inner.front(n) if hasattr(self.inner, "front") else self.inner.map(lambda t: t[:, :, :n]))
+        return Rotated(first_slots(self.inner, n))
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         """Per-channel keys: their scales from the rotated prompt keys; a per-token form needs nothing."""

@@ -12,8 +12,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import CompressedTensor
-from flexh2o.compress.codec import assign, expand
+from flexh2o.compress.codec import assign, expand, first_slots
 from flexh2o.kv.layout import FIELDS, CacheLayout, CacheQuant
 
 
@@ -123,13 +122,9 @@ class KVBlock:
         last slot they use. -> changed (r, kv, s)."""
         n = max(row_extents(self.pos.index_select(0, rows)), default=0)
 
-        def cut(t):
-            return t.index_select(0, rows)[:, :, :n]
-        if isinstance(self.v, torch.Tensor):
-            sub = cut(self.v)
-        else:
-            sub = self.v.map(lambda t: t.index_select(0, rows))
-            sub = sub.front(n) if hasattr(sub, "front") else sub.map(lambda t: t[:, :, :n])
+        plain = isinstance(self.v, torch.Tensor)
+        sub = self.v.index_select(0, rows) if plain else self.v.map(lambda t: t.index_select(0, rows))
+        sub = first_slots(sub, n)
         values, part = merged_values(expand(sub, torch.float32), target[:, :, :n], mass[:, :, :n])
         ri, hi, si = part.nonzero(as_tuple=True)
         if len(ri):
@@ -174,13 +169,7 @@ class KVBlock:
     def front_kv(self, n: int) -> tuple:
         """(k, v) of the first `n` slots of every row, in the block's own form (the plain tensors themselves when
         n is all of them)."""
-        def cut(x):
-            if hasattr(x, "front"):
-                return x.front(n)
-            if isinstance(x, CompressedTensor):
-                return x.map(lambda t: t[:, :, :n])
-            return x if n == x.shape[2] else x[:, :, :n]
-        return cut(self.k), cut(self.v)
+        return first_slots(self.k, n), first_slots(self.v, n)
 
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
