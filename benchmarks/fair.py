@@ -1,8 +1,13 @@
 """The fair equal-memory protocol of compare.py --fair: every system at its best configuration under the same cap.
 
-flexh2o: its own policy search (flexh2o-run --policy auto --dry-run) with the tiers sized inside the cap: the cap
-minus the process overhead (--fair-overhead: torch, Python, the I/O buffers outside the tiers) split between the gpu
-and cpu tiers in a few ways (on a CPU both are host memory), the best predicted split kept, per KV policy.
+flexh2o: its own policy search (flexh2o-run --policy auto --dry-run) with the tiers sized inside the cap: a budget
+(the cap minus the process memory outside the tiers that the searched batch needs) split between the gpu and cpu
+tiers in a few ways (on a CPU both are host memory), the best predicted split kept, per system (full, h2o, h2o-q4).
+The memory outside the tiers (torch, Python, I/O buffers, activations, logits) is measured per system as a line in
+the batch, base + per_seq * n, from two short probe runs under the cap (batch 1 and --fair-probe-batch, the real
+prompt length, gen_len 2, weights on disk: peak RSS minus the tiers' peaks), x1.15; the budget comes from a short
+fixed-point iteration over the batch the search then picks, so the tiers are sized for the batch that runs
+(fair_overhead.py). --fair-overhead BYTES bypasses the measurement: that fixed figure for every batch, no probe.
 Accelerate: the largest batch that completes under the cap, found by doubling from 1 and then bisecting, each try a
 whole run (same lengths) with a timeout; every try is logged. --fair-peer-batches B1,B2,... tries only those, in
 increasing order up to the first that fails (each try of a large model streamed from disk takes minutes: the best
@@ -11,9 +16,8 @@ sequences at once (flexh2o's search through --max-seqs), so neither wins by a ba
 
 The regime is checked first (regime_rows): the model's weights at the dtype each system stores them must exceed the
 cap (the paper's setting: a model larger than memory), else the run is refused naming the smallest built-in model
-that would; a compressed system's 4-bit weights are reported beside the cap but not refused. The process overhead
-outside the tiers is measured (measured_overhead: one short flexh2o run of the same model under the cap, weights on
-disk, peak RSS minus the tiers' peaks) unless --fair-overhead gives it.
+that would; a compressed system's 4-bit weights are reported beside the cap but not refused. Every probe, overhead
+fit and search goes to the log, so the run's record shows how each system's tiers were sized.
 """
 from __future__ import annotations
 
@@ -23,10 +27,10 @@ import sys
 from typing import Callable, Optional
 
 from bench_common import REPO
+from fair_overhead import OverheadFit, measured_fit, plan_seqs, plan_tiers, sized_search
 from flexh2o.planning.memory_plan import largest_passing
 
 SPLITS = (0.25, 0.5, 0.75, 0.9)  # gpu tier's share of the memory left inside the cap
-OVERHEAD_MARGIN = 1.15  # on the measured overhead: the probe runs batch 1 and 8 tokens, the real runs more
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4": 0.5 + 2 * 2 / 64}  # int4: + fp16 scale/min
 
 
@@ -55,23 +59,6 @@ def check_regime(model: str, dtypes: dict, mem_cap: int) -> list:
                          f"({mem_cap / 2**30:.2f} GiB), so nothing is offloaded: use a larger model"
                          + (f" (the smallest that does not fit: {need[0]})" if need else "") + " or a smaller cap")
     return rows
-
-
-def measured_overhead(args, env: dict, mem_cap: int, log=print) -> int:
-    """Bytes a flexh2o process of this model holds outside its tiers, measured (see the module docstring)."""
-    from bench_common import flag_args, run_flexh2o
-    tiers = mem_cap - (64 << 20)  # the gpu tier holds two layers in flight at the compute dtype
-    argv = flag_args({"model": args.model, "path": "_DUMMY_", "percent": "0 0 100 0 100 0", "prompt_len": 8,
-                      "gen_len": 2, "gpu_batch_size": 1, "dtype": args.dtype, "compute_dtype": args.compute_dtype,
-                      "gpu_mem": str(tiers - (32 << 20)), "cpu_mem": str(32 << 20)})
-    got = run_flexh2o(argv, args.timeout, env, mem_cap)
-    if got.status != "ok":
-        raise RuntimeError(f"measuring the process overhead under the cap failed: {got.status} {got.message}")
-    peak = got.record["peak_bytes"]
-    raw = peak["cpu_rss"] - (peak.get("gpu") or 0) - (peak.get("cpu_tier") or 0)
-    log(f"fair: measured process overhead {raw / 2**20:.0f} MiB (peak rss {peak['cpu_rss'] / 2**20:.0f} MiB "
-        f"minus the tiers' peaks), x{OVERHEAD_MARGIN} margin")
-    return int(raw * OVERHEAD_MARGIN)
 
 
 def flexh2o_best(base_argv: list, budget: int, env: dict, timeout: float = 600) -> tuple:
@@ -114,27 +101,49 @@ def largest_completing(completes: Callable[[int], bool], limit: int = 1024, batc
     return largest_passing(ok, limit), tries
 
 
+def overhead_fit(args, env: dict, mem_cap: int, label: str, flags: dict, log=print,
+                 run: Optional[Callable] = None) -> OverheadFit:
+    """flexh2o system `label`'s memory outside its tiers per batch: measured (fair_overhead.measured_fit, run:
+    default bench_common.run_flexh2o) or, with --fair-overhead BYTES, that fixed figure at every batch (no probe,
+    no margin)."""
+    if args.fair_overhead != "measure":
+        from flexh2o.units import parse_bytes
+        fit = OverheadFit(parse_bytes(args.fair_overhead), 0.0, margin=1.0)
+        log(f"fair: {label} overhead fixed by --fair-overhead (not measured): {fit}")
+        return fit
+    if run is None:
+        from bench_common import run_flexh2o as run
+    return measured_fit(args, env, mem_cap, flags, run, label, log)
+
+
+def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=print, run: Optional[Callable] = None,
+                 search: Optional[Callable] = None) -> list:
+    """argv of flexh2o system `label` (flags: its KV and compression flags) at its searched best inside the cap,
+    its tiers sized for the batch it runs (fair_overhead.sized_search; search: default flexh2o_best)."""
+    from bench_common import flag_args, hardware_args
+    base = flag_args({"model": args.model, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+                      "dtype": args.dtype, "compute_dtype": args.compute_dtype, **flags,
+                      "max_seqs": args.fair_max_batch}) + hardware_args(args.hardware)
+    search = search or flexh2o_best
+    fit = overhead_fit(args, env, mem_cap, label, flags, log, run)
+    argv, pred, _, budget = sized_search(lambda b: search(base, b, env), mem_cap, fit, args.fair_max_batch, label,
+                                         log)
+    log(f"fair: flexh2o {label} runs {plan_seqs(argv)} sequences, tiers {plan_tiers(argv)} B of the {mem_cap} B cap "
+        f"(searched inside {budget} B; predicted {pred})")
+    return argv
+
+
 def fair_commands(args, env: dict, mem_cap: int, cmds: dict, ckpt: str, log=print) -> dict:
-    """cmds with flexh2o's full/h2o at their searched best inside the cap and Accelerate at its largest completing
-    batch (see the module docstring); what was tried goes to `log`."""
-    from bench_common import flag_args, h2o_flags, hardware_args, run_flexh2o, run_peer
+    """cmds with flexh2o's full/h2o/h2o-q4 at their searched best inside the cap and Accelerate at its largest
+    completing batch (see the module docstring); what was measured and tried goes to `log`."""
+    from bench_common import h2o_flags, run_flexh2o, run_peer
     from memcap import drop_cached
-    from flexh2o.units import parse_bytes
-    overhead = (measured_overhead(args, env, mem_cap, log) if args.fair_overhead == "measure"
-                else parse_bytes(args.fair_overhead))
-    budget = mem_cap - overhead
-    common = {"model": args.model, "prompt_len": args.prompt_len, "gen_len": args.gen_len, "dtype": args.dtype,
-              "compute_dtype": args.compute_dtype}
     out = dict(cmds)
     h2o = h2o_flags(args.hh_ratio, args.budget_pct, args.prompt_len, args.gen_len)
-    for system, kv in (("full", {"kv_policy": "full"}), ("h2o", h2o),
-                       ("h2o-q4", {**h2o, "compress_weight": True, "compress_cache": True})):
-        if system not in cmds:
-            continue
-        argv, pred, tried = flexh2o_best(flag_args({**common, **kv, "max_seqs": args.fair_max_batch})
-                                         + hardware_args(args.hardware), budget, env)
-        log(f"fair: flexh2o {system} inside {budget} B: tried {tried}; best {' '.join(argv)} (predicted {pred})")
-        out[system] = (run_flexh2o, argv)
+    for system, flags in (("full", {"kv_policy": "full"}), ("h2o", h2o),
+                          ("h2o-q4", {**h2o, "compress_weight": True, "compress_cache": True})):
+        if system in cmds:
+            out[system] = (run_flexh2o, flexh2o_plan(args, env, mem_cap, system, flags, log))
     if "accelerate" in cmds:
         peer = list(cmds["accelerate"][1])
         i = peer.index("--batch-size") + 1
