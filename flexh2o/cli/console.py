@@ -63,7 +63,8 @@ def stop_signals_as_interrupts():
     """While inside, SIGTERM/SIGHUP raise Terminated and SIGINT KeyboardInterrupt in the main thread (then all three
     are ignored, so a second signal cannot cut the cleanup short); the previous handlers come back after, and once a
     signal arrived, the interpreter's shutdown ignores all three too (Python's exit would otherwise die of an
-    impatient second Ctrl-C). No-op off the main thread."""
+    impatient second Ctrl-C). A signal ignored on entry (nohup, a shell's background job) is left ignored. No-op off
+    the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -74,7 +75,9 @@ def stop_signals_as_interrupts():
             signal.signal(s, signal.SIG_IGN)
         got.append(signum)
         raise Terminated(signum) if signum != signal.SIGINT else KeyboardInterrupt()
-    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS + (signal.SIGINT,)}
+    # a signal the process was started with ignored (nohup's SIGHUP, SIGINT of a shell's background job) stays so
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS + (signal.SIGINT,)
+           if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
