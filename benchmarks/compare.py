@@ -166,11 +166,9 @@ def main(argv=None) -> int:
                     "under the cap (fair.py: flexh2o's own search inside the cap, Accelerate's largest completing "
                     "batch)")
     ap.add_argument("--fair-overhead", default="measure", help="process memory outside flexh2o's tiers (--fair). "
-                    "Default: measured per system and batch (probe runs under the cap at batch 1 and "
-                    "--fair-probe-batch, a line in the batch, fair_overhead.py). BYTES: a fixed figure for every "
-                    "batch that bypasses the measurement (no probe, no margin)")
-    ap.add_argument("--fair-probe-batch", type=int, default=8, help="the larger batch of the overhead probes "
-                    "(--fair; default 8; 1: one probe, an overhead that does not grow with the batch)")
+                    "Default: measured per system on the plan that runs (a batch-1 probe under the cap, then the "
+                    "searched plan run for 2 tokens; fair_overhead.py). BYTES: a fixed figure for every plan that "
+                    "bypasses the measurement (no probe, no margin)")
     ap.add_argument("--fair-max-batch", type=int, default=256, help="most sequences at once (--fair): the largest "
                     "Accelerate batch tried and flexh2o's search limit (--max-seqs)")
     ap.add_argument("--fair-peer-batches", type=lambda v: [int(x) for x in v.split(",")], default=None,

@@ -3,11 +3,10 @@
 flexh2o: its own policy search (flexh2o-run --policy auto --dry-run) with the tiers sized inside the cap: a budget
 (the cap minus the process memory outside the tiers that the searched batch needs) split between the gpu and cpu
 tiers in a few ways (on a CPU both are host memory), the best predicted split kept, per system (full, h2o, h2o-q4).
-The memory outside the tiers (torch, Python, I/O buffers, activations, logits) is measured per system as a line in
-the batch, base + per_seq * n, from two short probe runs under the cap (batch 1 and --fair-probe-batch, the real
-prompt length, gen_len 2, weights on disk: peak RSS minus the tiers' peaks), x1.15; the budget comes from a short
-fixed-point iteration over the batch the search then picks, so the tiers are sized for the batch that runs
-(fair_overhead.py). --fair-overhead BYTES bypasses the measurement: that fixed figure for every batch, no probe.
+The memory outside the tiers (torch, Python, I/O buffers, activations, logits) is measured per system on the plan
+that runs: a batch-1 probe sizes the first search, the plan found is run for 2 tokens without the cap and its
+peak RSS minus its tiers' peaks (x1.15) must fit beside its tiers, else the search runs again inside what that left
+(fair_overhead.py). --fair-overhead BYTES bypasses the measurement: that fixed figure for every plan, no probe.
 Accelerate: the largest batch that completes under the cap, found by doubling from 1 and then bisecting, each try a
 whole run (same lengths) with a timeout; every try is logged. --fair-peer-batches B1,B2,... tries only those, in
 increasing order up to the first that fails (each try of a large model streamed from disk takes minutes: the best
@@ -27,7 +26,8 @@ import sys
 from typing import Callable, Optional
 
 from bench_common import REPO
-from fair_overhead import OverheadFit, measured_fit, plan_seqs, plan_tiers, sized_search
+from fair_overhead import MiB, first_probe_argv, need, outside_tiers, plan_probe_argv, plan_seqs, plan_tiers, \
+    sized_search
 from flexh2o.planning.memory_plan import largest_passing
 
 SPLITS = (0.25, 0.5, 0.75, 0.9)  # gpu tier's share of the memory left inside the cap
@@ -101,33 +101,30 @@ def largest_completing(completes: Callable[[int], bool], limit: int = 1024, batc
     return largest_passing(ok, limit), tries
 
 
-def overhead_fit(args, env: dict, mem_cap: int, label: str, flags: dict, log=print,
-                 run: Optional[Callable] = None) -> OverheadFit:
-    """flexh2o system `label`'s memory outside its tiers per batch: measured (fair_overhead.measured_fit, run:
-    default bench_common.run_flexh2o) or, with --fair-overhead BYTES, that fixed figure at every batch (no probe,
-    no margin)."""
-    if args.fair_overhead != "measure":
-        from flexh2o.units import parse_bytes
-        fit = OverheadFit(parse_bytes(args.fair_overhead), 0.0, margin=1.0)
-        log(f"fair: {label} overhead fixed by --fair-overhead (not measured): {fit}")
-        return fit
-    if run is None:
-        from bench_common import run_flexh2o as run
-    return measured_fit(args, env, mem_cap, flags, run, label, log)
-
-
 def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=print, run: Optional[Callable] = None,
                  search: Optional[Callable] = None) -> list:
     """argv of flexh2o system `label` (flags: its KV and compression flags) at its searched best inside the cap,
-    its tiers sized for the batch it runs (fair_overhead.sized_search; search: default flexh2o_best)."""
+    its tiers sized by the overhead measured on the plan itself (fair_overhead.py; run: default
+    bench_common.run_flexh2o; search: default flexh2o_best), or by --fair-overhead's fixed figure."""
     from bench_common import flag_args, hardware_args
     base = flag_args({"model": args.model, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                       "dtype": args.dtype, "compute_dtype": args.compute_dtype, **flags,
                       "max_seqs": args.fair_max_batch}) + hardware_args(args.hardware)
     search = search or flexh2o_best
-    fit = overhead_fit(args, env, mem_cap, label, flags, log, run)
-    argv, pred, _, budget = sized_search(lambda b: search(base, b, env), mem_cap, fit, args.fair_max_batch, label,
-                                         log)
+    if args.fair_overhead != "measure":
+        from flexh2o.units import parse_bytes
+        first, measure = parse_bytes(args.fair_overhead), None
+        log(f"fair: {label} overhead fixed by --fair-overhead (not measured): {first / MiB:.1f} MiB")
+    else:
+        if run is None:
+            from bench_common import run_flexh2o as run
+        first = need(outside_tiers(run(first_probe_argv(args, flags, mem_cap), args.timeout, env, mem_cap),
+                                   f"{label}'s overhead at batch 1", log))
+
+        def measure(plan: list) -> int:  # the plan itself, gen 2, without the cap (measured, not killed)
+            return need(outside_tiers(run(plan_probe_argv(plan), args.timeout, env, None),
+                                      f"{label}'s overhead on its searched plan ({plan_seqs(plan)} sequences)", log))
+    argv, pred, _, budget = sized_search(lambda b: search(base, b, env), mem_cap, first, measure, label, log)
     log(f"fair: flexh2o {label} runs {plan_seqs(argv)} sequences, tiers {plan_tiers(argv)} B of the {mem_cap} B cap "
         f"(searched inside {budget} B; predicted {pred})")
     return argv

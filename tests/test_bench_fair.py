@@ -1,5 +1,5 @@
 """benchmarks/fair.py: Accelerate's largest completing batch is found by doubling then bisecting; flexh2o's process
-overhead outside its tiers is fitted per batch from two probes and its tiers sized for the batch it runs
+overhead outside its tiers is measured on the plan that runs and its tiers sized so that both fit the cap
 (fair_overhead.py)."""
 from __future__ import annotations
 
@@ -47,31 +47,49 @@ CAP = 2560 * MiB
 
 def _args(**kw):
     base = dict(model="opt-1.3b", prompt_len=64, gen_len=32, dtype="float32", compute_dtype="float32", timeout=60,
-                hardware=None, fair_overhead="measure", fair_probe_batch=8, fair_max_batch=256, hh_ratio=None,
-                budget_pct=20)
+                hardware=None, fair_overhead="measure", fair_max_batch=256, hh_ratio=None, budget_pct=20)
     return types.SimpleNamespace(**{**base, **kw})
 
 
 def _plan(n, budget, k=1):
     """A searched plan's argv: n sequences as k GPU batches, the budget split 90/10 as flexh2o_best does."""
-    return ["--model", "opt-1.3b", "--percent", "0", "0", "0", "0", "100", "0", "--gpu-batch-size", str(n // k),
-            "--num-gpu-batches", str(k), "--gpu-mem", str(int(budget * 0.9)), "--cpu-mem",
-            str(budget - int(budget * 0.9))]
+    return ["--model", "opt-1.3b", "--gen-len", "32", "--percent", "0", "0", "0", "0", "100", "0",
+            "--gpu-batch-size", str(n // k), "--num-gpu-batches", str(k), "--gpu-mem", str(int(budget * 0.9)),
+            "--cpu-mem", str(budget - int(budget * 0.9))]
 
 
-def test_fit_is_the_line_through_both_probes():
-    fit = fo.fit_overhead({1: 300 * MiB, 8: 335 * MiB})
-    assert fit.per_seq == 5 * MiB and fit.base == 295 * MiB
-    assert fit.need(1) == math.ceil(1.15 * 300 * MiB) and fit.need(81) == math.ceil(1.15 * 700 * MiB)
-    assert fo.OverheadFit(800 * MiB, 0.0, margin=1.0).need(256) == 800 * MiB  # a fixed figure: no margin
+def _rss_run(outside):
+    """A fake run_flexh2o whose process holds outside(argv, cap) bytes beside 900 + 100 MiB of tiers."""
+    seen = []
+
+    def run(argv, timeout, env, cap):
+        seen.append((argv, cap))
+        rss = 1000 * MiB + outside(argv, cap)
+        return Outcome("ok", {"peak_bytes": {"cpu_rss": rss, "gpu": 900 * MiB, "cpu_tier": 100 * MiB, "disk": 0}})
+    return run, seen
 
 
-def test_fit_clamps_a_shrinking_overhead_at_the_larger_probe():
-    fit = fo.fit_overhead({8: 290 * MiB, 1: 300 * MiB})  # the larger batch measured less (RSS noise)
-    assert fit.per_seq == 0 and fit.base == 300 * MiB  # never below a probe
-    assert fo.fit_overhead({1: 280 * MiB}) == fo.OverheadFit(280 * MiB, 0.0)
-    with pytest.raises(ValueError, match="one or two batches"):
-        fo.fit_overhead({})
+def test_outside_tiers_is_peak_rss_minus_the_tiers_peaks_and_a_failure_is_named():
+    run, _ = _rss_run(lambda argv, cap: 300 * MiB)
+    lines = []
+    assert fo.outside_tiers(run([], 1, {}, CAP), "full's overhead", lines.append) == 300 * MiB
+    assert "300.0 MiB outside the tiers" in lines[0] and fo.need(300 * MiB) == math.ceil(1.15 * 300 * MiB)
+    with pytest.raises(RuntimeError, match="measuring full's overhead at batch 1 failed: error killed at the cap"):
+        fo.outside_tiers(Outcome("error", None, "killed at the cap"), "full's overhead at batch 1")
+
+
+def test_probe_argvs_carry_the_system_and_the_plan():
+    flags = {"kv_policy": "h2o", "kv_budget": 19, "compress_weight": True, "compress_cache": True}
+    a = fo.first_probe_argv(_args(), flags, CAP)
+    assert a[a.index("--gpu-batch-size") + 1] == "1" and a[a.index("--prompt-len") + 1] == "64"
+    assert a[a.index("--gen-len") + 1] == "2" and a[a.index("--kv-budget") + 1] == "19"
+    assert "--compress-weight" in a and "--compress-cache" in a and a[a.index("--percent") + 3] == "100"
+    plan = _plan(256, 1000 * MiB, k=2)
+    probe = fo.plan_probe_argv(plan)
+    assert probe[probe.index("--gen-len") + 1] == "2" and plan[plan.index("--gen-len") + 1] == "32"
+    i = plan.index("--gen-len") + 1
+    assert probe[:i] + probe[i + 1:] == plan[:i] + plan[i + 1:]  # nothing else changed
+    assert fo.plan_probe_argv(["--gpu-batch-size", "4"])[-2:] == ["--gen-len", "2"]
 
 
 def test_plan_seqs_and_tiers_read_the_searched_argv():
@@ -83,36 +101,7 @@ def test_plan_seqs_and_tiers_read_the_searched_argv():
         fo.plan_seqs(["--gpu-mem", "1GB"])
 
 
-def test_measured_fit_probes_each_batch_with_the_system_flags():
-    seen = []
-
-    def run(argv, timeout, env, cap):
-        seen.append(argv)
-        b = int(argv[argv.index("--gpu-batch-size") + 1])
-        peak = {"cpu_rss": (1000 + 300 + 4 * b) * MiB, "gpu": 900 * MiB, "cpu_tier": 100 * MiB, "disk": 0}
-        return Outcome("ok", {"peak_bytes": peak})
-    flags = {"kv_policy": "h2o", "kv_budget": 19, "compress_weight": True, "compress_cache": True}
-    lines = []
-    fit = fo.measured_fit(_args(), {}, CAP, flags, run, "h2o-q4", lines.append)
-    assert fit.per_seq == 4 * MiB and fit.base == 300 * MiB
-    assert [a[a.index("--gpu-batch-size") + 1] for a in seen] == ["1", "8"]
-    for a in seen:
-        assert a[a.index("--prompt-len") + 1] == "64" and a[a.index("--gen-len") + 1] == "2"
-        assert a[a.index("--num-gpu-batches") + 1] == "1" and a[a.index("--kv-budget") + 1] == "19"
-        assert "--compress-weight" in a and "--compress-cache" in a and a[a.index("--percent") + 3] == "100"
-    assert len(lines) == 3 and "304.0 MiB" in lines[0] and "332.0 MiB" in lines[1] and "per sequence" in lines[2]
-    seen.clear()
-    fo.measured_fit(_args(fair_max_batch=1), {}, CAP, flags, run, "h2o-q4", lines.append)
-    assert len(seen) == 1  # no batch larger than 1 runs: one probe
-
-
-def test_a_failed_probe_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="full's process overhead at batch 1 .*error killed at the memory cap"):
-        fo.probe_overhead(_args(), {}, CAP, {}, 1, lambda *a: Outcome("error", None, "killed at the memory cap"),
-                          "full", lambda line: None)
-
-
-def _growing_search(budgets, seqs_per_mib=0.1, most=256):
+def _search(budgets, seqs_per_mib=0.1, most=256):
     """A fake flexh2o search whose batch grows with its budget (seqs_per_mib sequences per MiB of tiers)."""
     def search(budget):
         budgets.append(budget)
@@ -121,77 +110,58 @@ def _growing_search(budgets, seqs_per_mib=0.1, most=256):
     return search
 
 
-def _budget_fits(fit, argv):
-    return fit.need(fo.plan_seqs(argv)) <= CAP - fo.plan_tiers(argv)
-
-
-def test_sized_search_iterates_to_the_batch_it_runs():
-    fit = fo.OverheadFit(280 * MiB, 3 * MiB)  # at 256 sequences: 1.15 x 1048 MiB outside the tiers
+def test_a_plan_that_fits_beside_its_measured_overhead_is_kept_at_once():
     budgets, lines = [], []
-
-    def search(budget):  # more tiers, fewer sequences (the weights move into memory): 200, 190, 180, 170...
-        budgets.append(budget)
-        n = 210 - 10 * len(budgets)
-        return _plan(n, budget), float(n), [(budget, "tried")]
-    argv, pred, tried, budget = fo.sized_search(search, CAP, fit, 256, "h2o", lines.append)
-    assert budgets == [CAP - fit.need(256), CAP - fit.need(200), CAP - fit.need(190)]  # at most 3 searches
-    assert fo.plan_seqs(argv) == 180 and pred == 180.0 and budget == budgets[-1] and tried == [(budget, "tried")]
-    assert _budget_fits(fit, argv) and budget > budgets[0]  # the tiers got what 256 sequences would have needed
-    assert len(lines) == 3 and all("fits the cap" in ln and "sequences need" in ln for ln in lines)
+    argv, pred, tried, budget = fo.sized_search(_search(budgets), CAP, 300 * MiB, lambda plan: 250 * MiB, "h2o",
+                                                lines.append)
+    assert budgets == [CAP - 300 * MiB] and budget == budgets[0] and fo.plan_seqs(argv) == 226 and pred == 226.0
+    assert len(lines) == 1 and "fits the cap" in lines[0] and "250.0 MiB needed outside" in lines[0]
 
 
-def test_sized_search_stops_when_the_plan_repeats():
-    fit = fo.OverheadFit(280 * MiB, 3 * MiB)
-    budgets = []
-    argv, _, _, budget = fo.sized_search(_growing_search(budgets, most=40), CAP, fit, 256, "full", lambda s: None)
-    assert fo.plan_seqs(argv) == 40 and budgets == [CAP - fit.need(256), CAP - fit.need(40)]  # 40 twice: stop
-    assert budget == CAP - fit.need(40) and _budget_fits(fit, argv)
-
-
-def test_sized_search_keeps_the_previous_plan_when_the_last_violates():
-    fit = fo.OverheadFit(200 * MiB, 4 * MiB)
+def test_a_plan_over_the_cap_is_searched_again_inside_what_it_measured():
     budgets, lines = [], []
+    measured = {}
 
-    def search(budget):  # 100 sequences at the first budget, then 250: more than the larger budget leaves room for
-        budgets.append(budget)
-        n = 100 if len(budgets) == 1 else 250
-        return _plan(n, budget), float(n), []
-    argv, pred, _, budget = fo.sized_search(search, CAP, fit, 256, "h2o", lines.append)
-    assert len(budgets) == 2 and not _budget_fits(fit, _plan(250, budgets[1]))
-    assert fo.plan_seqs(argv) == 100 and budget == budgets[0] and pred == 100.0 and _budget_fits(fit, argv)
-    assert "previous plan kept" in lines[1] and "fits the cap" in lines[0]
-
-
-def test_sized_search_refuses_an_overhead_larger_than_the_cap():
-    with pytest.raises(RuntimeError, match="lower --fair-max-batch"):
-        fo.sized_search(_growing_search([]), CAP, fo.OverheadFit(300 * MiB, 10 * MiB), 256, "full", print)
+    def measure(plan):  # 3 MiB a sequence beyond 300 MiB: 226 sequences need 978 MiB, more than the first guess
+        measured[fo.plan_seqs(plan)] = 300 * MiB + 3 * MiB * fo.plan_seqs(plan)
+        return measured[fo.plan_seqs(plan)]
+    argv, _, _, budget = fo.sized_search(_search(budgets), CAP, 300 * MiB, measure, "full", lines.append)
+    assert budgets[0] == CAP - 300 * MiB and budgets[1] == CAP - measured[226]  # the second inside the first's need
+    assert budget == budgets[-1] and measured[fo.plan_seqs(argv)] <= CAP - fo.plan_tiers(argv)
+    assert "over the cap" in lines[0] and "fits the cap" in lines[-1]
 
 
-def test_fixed_overhead_makes_no_probe_and_one_search(monkeypatch):
+def test_no_plan_fitting_in_the_rounds_is_an_error():
+    with pytest.raises(RuntimeError, match="no searched plan left its measured overhead inside the 2560 MiB cap in "
+                                           "3 searches"):
+        fo.sized_search(_search([]), CAP, 300 * MiB, lambda plan: CAP - fo.plan_tiers(plan) + MiB, "full",
+                        lambda s: None)  # each plan needs 1 MiB more than its tiers leave
+    with pytest.raises(RuntimeError, match="the whole 2560 MiB cap: lower --fair-max-batch"):
+        fo.sized_search(_search([]), CAP, CAP, None, "full", lambda s: None)
+
+
+def test_fixed_overhead_makes_no_probe_and_one_search():
     def no_run(*a):
         raise AssertionError("a probe ran although --fair-overhead was given")
-    monkeypatch.setattr("bench_common.run_flexh2o", no_run)
     budgets, bases = [], []
 
     def search(base, budget, env):
         bases.append(base)
-        return _growing_search(budgets)(budget)
-    args = _args(fair_overhead="800MB")
-    argv = fair.flexh2o_plan(args, {}, CAP, "full", {"kv_policy": "full"}, lambda s: None, search=search)
-    assert budgets == [CAP - 800 * MiB] and fo.plan_tiers(argv) == CAP - 800 * MiB  # constant at every batch
+        return _search(budgets)(budget)
+    argv = fair.flexh2o_plan(_args(fair_overhead="800MB"), {}, CAP, "full", {"kv_policy": "full"}, lambda s: None,
+                             run=no_run, search=search)
+    assert budgets == [CAP - 800 * MiB] and fo.plan_tiers(argv) == CAP - 800 * MiB
     assert bases[0][bases[0].index("--max-seqs") + 1] == "256" and "--kv-policy" in bases[0]
 
 
-def test_flexh2o_plan_sizes_from_the_systems_own_probes():
-    probed = []
-
-    def run(argv, timeout, env, cap):
-        probed.append(argv)
-        b = int(argv[argv.index("--gpu-batch-size") + 1])
-        return Outcome("ok", {"peak_bytes": {"cpu_rss": (600 + 2 * b) * MiB, "gpu": 300 * MiB, "cpu_tier": 0}})
+def test_flexh2o_plan_probes_batch_1_under_the_cap_then_the_plan_without_it():
+    run, seen = _rss_run(lambda argv, cap: (200 + 2 * fo.plan_seqs(argv)) * MiB)
     budgets = []
     argv = fair.flexh2o_plan(_args(), {}, CAP, "h2o", {"kv_policy": "h2o", "kv_budget": 19}, lambda s: None, run=run,
-                             search=lambda base, budget, env: _growing_search(budgets)(budget))
-    fit = fo.OverheadFit(300 * MiB, 2 * MiB)
-    assert len(probed) == 2 and all("--kv-budget" in a for a in probed)
-    assert budgets[0] == CAP - fit.need(256) and _budget_fits(fit, argv)
+                             search=lambda base, budget, env: _search(budgets)(budget))
+    first, plans = seen[0], seen[1:]
+    assert first[1] == CAP and first[0][first[0].index("--gpu-batch-size") + 1] == "1"
+    assert budgets[0] == CAP - fo.need(202 * MiB)  # the batch-1 probe's 202 MiB, x1.15
+    assert plans and all(cap is None and a[a.index("--gen-len") + 1] == "2" for a, cap in plans)
+    n = fo.plan_seqs(argv)
+    assert fo.need((200 + 2 * n) * MiB) <= CAP - fo.plan_tiers(argv)  # what runs fits beside its own overhead
