@@ -124,7 +124,11 @@ def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=pri
         def measure(plan: list) -> int:  # the plan itself, gen 2, without the cap (measured, not killed)
             return need(outside_tiers(run(plan_probe_argv(plan), args.timeout, env, None),
                                       f"{label}'s overhead on its searched plan ({plan_seqs(plan)} sequences)", log))
-    argv, pred, _, budget = sized_search(lambda b: search(base, b, env), mem_cap, first, measure, label, log)
+    def limited(budget: int, seqs: int) -> tuple:
+        at_most = list(base)
+        at_most[at_most.index("--max-seqs") + 1] = str(seqs)
+        return search(at_most, budget, env)
+    argv, pred, _, budget = sized_search(limited, mem_cap, first, measure, label, log, most=args.fair_max_batch)
     log(f"fair: flexh2o {label} runs {plan_seqs(argv)} sequences, tiers {plan_tiers(argv)} B of the {mem_cap} B cap "
         f"(searched inside {budget} B; predicted {pred})")
     return argv

@@ -6,9 +6,11 @@ plan that will run, not extrapolated: a first probe (batch 1, the real prompt le
 under the cap) gives the least any plan holds, and flexh2o's search gets the cap minus that (x OVERHEAD_MARGIN) for
 its tiers. The plan it picks is then run itself with gen_len 2 (its prefill, the peak of its transients, and a
 decode step), without the cap so that a plan over it is measured rather than killed; its peak RSS minus its tiers'
-peaks, x OVERHEAD_MARGIN, must fit in the cap beside its tiers. If it does not, the search runs again inside the
-cap minus that measured figure, up to SEARCH_ROUNDS searches. A linear fit over two small probes was tried first and
-does not work: on opt-1.3b (prompt 64) batch 1 and 8 held 475 and 566 MiB, a slope of 13 MiB a sequence (the
+peaks, x OVERHEAD_MARGIN, must fit in the cap beside its tiers. If it does not, the search runs again with at most
+half its sequences, inside the cap minus the need interpolated at that count on the line between the batch-1 probe
+and the plan's own figure, up to SEARCH_ROUNDS searches, each searched plan measured again (on opt-1.3b in bf16 at
+prompt 64, 252 sequences held 1,094 MiB outside the tiers against 471 MiB at batch 1: searched again inside what 252
+sequences need, nothing fitted). Extrapolating a line over two small probes does not work: on opt-1.3b (prompt 64) batch 1 and 8 held 475 and 566 MiB, a slope of 13 MiB a sequence (the
 8 x 64-token prefill's transients) that extrapolates to 4.4 GiB at 256 sequences, whose prefill the plan splits into
 sub-batches. A --fair-overhead figure replaces every measurement (no probe, no margin).
 """
@@ -20,7 +22,7 @@ from typing import Callable, Optional
 OVERHEAD_MARGIN = 1.15  # on a measured overhead: a probe decodes 2 tokens, the real run more
 PROBE_GEN_LEN = 2
 PROBE_PERCENT = "0 0 100 0 100 0"  # the first probe: weights on disk, cache and activations in the gpu tier
-SEARCH_ROUNDS = 3
+SEARCH_ROUNDS = 5
 MiB = 1 << 20
 
 
@@ -82,27 +84,44 @@ def plan_tiers(argv: list) -> int:
     return parse_bytes(plan_value(argv, "--gpu-mem")) + parse_bytes(plan_value(argv, "--cpu-mem"))
 
 
+def interpolated(first: int, got: int, n: int, seqs: int) -> int:
+    """Need at `seqs` sequences on the line from (1, first) to (n, got): an overhead that grows more slowly per
+    sequence as batches grow (prefill transients split into sub-batches) lies below it, so the estimate is safe."""
+    return got if n <= 1 else int(first + (got - first) * (seqs - 1) / (n - 1))
+
+
 def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[Callable], label: str, log=print,
-                 rounds: int = SEARCH_ROUNDS) -> tuple:
-    """(argv, predicted tok/s, tried, budget): search(budget) -> (argv, predicted, tried) inside mem_cap - first
-    bytes; measure(argv) -> bytes the plan needs outside its tiers (margin included; None: `first` is a fixed
-    figure, which the plan fits by construction). A plan whose measured need does not fit beside its tiers is
-    searched again inside mem_cap - that need, at most `rounds` searches; RuntimeError when none fits."""
-    allowed = first
+                 rounds: int = SEARCH_ROUNDS, most: int = 256) -> tuple:
+    """(argv, predicted tok/s, tried, budget): search(budget, max_seqs) -> (argv, predicted, tried) inside
+    mem_cap - first bytes, at most `most` sequences; measure(argv) -> bytes the plan needs outside its tiers (margin
+    included; None: `first` is a fixed figure, which the plan fits by construction). A plan of n sequences whose
+    measured need does not fit beside its tiers is searched again with at most n // 2 sequences, inside mem_cap
+    minus the need interpolated there between the batch-1 figure and the plan's (a search that then finds nothing
+    halves again), at most `rounds` searches; RuntimeError when none fits."""
+    allowed, seqs = first, most
     for i in range(1, rounds + 1):
         budget = mem_cap - allowed
         if budget <= 0:
             raise RuntimeError(f"flexh2o {label} needs {allowed / MiB:.0f} MiB outside its tiers, the whole "
                                f"{mem_cap / MiB:.0f} MiB cap: lower --fair-max-batch or raise --mem-cap")
-        argv, pred, tried = search(budget)
-        used = plan_tiers(argv)
+        try:
+            argv, pred, tried = search(budget, seqs)
+        except RuntimeError as e:  # nothing fits this budget: fewer sequences need less outside the tiers
+            if i == 1 or seqs <= 1:
+                raise
+            log(f"fair: flexh2o {label} search {i}/{rounds} inside {budget} B, at most {seqs} sequences: {e}")
+            allowed, seqs = interpolated(first, last[1], last[0], seqs // 2), seqs // 2
+            continue
+        used, n = plan_tiers(argv), plan_seqs(argv)
         got = allowed if measure is None else measure(argv)
         fits = got <= mem_cap - used
-        log(f"fair: flexh2o {label} search {i}/{rounds} inside {budget} B: tried {tried}; best {' '.join(argv)} "
-            f"(predicted {pred}): {plan_seqs(argv)} sequences, tiers {used / MiB:.1f} MiB, "
+        log(f"fair: flexh2o {label} search {i}/{rounds} inside {budget} B, at most {seqs} sequences: tried {tried}; "
+            f"best {' '.join(argv)} (predicted {pred}): {n} sequences, tiers {used / MiB:.1f} MiB, "
             f"{got / MiB:.1f} MiB needed outside them: " + ("fits the cap" if fits else "over the cap"))
         if fits:
             return argv, pred, tried, budget
-        allowed = got
+        last = (n, got)
+        seqs = max(1, n // 2)
+        allowed = interpolated(first, got, n, seqs)
     raise RuntimeError(f"flexh2o {label}: no searched plan left its measured overhead inside the "
                        f"{mem_cap / MiB:.0f} MiB cap in {rounds} searches: lower --fair-max-batch or raise --mem-cap")

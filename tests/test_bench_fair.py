@@ -103,9 +103,9 @@ def test_plan_seqs_and_tiers_read_the_searched_argv():
 
 def _search(budgets, seqs_per_mib=0.1, most=256):
     """A fake flexh2o search whose batch grows with its budget (seqs_per_mib sequences per MiB of tiers)."""
-    def search(budget):
+    def search(budget, seqs=most):
         budgets.append(budget)
-        n = max(1, min(most, int(budget / MiB * seqs_per_mib)))
+        n = max(1, min(most, seqs, int(budget / MiB * seqs_per_mib)))
         return _plan(n, budget), float(n), [(budget, "tried")]
     return search
 
@@ -122,18 +122,41 @@ def test_a_plan_over_the_cap_is_searched_again_inside_what_it_measured():
     budgets, lines = [], []
     measured = {}
 
-    def measure(plan):  # 3 MiB a sequence beyond 300 MiB: 226 sequences need 978 MiB, more than the first guess
+    def measure(plan):  # 3 MiB a sequence beyond 300 MiB: 225 sequences need 975 MiB, more than batch 1's 303
         measured[fo.plan_seqs(plan)] = 300 * MiB + 3 * MiB * fo.plan_seqs(plan)
         return measured[fo.plan_seqs(plan)]
-    argv, _, _, budget = fo.sized_search(_search(budgets), CAP, 300 * MiB, measure, "full", lines.append)
-    assert budgets[0] == CAP - 300 * MiB and budgets[1] == CAP - measured[226]  # the second inside the first's need
+    argv, _, _, budget = fo.sized_search(_search(budgets), CAP, 303 * MiB, measure, "full", lines.append)
+    assert budgets[0] == CAP - 303 * MiB  # the second: at most 112 sequences, inside the need interpolated there
+    assert budgets[1] == CAP - (303 * MiB + (measured[225] - 303 * MiB) * 111 // 224)
     assert budget == budgets[-1] and measured[fo.plan_seqs(argv)] <= CAP - fo.plan_tiers(argv)
+    assert fo.plan_seqs(argv) == 112 and "at most 112 sequences" in lines[1] and len(lines) == 2
     assert "over the cap" in lines[0] and "fits the cap" in lines[-1]
+
+
+def test_a_search_that_finds_nothing_after_a_plan_over_the_cap_halves_again():
+    budgets, lines, seqs_asked = [], [], []
+
+    def search(budget, seqs):  # nothing fits below 1,600 MiB of tiers; a plan's need is 8 MiB a sequence
+        seqs_asked.append(seqs)
+        if budget < 1600 * MiB:
+            raise RuntimeError("no placement fits")
+        return _search(budgets)(budget, seqs)
+    argv, _, _, _ = fo.sized_search(search, CAP, 300 * MiB, lambda plan: 8 * MiB * fo.plan_seqs(plan), "h2o",
+                                    lines.append)
+    assert seqs_asked[:3] == [256, 113, 56] and "no placement fits" in lines[1]
+    assert 8 * MiB * fo.plan_seqs(argv) <= CAP - fo.plan_tiers(argv) and "fits the cap" in lines[-1]
+    with pytest.raises(RuntimeError, match="no placement fits"):  # the first search's failure is the answer
+        fo.sized_search(lambda b, n: search(0, n), CAP, 300 * MiB, None, "h2o", lines.append)
+
+
+def test_interpolated_need_lies_on_the_line_from_batch_1_to_the_plan():
+    assert fo.interpolated(100, 1100, 101, 51) == 600 and fo.interpolated(100, 1100, 101, 1) == 100
+    assert fo.interpolated(100, 700, 1, 1) == 700
 
 
 def test_no_plan_fitting_in_the_rounds_is_an_error():
     with pytest.raises(RuntimeError, match="no searched plan left its measured overhead inside the 2560 MiB cap in "
-                                           "3 searches"):
+                                           "5 searches"):
         fo.sized_search(_search([]), CAP, 300 * MiB, lambda plan: CAP - fo.plan_tiers(plan) + MiB, "full",
                         lambda s: None)  # each plan needs 1 MiB more than its tiers leave
     with pytest.raises(RuntimeError, match="the whole 2560 MiB cap: lower --fair-max-batch"):
@@ -147,7 +170,7 @@ def test_fixed_overhead_makes_no_probe_and_one_search():
 
     def search(base, budget, env):
         bases.append(base)
-        return _search(budgets)(budget)
+        return _search(budgets)(budget, int(base[base.index("--max-seqs") + 1]))
     argv = fair.flexh2o_plan(_args(fair_overhead="800MB"), {}, CAP, "full", {"kv_policy": "full"}, lambda s: None,
                              run=no_run, search=search)
     assert budgets == [CAP - 800 * MiB] and fo.plan_tiers(argv) == CAP - 800 * MiB
@@ -158,7 +181,8 @@ def test_flexh2o_plan_probes_batch_1_under_the_cap_then_the_plan_without_it():
     run, seen = _rss_run(lambda argv, cap: (200 + 2 * fo.plan_seqs(argv)) * MiB)
     budgets = []
     argv = fair.flexh2o_plan(_args(), {}, CAP, "h2o", {"kv_policy": "h2o", "kv_budget": 19}, lambda s: None, run=run,
-                             search=lambda base, budget, env: _search(budgets)(budget))
+                             search=lambda base, budget, env: _search(budgets)(
+                                 budget, int(base[base.index("--max-seqs") + 1])))
     first, plans = seen[0], seen[1:]
     assert first[1] == CAP and first[0][first[0].index("--gpu-batch-size") + 1] == "1"
     assert budgets[0] == CAP - fo.need(202 * MiB)  # the batch-1 probe's 202 MiB, x1.15
