@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                     "under the cap (fair.py: flexh2o's own search inside the cap, Accelerate's largest completing "
                     "batch)")
     ap.add_argument("--fair-overhead", default="measure", help="process memory outside flexh2o's tiers (--fair). "
-                    "Default: measured per system on the plan that runs (a batch-1 probe under the cap, then the "
+                    "Default: measured per system on the plan that runs (a batch-1 probe, then the "
                     "searched plan run for 2 tokens; fair_overhead.py). BYTES: a fixed figure for every plan that "
                     "bypasses the measurement (no probe, no margin)")
     ap.add_argument("--fair-max-batch", type=int, default=256, help="most sequences at once (--fair): the largest "

@@ -118,7 +118,7 @@ def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=pri
     else:
         if run is None:
             from bench_common import run_flexh2o as run
-        first = need(outside_tiers(run(first_probe_argv(args, flags, mem_cap), args.timeout, env, mem_cap),
+        first = need(outside_tiers(run(first_probe_argv(args, flags, mem_cap), args.timeout, env, None),
                                    f"{label}'s overhead at batch 1", log))
 
         def measure(plan: list) -> int:  # the plan itself, gen 2, without the cap (measured, not killed)

@@ -2,8 +2,9 @@
 (compare.py --fair, through fair.py).
 
 The overhead (torch, Python, the I/O buffers, prefill activations and logits outside the tiers) is measured on the
-plan that will run, not extrapolated: a first probe (batch 1, the real prompt length, gen_len 2, the weights on disk,
-under the cap) gives the least any plan holds, and flexh2o's search gets the cap minus that (x OVERHEAD_MARGIN) for
+plan that will run, not extrapolated: a first probe (batch 1, the real prompt length, gen_len 2, the weights on disk;
+run without the cap, like every probe, so that what it needs is measured rather than killed: h2o-q4's was killed at
+1.25 GiB) gives the least any plan holds, and flexh2o's search gets the cap minus that (x OVERHEAD_MARGIN) for
 its tiers. The plan it picks is then run itself with gen_len 2 (its prefill, the peak of its transients, and a
 decode step), without the cap so that a plan over it is measured rather than killed; its peak RSS minus its tiers'
 peaks, x OVERHEAD_MARGIN, must fit in the cap beside its tiers. If it does not, the search runs again with at most

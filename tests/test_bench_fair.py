@@ -177,14 +177,14 @@ def test_fixed_overhead_makes_no_probe_and_one_search():
     assert bases[0][bases[0].index("--max-seqs") + 1] == "256" and "--kv-policy" in bases[0]
 
 
-def test_flexh2o_plan_probes_batch_1_under_the_cap_then_the_plan_without_it():
+def test_flexh2o_plan_probes_batch_1_then_the_plan_both_without_the_cap():
     run, seen = _rss_run(lambda argv, cap: (200 + 2 * fo.plan_seqs(argv)) * MiB)
     budgets = []
     argv = fair.flexh2o_plan(_args(), {}, CAP, "h2o", {"kv_policy": "h2o", "kv_budget": 19}, lambda s: None, run=run,
                              search=lambda base, budget, env: _search(budgets)(
                                  budget, int(base[base.index("--max-seqs") + 1])))
     first, plans = seen[0], seen[1:]
-    assert first[1] == CAP and first[0][first[0].index("--gpu-batch-size") + 1] == "1"
+    assert first[1] is None and first[0][first[0].index("--gpu-batch-size") + 1] == "1"
     assert budgets[0] == CAP - fo.need(202 * MiB)  # the batch-1 probe's 202 MiB, x1.15
     assert plans and all(cap is None and a[a.index("--gen-len") + 1] == "2" for a, cap in plans)
     n = fo.plan_seqs(argv)
