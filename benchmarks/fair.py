@@ -3,10 +3,10 @@
 flexh2o: its own policy search (flexh2o-run --policy auto --dry-run) with the tiers sized inside the cap: a budget
 (the cap minus the process memory outside the tiers that the searched batch needs) split between the gpu and cpu
 tiers in a few ways (on a CPU both are host memory), the best predicted split kept, per system (full, h2o, h2o-q4).
-The memory outside the tiers (torch, Python, I/O buffers, activations, logits) is measured per system on the plan
-that runs: a batch-1 probe sizes the first search, the plan found is run for 2 tokens without the cap and its
-peak RSS minus its tiers' peaks (x1.15) must fit beside its tiers, else the search runs again inside what that left
-(fair_overhead.py). --fair-overhead BYTES bypasses the measurement: that fixed figure for every plan, no probe.
+The memory outside the tiers (torch, Python, I/O buffers, what the plan does not count) is measured per system on
+the plan that runs: a batch-1 probe sizes the first search, the plan found is run for 2 tokens without the cap and
+its peak RSS minus its tiers (each the larger of its accounted peak and its plan), x1.15, must fit beside its tiers,
+else the search runs again with fewer sequences (fair_overhead.py). --fair-overhead BYTES bypasses the measurement: that fixed figure for every plan, no probe.
 Accelerate: the largest batch that completes under the cap, found by doubling from 1 and then bisecting, each try a
 whole run (same lengths) with a timeout; every try is logged. --fair-peer-batches B1,B2,... tries only those, in
 increasing order up to the first that fails (each try of a large model streamed from disk takes minutes: the best

@@ -6,8 +6,8 @@ plan that will run, not extrapolated: a first probe (batch 1, the real prompt le
 run without the cap, like every probe, so that what it needs is measured rather than killed: h2o-q4's was killed at
 1.25 GiB) gives the least any plan holds, and flexh2o's search gets the cap minus that (x OVERHEAD_MARGIN) for
 its tiers. The plan it picks is then run itself with gen_len 2 (its prefill, the peak of its transients, and a
-decode step), without the cap so that a plan over it is measured rather than killed; its peak RSS minus its tiers'
-peaks, x OVERHEAD_MARGIN, must fit in the cap beside its tiers. If it does not, the search runs again with at most
+decode step), without the cap so that a plan over it is measured rather than killed; its peak RSS minus its tiers
+(each the larger of its accounted peak and its planned bytes), x OVERHEAD_MARGIN, must fit in the cap beside its tiers. If it does not, the search runs again with at most
 half its sequences, inside the cap minus the need interpolated at that count on the line between the batch-1 probe
 and the plan's own figure, up to SEARCH_ROUNDS searches, each searched plan measured again (on opt-1.3b in bf16 at
 prompt 64, 252 sequences held 1,094 MiB outside the tiers against 471 MiB at batch 1: searched again inside what 252
@@ -33,15 +33,21 @@ def need(raw: float, margin: float = OVERHEAD_MARGIN) -> int:
 
 
 def outside_tiers(got, what: str, log=print) -> int:
-    """Peak RSS minus the tiers' peaks of a finished flexh2o-run (bench_common.Outcome); RuntimeError naming `what`
-    when it did not finish."""
+    """Peak RSS minus what the tiers hold of it, for a finished flexh2o-run (bench_common.Outcome); RuntimeError
+    naming `what` when it did not finish. A tier holds the larger of its measured peak and its planned bytes: the
+    plan counts in the gpu tier the transients of a layer's compute (prefill attention and MLP, logits) and in the
+    cpu tier the host's per-sequence lists, which no tier's accounted peak sees, and the search already sized the
+    tiers to hold them; subtracting only the accounted peaks counted them twice (on opt-1.3b bf16 at 252 sequences
+    the plan's tiers held 338 MiB more than their accounted peaks)."""
     if got.status != "ok":
         raise RuntimeError(f"measuring {what} failed: {got.status} {got.message}")
-    peak = got.record["peak_bytes"]
-    tiers = (peak.get("gpu") or 0) + (peak.get("cpu_tier") or 0)
+    peak, plan = got.record["peak_bytes"], got.record.get("plan_bytes") or {}
+    planned = {t: sum((plan.get(t) or {}).values()) for t in ("gpu", "cpu")}
+    tiers = max(peak.get("gpu") or 0, planned["gpu"]) + max(peak.get("cpu_tier") or 0, planned["cpu"])
     raw = peak["cpu_rss"] - tiers
-    log(f"fair: {what}: peak rss {peak['cpu_rss'] / MiB:.1f} MiB - tiers' peaks {tiers / MiB:.1f} MiB = "
-        f"{raw / MiB:.1f} MiB outside the tiers")
+    log(f"fair: {what}: peak rss {peak['cpu_rss'] / MiB:.1f} MiB - tiers {tiers / MiB:.1f} MiB (accounted peaks "
+        f"{((peak.get('gpu') or 0) + (peak.get('cpu_tier') or 0)) / MiB:.1f} MiB, planned "
+        f"{(planned['gpu'] + planned['cpu']) / MiB:.1f} MiB) = {raw / MiB:.1f} MiB outside the tiers")
     return raw
 
 
