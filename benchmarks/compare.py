@@ -231,6 +231,7 @@ def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: st
         from fair import fair_commands
         cmds = fair_commands(args, env, mem_cap, {s: cmds[s] for s in systems}, ckpt,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
+        systems = [s for s in systems if s in cmds]  # a system with no plan inside the cap was left out (logged)
     run_id, started, load0 = time.strftime("%Y%m%d-%H%M%S"), time.perf_counter(), load_avg()
     recs, failures = {s: [] for s in systems}, {s: [] for s in systems}
     paired = {s: [] for s in systems}

@@ -136,7 +136,8 @@ def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=pri
 
 def fair_commands(args, env: dict, mem_cap: int, cmds: dict, ckpt: str, log=print) -> dict:
     """cmds with flexh2o's full/h2o/h2o-q4 at their searched best inside the cap and Accelerate at its largest
-    completing batch (see the module docstring); what was measured and tried goes to `log`."""
+    completing batch (see the module docstring); what was measured and tried goes to `log`. A flexh2o system with
+    no plan inside the cap is left out (logged with why), so the others still run."""
     from bench_common import h2o_flags, run_flexh2o, run_peer
     from memcap import drop_cached
     out = dict(cmds)
@@ -144,7 +145,11 @@ def fair_commands(args, env: dict, mem_cap: int, cmds: dict, ckpt: str, log=prin
     for system, flags in (("full", {"kv_policy": "full"}), ("h2o", h2o),
                           ("h2o-q4", {**h2o, "compress_weight": True, "compress_cache": True})):
         if system in cmds:
-            out[system] = (run_flexh2o, flexh2o_plan(args, env, mem_cap, system, flags, log))
+            try:
+                out[system] = (run_flexh2o, flexh2o_plan(args, env, mem_cap, system, flags, log))
+            except RuntimeError as e:  # this system has no plan inside the cap: the others still run
+                log(f"fair: {system} dropped: {e}")
+                del out[system]
     if "accelerate" in cmds:
         peer = list(cmds["accelerate"][1])
         i = peer.index("--batch-size") + 1

@@ -30,6 +30,7 @@ from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.run import Executor
 from flexh2o.schedule.until import until
 from flexh2o.storage.factory import make_tiers
+from flexh2o.storage.freed_memory import return_freed_blocks
 from flexh2o.weights.forms import kept_scale_names, kernel_layout, least_kernel
 from flexh2o.weights.store import WeightStore
 
@@ -52,6 +53,7 @@ class Engine:
     """Holds the weights in their tiers for the engine's lifetime; use as a context manager (cleans up files)."""
 
     def __init__(self, rc: RunConfig, on_progress: Optional[Callable] = None):
+        return_freed_blocks()  # freed transients leave the process, so its memory is what the plan counts
         plan = plan_memory(rc, kernel=least_kernel(rc))  # the least memory this run can take (weights/forms.py)
         plan.check()
         self.rc, self.cfg = rc, rc.model

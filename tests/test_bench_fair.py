@@ -194,3 +194,16 @@ def test_flexh2o_plan_probes_batch_1_then_the_plan_both_without_the_cap():
     assert plans and all(cap is None and a[a.index("--gen-len") + 1] == "2" for a, cap in plans)
     n = fo.plan_seqs(argv)
     assert fo.need((200 + 2 * n) * MiB) <= CAP - fo.plan_tiers(argv)  # what runs fits beside its own overhead
+
+
+def test_a_system_with_no_plan_inside_the_cap_is_left_out_and_the_others_kept(monkeypatch):
+    def plan(args, env, mem_cap, system, flags, log):
+        if system == "h2o-q4":
+            raise RuntimeError("no searched plan left its measured overhead inside the cap")
+        return [system]
+    monkeypatch.setattr(fair, "flexh2o_plan", plan)
+    lines = []
+    cmds = {"full": (None, []), "h2o": (None, []), "h2o-q4": (None, [])}
+    out = fair.fair_commands(_args(), {}, CAP, cmds, "ckpt", lines.append)
+    assert sorted(out) == ["full", "h2o"] and out["h2o"][1] == ["h2o"]
+    assert lines == ["fair: h2o-q4 dropped: no searched plan left its measured overhead inside the cap"]
