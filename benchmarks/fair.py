@@ -85,18 +85,22 @@ def flexh2o_best(base_argv: list, budget: int, env: dict, timeout: float = 600) 
 def largest_completing(completes: Callable[[int], bool], limit: int = 1024, batches: Optional[list] = None) -> tuple:
     """(largest batch b <= limit with completes(b), [(b, ok)...]): doubling from 1, then bisection between the
     last success and the first failure. 0 when batch 1 fails. batches: only these are tried, in increasing order,
-    up to the first that fails (for a peer whose every try is a long run: the best among them, not the boundary)."""
+    up to the first that fails (for a peer whose every try is a long run: the best among them, not the boundary);
+    when the smallest of them fails, the batches below it are searched as without a list (Accelerate at bf16 under
+    1.25 GiB completed no batch of 8)."""
     tries = []
 
     def ok(b: int) -> bool:
         tries.append((b, completes(b)))
         return tries[-1][1]
     if batches:
-        best = 0
-        for b in sorted(x for x in set(batches) if 1 <= x <= limit):
+        best, listed = 0, sorted(x for x in set(batches) if 1 <= x <= limit)
+        for b in listed:
             if not ok(b):
                 break
             best = b
+        if best == 0 and listed and listed[0] > 1:
+            best = largest_passing(ok, listed[0] - 1)
         return best, tries
     return largest_passing(ok, limit), tries
 

@@ -26,7 +26,7 @@ def load(prefix: str) -> dict:
     """(text, scheme, bits) -> result dict, from benchmarks/results/<prefix>_<text>_<scheme><bits>.json."""
     out = {}
     for path in glob.glob(os.path.join("benchmarks", "results", f"{prefix}_*.json")):
-        m = re.fullmatch(rf"{prefix}_([a-z_]+)_(new|flexgen)(\d)\.json", os.path.basename(path))
+        m = re.fullmatch(rf"{prefix}_([a-z_]+)_(new|flexgen|fitted|rotated)(\d)\.json", os.path.basename(path))
         if m:
             with open(path) as fh:
                 out[m.group(1), m.group(2), int(m.group(3))] = json.load(fh)

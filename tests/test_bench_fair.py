@@ -38,6 +38,8 @@ def test_largest_completing_listed_batches_stop_at_the_first_failure():
     got, tries = fair.largest_completing(completes, limit=100, batches=[64, 16, 32, 128])
     assert got == 32 and seen == [16, 32, 64] and tries == [(16, True), (32, True), (64, False)]
     assert fair.largest_completing(lambda b: False, limit=100, batches=[8])[0] == 0
+    got, tries = fair.largest_completing(lambda b: b <= 5, limit=100, batches=[8, 16])  # below the smallest listed
+    assert got == 5 and tries[0] == (8, False) and (5, True) in tries and (6, False) in tries
     assert fair.largest_completing(lambda b: True, limit=50, batches=[8, 64])[0] == 8  # 64 is over the limit
 
 
