@@ -122,5 +122,7 @@ def test_lanes_one_stride_apart_read_as_views_equal_separate_runs(data):
     together = lanes_run(model, lanes, prompts[:1], targets[:1])
     for (policy_name, tokens), (logprob, correct) in zip(lanes, together):
         alone = forced_run(model, policy_name, tokens, prompts[:1], targets[:1])
-        torch.testing.assert_close(logprob, alone.logprob, atol=1e-6, rtol=0, msg=policy_name)
+        # fp32 log-probabilities near -7 (vocab 1000) are a few ulps apart when the batch's shape changes the matmul
+        # kernels' summation order: 1.4e-6 for mean_vnorm at 6 tokens on an Intel Xeon with AVX-512 and AMX
+        torch.testing.assert_close(logprob, alone.logprob, atol=4e-6, rtol=0, msg=policy_name)
         assert torch.equal(correct, alone.correct), policy_name
