@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 
 import psutil
@@ -121,9 +120,11 @@ def stage_line(s: dict) -> str:
 
 
 class RssPeak:
-    """This process's peak resident memory (the cpu tier's honest peak, torch and Python included): the kernel's own
-    high-water mark (getrusage's ru_maxrss), which sees the transients between samples (h2o-q4 on opt-1.3b: sampled
-    at each step 1,004 MiB, the kernel's peak 1,653 MiB, its weights' load), or the samples where there is none."""
+    """This process's peak resident memory (the cpu tier's honest peak, torch and Python included): the kernel's
+    high-water mark of its memory (VmHWM in /proc/self/status), which sees the transients between samples (h2o-q4 on
+    opt-1.3b: sampled at each step 1,004 MiB, the kernel's peak 1,653 MiB, its weights' load), or the samples where
+    there is none. Not getrusage's ru_maxrss: that keeps the peak of the process that spawned this one (a run started
+    by a 4.8 GB test worker reported 4.8 GB)."""
 
     def __init__(self):
         self.proc = psutil.Process(os.getpid())
@@ -134,12 +135,19 @@ class RssPeak:
 
     @property
     def peak(self) -> int:
-        try:
-            import resource
-            kernel = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        except (ImportError, OSError):  # no getrusage (Windows): the samples
-            kernel = 0
-        return max(self.sampled, kernel)
+        return max(self.sampled, high_water_mark())
+
+
+def high_water_mark() -> int:
+    """Bytes of this process's peak resident memory as the kernel kept it (VmHWM; 0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return 0
 
 
 def peak_bytes(eng, rss: RssPeak) -> dict:
