@@ -6,7 +6,8 @@ tiers in a few ways (on a CPU both are host memory), the best predicted split ke
 The memory outside the tiers (torch, Python, I/O buffers, what the plan does not count) is measured per system on
 the plan that runs: a batch-1 probe sizes the first search, the plan found is run for 2 tokens without the cap and
 its peak RSS minus its tiers (each the larger of its accounted peak and its plan), x1.15, must fit beside its tiers,
-else the search runs again with fewer sequences (fair_overhead.py). --fair-overhead BYTES bypasses the measurement: that fixed figure for every plan, no probe.
+else the search runs again with fewer sequences (fair_overhead.py). --fair-overhead BYTES bypasses the
+measurement: that fixed figure for every plan, no probe.
 Accelerate: the largest batch that completes under the cap, found by doubling from 1 and then bisecting, each try a
 whole run (same lengths) with a timeout; every try is logged. --fair-peer-batches B1,B2,... tries only those, in
 increasing order up to the first that fails (each try of a large model streamed from disk takes minutes: the best
@@ -128,6 +129,7 @@ def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=pri
         def measure(plan: list) -> int:  # the plan itself, gen 2, without the cap (measured, not killed)
             return need(outside_tiers(run(plan_probe_argv(plan), args.timeout, env, None),
                                       f"{label}'s overhead on its searched plan ({plan_seqs(plan)} sequences)", log))
+
     def limited(budget: int, seqs: int) -> tuple:
         at_most = list(base)
         at_most[at_most.index("--max-seqs") + 1] = str(seqs)

@@ -7,13 +7,14 @@ run without the cap, like every probe, so that what it needs is measured rather 
 1.25 GiB) gives the least any plan holds, and flexh2o's search gets the cap minus that (x OVERHEAD_MARGIN) for
 its tiers. The plan it picks is then run itself with gen_len 2 (its prefill, the peak of its transients, and a
 decode step), without the cap so that a plan over it is measured rather than killed; its peak RSS minus its tiers
-(each the larger of its accounted peak and its planned bytes), x OVERHEAD_MARGIN, must fit in the cap beside its tiers. If it does not, the search runs again with at most
-half its sequences, inside the cap minus the need interpolated at that count on the line between the batch-1 probe
-and the plan's own figure, up to SEARCH_ROUNDS searches, each searched plan measured again (on opt-1.3b in bf16 at
-prompt 64, 252 sequences held 1,094 MiB outside the tiers against 471 MiB at batch 1: searched again inside what 252
-sequences need, nothing fitted). Extrapolating a line over two small probes does not work: on opt-1.3b (prompt 64) batch 1 and 8 held 475 and 566 MiB, a slope of 13 MiB a sequence (the
-8 x 64-token prefill's transients) that extrapolates to 4.4 GiB at 256 sequences, whose prefill the plan splits into
-sub-batches. A --fair-overhead figure replaces every measurement (no probe, no margin).
+(each the larger of its accounted peak and its planned bytes), x OVERHEAD_MARGIN, must fit in the cap beside its
+tiers. If it does not, the search runs again with at most half its sequences, inside the cap minus the need
+interpolated at that count on the line between the batch-1 probe and the plan's own figure, up to SEARCH_ROUNDS
+searches, each searched plan measured again (on opt-1.3b in bf16 at prompt 64, 252 sequences held 1,094 MiB outside
+the tiers against 471 MiB at batch 1: searched again inside what 252 sequences need, nothing fitted). Extrapolating a
+line over two small probes does not work: on opt-1.3b (prompt 64) batch 1 and 8 held 475 and 566 MiB, a slope of
+13 MiB a sequence (the 8 x 64-token prefill's transients) that extrapolates to 4.4 GiB at 256 sequences, whose
+prefill the plan splits into sub-batches. A --fair-overhead figure replaces every measurement (no probe, no margin).
 """
 from __future__ import annotations
 

@@ -76,7 +76,8 @@ def test_outside_tiers_is_peak_rss_minus_each_tiers_peak_or_plan_and_a_failure_i
     lines = []
     assert fo.outside_tiers(run([], 1, {}, CAP), "full's overhead", lines.append) == 300 * MiB
     assert "300.0 MiB outside the tiers" in lines[0] and fo.need(300 * MiB) == math.ceil(1.15 * 300 * MiB)
-    planned = {"gpu": {"weights": 800 * MiB, "buffers": 300 * MiB}, "cpu": {"buffers": 50 * MiB}, "disk": {"weights": 5000 * MiB}}
+    planned = {"gpu": {"weights": 800 * MiB, "buffers": 300 * MiB}, "cpu": {"buffers": 50 * MiB},
+               "disk": {"weights": 5000 * MiB}}
     rec = {"peak_bytes": {"cpu_rss": 1500 * MiB, "gpu": 900 * MiB, "cpu_tier": 100 * MiB}, "plan_bytes": planned}
     # the gpu tier's plan (1,100 MiB: its transients in buffers) over its accounted 900; the cpu tier's peak over 50
     assert fo.outside_tiers(Outcome("ok", rec), "h2o's overhead", lines.append) == 300 * MiB

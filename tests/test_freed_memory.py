@@ -2,6 +2,7 @@
 leave the process's resident memory instead of staying there. Each case runs in its own process: the setting is
 the process's, and the pattern needs a fresh allocator."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -33,16 +34,16 @@ print(set_, (rss() - base) // MiB)
 """
 
 
-GLIBC = pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64"
-                           or not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6"), reason="glibc's allocator only")
+GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 
 
 def _run(fix: bool, env_extra=None, setup: str = "") -> tuple:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_extra or {})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", PATTERN.format(root=root, fix=fix, setup=setup)], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
+    code = PATTERN.format(root=root, fix=fix, setup=setup)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
     return out[0] == "True", int(out[1])
 
 

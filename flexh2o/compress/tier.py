@@ -2,6 +2,7 @@
 expanded only on the compute side (after the move)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -88,7 +89,7 @@ class CompressedTier:
         flat, at = None, 0
         for c in chunks:
             if flat is None:
-                flat = torch.empty(_numel(handle.shape), dtype=c.dtype, device=c.device)
+                flat = torch.empty(math.prod(handle.shape), dtype=c.dtype, device=c.device)
             flat[at:at + c.numel()] = c.reshape(-1)
             at += c.numel()
         if flat is None or at != flat.numel():
@@ -128,10 +129,3 @@ class KernelOrderTier(CompressedTier):
 
     def expand_into(self, ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
         return expand_kernel_order(ct, out)
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for v in shape:
-        n *= int(v)
-    return n
