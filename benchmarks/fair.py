@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from bench_common import REPO
 from fair_overhead import MiB, first_probe_argv, need, outside_tiers, plan_probe_argv, plan_seqs, plan_tiers, \
-    sized_search
+    sized_search, tiers_held
 from flexh2o.planning.memory_plan import largest_passing
 
 SPLITS = (0.25, 0.5, 0.75, 0.9)  # gpu tier's share of the memory left inside the cap
@@ -126,9 +126,10 @@ def flexh2o_plan(args, env: dict, mem_cap: int, label: str, flags: dict, log=pri
         first = need(outside_tiers(run(first_probe_argv(args, flags, mem_cap), args.timeout, env, None),
                                    f"{label}'s overhead at batch 1", log))
 
-        def measure(plan: list) -> int:  # the plan itself, gen 2, without the cap (measured, not killed)
-            return need(outside_tiers(run(plan_probe_argv(plan), args.timeout, env, None),
-                                      f"{label}'s overhead on its searched plan ({plan_seqs(plan)} sequences)", log))
+        def measure(plan: list) -> tuple:  # the plan itself, gen 2, without the cap (measured, not killed)
+            got = run(plan_probe_argv(plan), args.timeout, env, None)
+            raw = outside_tiers(got, f"{label}'s overhead on its searched plan ({plan_seqs(plan)} sequences)", log)
+            return need(raw), tiers_held(got.record)
 
     def limited(budget: int, seqs: int) -> tuple:
         at_most = list(base)

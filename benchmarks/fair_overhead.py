@@ -7,8 +7,10 @@ run without the cap, like every probe, so that what it needs is measured rather 
 1.25 GiB) gives the least any plan holds, and flexh2o's search gets the cap minus that (x OVERHEAD_MARGIN) for
 its tiers. The plan it picks is then run itself with gen_len 2 (its prefill, the peak of its transients, and a
 decode step), without the cap so that a plan over it is measured rather than killed; its peak RSS minus its tiers
-(each the larger of its accounted peak and its planned bytes), x OVERHEAD_MARGIN, must fit in the cap beside its
-tiers. If it does not, the search runs again with at most half its sequences, inside the cap minus the need
+(each the larger of its accounted peak and its planned bytes), x OVERHEAD_MARGIN, must fit in the cap beside what
+its tiers hold (a tier's unused capacity is never touched: counting the capacities --gpu-mem + --cpu-mem instead cut
+opt-1.3b's full plan from 256 sequences to 64 once the peak became the process's VmHWM, the plan's probe peaking at
+1,143 MiB of the 1,280 MiB cap). If it does not, the search runs again with at most half its sequences, inside the cap minus the need
 interpolated at that count on the line between the batch-1 probe and the plan's own figure, up to SEARCH_ROUNDS
 searches, each searched plan measured again (on opt-1.3b in bf16 at prompt 64, 252 sequences held 1,094 MiB outside
 the tiers against 471 MiB at batch 1: searched again inside what 252 sequences need, nothing fitted). Extrapolating a
@@ -44,12 +46,19 @@ def outside_tiers(got, what: str, log=print) -> int:
         raise RuntimeError(f"measuring {what} failed: {got.status} {got.message}")
     peak, plan = got.record["peak_bytes"], got.record.get("plan_bytes") or {}
     planned = {t: sum((plan.get(t) or {}).values()) for t in ("gpu", "cpu")}
-    tiers = max(peak.get("gpu") or 0, planned["gpu"]) + max(peak.get("cpu_tier") or 0, planned["cpu"])
+    tiers = tiers_held(got.record)
     raw = peak["cpu_rss"] - tiers
     log(f"fair: {what}: peak rss {peak['cpu_rss'] / MiB:.1f} MiB - tiers {tiers / MiB:.1f} MiB (accounted peaks "
         f"{((peak.get('gpu') or 0) + (peak.get('cpu_tier') or 0)) / MiB:.1f} MiB, planned "
         f"{(planned['gpu'] + planned['cpu']) / MiB:.1f} MiB) = {raw / MiB:.1f} MiB outside the tiers")
     return raw
+
+
+def tiers_held(record: dict) -> int:
+    """Bytes a finished flexh2o-run's tiers hold: per tier the larger of its accounted peak and its planned bytes."""
+    peak, plan = record["peak_bytes"], record.get("plan_bytes") or {}
+    planned = {t: sum((plan.get(t) or {}).values()) for t in ("gpu", "cpu")}
+    return max(peak.get("gpu") or 0, planned["gpu"]) + max(peak.get("cpu_tier") or 0, planned["cpu"])
 
 
 def first_probe_argv(args, flags: dict, mem_cap: int) -> list:
@@ -102,8 +111,9 @@ def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[C
                  rounds: int = SEARCH_ROUNDS, most: int = 256) -> tuple:
     """(argv, predicted tok/s, tried, budget): search(budget, max_seqs) -> (argv, predicted, tried) inside
     mem_cap - first bytes, at most `most` sequences; measure(argv) -> bytes the plan needs outside its tiers (margin
-    included; None: `first` is a fixed figure, which the plan fits by construction). A plan of n sequences whose
-    measured need does not fit beside its tiers is searched again with at most n // 2 sequences, inside mem_cap
+    included), or (those bytes, bytes its tiers hold: tiers_held; their capacities --gpu-mem + --cpu-mem count when
+    it is not given); None: `first` is a fixed figure, which the plan fits by construction. A plan of n sequences
+    whose measured need does not fit beside its tiers is searched again with at most n // 2 sequences, inside mem_cap
     minus the need interpolated there between the batch-1 figure and the plan's (a search that then finds nothing
     halves again), at most `rounds` searches; RuntimeError when none fits."""
     allowed, seqs = first, most
@@ -121,11 +131,13 @@ def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[C
             allowed, seqs = interpolated(first, last[1], last[0], seqs // 2), seqs // 2
             continue
         used, n = plan_tiers(argv), plan_seqs(argv)
-        got = allowed if measure is None else measure(argv)
-        fits = got <= mem_cap - used
+        got, held = (allowed, None) if measure is None else _pair(measure(argv))
+        held = used if held is None else min(held, used)
+        fits = got <= mem_cap - held
         log(f"fair: flexh2o {label} search {i}/{rounds} inside {budget} B, at most {seqs} sequences: tried {tried}; "
-            f"best {' '.join(argv)} (predicted {pred}): {n} sequences, tiers {used / MiB:.1f} MiB, "
-            f"{got / MiB:.1f} MiB needed outside them: " + ("fits the cap" if fits else "over the cap"))
+            f"best {' '.join(argv)} (predicted {pred}): {n} sequences, tiers {used / MiB:.1f} MiB holding "
+            f"{held / MiB:.1f} MiB, {got / MiB:.1f} MiB needed outside them: "
+            + ("fits the cap" if fits else "over the cap"))
         if fits:
             return argv, pred, tried, budget
         last = (n, got)
@@ -133,3 +145,8 @@ def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[C
         allowed = interpolated(first, got, n, seqs)
     raise RuntimeError(f"flexh2o {label}: no searched plan left its measured overhead inside the "
                        f"{mem_cap / MiB:.0f} MiB cap in {rounds} searches: lower --fair-max-batch or raise --mem-cap")
+
+
+def _pair(measured) -> tuple:
+    """measure's answer as (bytes needed outside the tiers, bytes the tiers hold or None)."""
+    return measured if isinstance(measured, tuple) else (measured, None)

@@ -61,13 +61,16 @@ def _plan(n, budget, k=1):
 
 
 def _rss_run(outside):
-    """A fake run_flexh2o whose process holds outside(argv, cap) bytes beside 900 + 100 MiB of tiers."""
+    """A fake run_flexh2o whose process holds outside(argv, cap) bytes beside its tiers, which hold their whole
+    --gpu-mem and --cpu-mem (900 + 100 MiB when the argv gives none)."""
     seen = []
 
     def run(argv, timeout, env, cap):
         seen.append((argv, cap))
-        rss = 1000 * MiB + outside(argv, cap)
-        return Outcome("ok", {"peak_bytes": {"cpu_rss": rss, "gpu": 900 * MiB, "cpu_tier": 100 * MiB, "disk": 0}})
+        gpu, cpu = ((int(argv[argv.index(f) + 1]) for f in ("--gpu-mem", "--cpu-mem")) if "--cpu-mem" in argv
+                    else (900 * MiB, 100 * MiB))
+        rss = gpu + cpu + outside(argv, cap)
+        return Outcome("ok", {"peak_bytes": {"cpu_rss": rss, "gpu": gpu, "cpu_tier": cpu, "disk": 0}})
     return run, seen
 
 
@@ -139,6 +142,29 @@ def test_a_plan_over_the_cap_is_searched_again_inside_what_it_measured():
     assert budget == budgets[-1] and measured[fo.plan_seqs(argv)] <= CAP - fo.plan_tiers(argv)
     assert fo.plan_seqs(argv) == 112 and "at most 112 sequences" in lines[1] and len(lines) == 2
     assert "over the cap" in lines[0] and "fits the cap" in lines[-1]
+
+
+def test_a_plan_is_kept_when_its_need_fits_beside_what_its_tiers_hold_not_their_capacities():
+    """256 sequences with 2,260 MiB of tier capacity, of which they hold 1,900 MiB: 350 MiB outside fits the
+    2,560 MiB cap beside what they hold, though not beside the capacities (then 128 sequences would be searched)."""
+    budgets, lines = [], []
+    argv, _, _, _ = fo.sized_search(_search(budgets), CAP, 300 * MiB, lambda plan: (350 * MiB, 1900 * MiB), "full",
+                                    lines.append)
+    assert fo.plan_seqs(argv) == 226 and len(budgets) == 1 and "fits the cap" in lines[0]
+    assert "holding 1900.0 MiB" in lines[0] and 350 * MiB > CAP - fo.plan_tiers(argv)
+    for held in (None, 10 * CAP):  # not known: the capacities count; a tier never holds more than its capacity
+        lines.clear()
+        with pytest.raises(RuntimeError, match="in 1 searches"):
+            fo.sized_search(_search([]), CAP, 300 * MiB, lambda plan: (350 * MiB, held), "full", lines.append,
+                            rounds=1)
+        assert "over the cap" in lines[0] and "holding 2260.0 MiB" in lines[0]
+
+
+def test_tiers_held_is_each_tiers_peak_or_plan():
+    planned = {"gpu": {"weights": 800 * MiB, "buffers": 300 * MiB}, "cpu": {"buffers": 50 * MiB}}
+    rec = {"peak_bytes": {"cpu_rss": 1500 * MiB, "gpu": 900 * MiB, "cpu_tier": 100 * MiB}, "plan_bytes": planned}
+    assert fo.tiers_held(rec) == 1200 * MiB  # gpu: its plan's 1,100 over its peak 900; cpu: its peak 100 over 50
+    assert fo.tiers_held({"peak_bytes": {"cpu_rss": 1, "gpu": None, "cpu_tier": 7}}) == 7
 
 
 def test_a_search_that_finds_nothing_after_a_plan_over_the_cap_halves_again():
