@@ -34,7 +34,7 @@ import time
 
 from bench_common import (add_dtype_args, add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs,
                           h2o_flags,
-                          hardware_args, load_avg, median, mib, run_flexh2o, run_peer, table)
+                          hardware_args, load_avg, median, mib, run_flexh2o, run_peer, table, terminated_as_exit)
 from bench_common import regime as placement_regime  # noqa: E402 (the name `regime` is the fair check's below)
 from memcap import MemCap, drop_cached
 
@@ -216,11 +216,12 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
     offload = os.path.join(os.path.expanduser("~"), "flexh2o_offload")
     os.makedirs(offload, exist_ok=True)
-    workdir = tempfile.mkdtemp(prefix="hf-ckpt-", dir=offload)
-    try:
-        return _compare(args, env, systems, batches, mem_cap, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with terminated_as_exit():
+        workdir = tempfile.mkdtemp(prefix="hf-ckpt-", dir=offload)
+        try:
+            return _compare(args, env, systems, batches, mem_cap, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: str) -> int:
