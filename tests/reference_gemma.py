@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from reference_kv import _rope, _rotate
+from reference_forward import _rope, _rotate
 
 
 def gemma2_forward(cfg, w: dict, ids: list, visible: list, quant: tuple = (None, 0),

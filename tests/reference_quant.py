@@ -138,6 +138,6 @@ def rotated(quant):
 
 def recent(keys, values, window: int, sinks: int = 0) -> tuple:
     """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens and its first
-    `sinks` tokens exact: the (keys, values, window, sinks) tuple tests/reference_kv.attention reads (query i reads
+    `sinks` tokens exact: the (keys, values, window, sinks) tuple tests/reference_forward.attention reads (query i reads
     token j exact when j > i - window or j < sinks)."""
     return keys, values, window, sinks

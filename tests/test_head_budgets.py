@@ -1,6 +1,6 @@
 """Per-head budgets (the adakv policy): the KV heads of a layer share heads x B tokens per sequence, each head keeping
 its protected tokens and at most floor(head_cap x B). The engine's policy is driven as the cache drives it and every
-decision is checked against the reference's greedy, set-based rules (tests/reference_kv.py: layer_prefill,
+decision is checked against the reference's greedy, set-based rules (tests/reference_policy.py: layer_prefill,
 layer_evict); engine-vs-reference on every placement: tests/test_kv_equivalence.py; lanes: tests/test_eval_lanes.py."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Wrappers over a scoring policy (kv/policies/wrappers.py): per-layer budgets over tova (pyramid:tova), per-head
-budgets over vatp (adakv:vatp) and merging over h2o (merge:h2o) equal the reference (tests/reference_kv.py, where a
+budgets over vatp (adakv:vatp) and merging over h2o (merge:h2o) equal the reference (tests/reference_policy.py, where a
 wrapper is its own rule over the base policy's value and protection), in memory and on disk, on OPT and on
 grouped-KV Llama; they differ from the plain wrappers (over mean_attn) and from the base policy alone; names that
 wrap nothing valid are one line and exit 2."""
