@@ -18,12 +18,12 @@ def _exchange(rank, world, timeout_s, die):
     got = []
     for step in range(3):
         key = (step, 7, 1)
-        ring.post(key, (2, 3), torch.float32)
         if die and rank == 1 and step == 1:
             os._exit(0)  # a rank that vanishes mid-job
-        ring.send(key, torch.full((2, 3), float(rank * 10 + step)))
         start = time.perf_counter()
-        try:
+        try:  # the loss surfaces where the closed connection is first seen: posting the receive, sending or waiting
+            ring.post(key, (2, 3), torch.float32)
+            ring.send(key, torch.full((2, 3), float(rank * 10 + step)))
             got.append(ring.take(key)[0, 0].item())
         except StageLost as e:
             return {"lost": str(e), "after_s": time.perf_counter() - start}
