@@ -10,13 +10,13 @@ decode step), without the cap so that a plan over it is measured rather than kil
 (each the larger of its accounted peak and its planned bytes), x OVERHEAD_MARGIN, must fit in the cap beside what
 its tiers hold (a tier's unused capacity is never touched: counting the capacities --gpu-mem + --cpu-mem instead cut
 opt-1.3b's full plan from 256 sequences to 64 once the peak became the process's VmHWM, the plan's probe peaking at
-1,143 MiB of the 1,280 MiB cap). If it does not, the search runs again with at most half its sequences, inside the cap minus the need
-interpolated at that count on the line between the batch-1 probe and the plan's own figure, up to SEARCH_ROUNDS
-searches, each searched plan measured again (on opt-1.3b in bf16 at prompt 64, 252 sequences held 1,094 MiB outside
-the tiers against 471 MiB at batch 1: searched again inside what 252 sequences need, nothing fitted). Extrapolating a
-line over two small probes does not work: on opt-1.3b (prompt 64) batch 1 and 8 held 475 and 566 MiB, a slope of
-13 MiB a sequence (the 8 x 64-token prefill's transients) that extrapolates to 4.4 GiB at 256 sequences, whose
-prefill the plan splits into sub-batches. A --fair-overhead figure replaces every measurement (no probe, no margin).
+1,143 MiB of the 1,280 MiB cap). If it does not, the search runs again with at most half its sequences, inside the
+cap minus the need interpolated at that count on the line between the batch-1 probe and the plan's own figure, up to
+SEARCH_ROUNDS searches, each searched plan measured again (on opt-1.3b in bf16 at prompt 64, 252 sequences held
+1,094 MiB outside the tiers against 471 MiB at batch 1: searched again inside what 252 sequences need, nothing
+fitted). Extrapolating a line over two small probes does not work: on opt-1.3b (prompt 64) batch 1 and 8 held 475
+and 566 MiB, a slope of 13 MiB a sequence (the 8 x 64-token prefill's transients) that extrapolates to 4.4 GiB at
+256 sequences, whose prefill the plan splits into sub-batches. A --fair-overhead figure replaces every measurement (no probe, no margin).
 """
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def outside_tiers(got, what: str, log=print) -> int:
     the plan's tiers held 338 MiB more than their accounted peaks)."""
     if got.status != "ok":
         raise RuntimeError(f"measuring {what} failed: {got.status} {got.message}")
-    peak, plan = got.record["peak_bytes"], got.record.get("plan_bytes") or {}
-    planned = {t: sum((plan.get(t) or {}).values()) for t in ("gpu", "cpu")}
+    peak, planned = got.record["peak_bytes"], _planned(got.record)
     tiers = tiers_held(got.record)
     raw = peak["cpu_rss"] - tiers
     log(f"fair: {what}: peak rss {peak['cpu_rss'] / MiB:.1f} MiB - tiers {tiers / MiB:.1f} MiB (accounted peaks "
@@ -56,9 +55,14 @@ def outside_tiers(got, what: str, log=print) -> int:
 
 def tiers_held(record: dict) -> int:
     """Bytes a finished flexh2o-run's tiers hold: per tier the larger of its accounted peak and its planned bytes."""
-    peak, plan = record["peak_bytes"], record.get("plan_bytes") or {}
-    planned = {t: sum((plan.get(t) or {}).values()) for t in ("gpu", "cpu")}
+    peak, planned = record["peak_bytes"], _planned(record)
     return max(peak.get("gpu") or 0, planned["gpu"]) + max(peak.get("cpu_tier") or 0, planned["cpu"])
+
+
+def _planned(record: dict) -> dict:
+    """{"gpu": bytes, "cpu": bytes} the run's plan put in each memory tier (0 where it names none)."""
+    plan = record.get("plan_bytes") or {}
+    return {t: sum((plan.get(t) or {}).values()) for t in ("gpu", "cpu")}
 
 
 def first_probe_argv(args, flags: dict, mem_cap: int) -> list:
@@ -110,9 +114,9 @@ def interpolated(first: int, got: int, n: int, seqs: int) -> int:
 def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[Callable], label: str, log=print,
                  rounds: int = SEARCH_ROUNDS, most: int = 256) -> tuple:
     """(argv, predicted tok/s, tried, budget): search(budget, max_seqs) -> (argv, predicted, tried) inside
-    mem_cap - first bytes, at most `most` sequences; measure(argv) -> bytes the plan needs outside its tiers (margin
-    included), or (those bytes, bytes its tiers hold: tiers_held; their capacities --gpu-mem + --cpu-mem count when
-    it is not given); None: `first` is a fixed figure, which the plan fits by construction. A plan of n sequences
+    mem_cap - first bytes, at most `most` sequences; measure(argv) -> (bytes the plan needs outside its tiers, margin
+    included; bytes its tiers hold, tiers_held, or None: their capacities --gpu-mem + --cpu-mem count); measure
+    None: `first` is a fixed figure, which the plan fits by construction. A plan of n sequences
     whose measured need does not fit beside its tiers is searched again with at most n // 2 sequences, inside mem_cap
     minus the need interpolated there between the batch-1 figure and the plan's (a search that then finds nothing
     halves again), at most `rounds` searches; RuntimeError when none fits."""
@@ -131,7 +135,7 @@ def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[C
             allowed, seqs = interpolated(first, last[1], last[0], seqs // 2), seqs // 2
             continue
         used, n = plan_tiers(argv), plan_seqs(argv)
-        got, held = (allowed, None) if measure is None else _pair(measure(argv))
+        got, held = (allowed, None) if measure is None else measure(argv)
         held = used if held is None else min(held, used)
         fits = got <= mem_cap - held
         log(f"fair: flexh2o {label} search {i}/{rounds} inside {budget} B, at most {seqs} sequences: tried {tried}; "
@@ -145,8 +149,3 @@ def sized_search(search: Callable, mem_cap: int, first: int, measure: Optional[C
         allowed = interpolated(first, got, n, seqs)
     raise RuntimeError(f"flexh2o {label}: no searched plan left its measured overhead inside the "
                        f"{mem_cap / MiB:.0f} MiB cap in {rounds} searches: lower --fair-max-batch or raise --mem-cap")
-
-
-def _pair(measured) -> tuple:
-    """measure's answer as (bytes needed outside the tiers, bytes the tiers hold or None)."""
-    return measured if isinstance(measured, tuple) else (measured, None)

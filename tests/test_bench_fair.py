@@ -123,8 +123,8 @@ def _search(budgets, seqs_per_mib=0.1, most=256):
 
 def test_a_plan_that_fits_beside_its_measured_overhead_is_kept_at_once():
     budgets, lines = [], []
-    argv, pred, tried, budget = fo.sized_search(_search(budgets), CAP, 300 * MiB, lambda plan: 250 * MiB, "h2o",
-                                                lines.append)
+    argv, pred, tried, budget = fo.sized_search(_search(budgets), CAP, 300 * MiB, lambda plan: (250 * MiB, None),
+                                                "h2o", lines.append)
     assert budgets == [CAP - 300 * MiB] and budget == budgets[0] and fo.plan_seqs(argv) == 226 and pred == 226.0
     assert len(lines) == 1 and "fits the cap" in lines[0] and "250.0 MiB needed outside" in lines[0]
 
@@ -135,7 +135,7 @@ def test_a_plan_over_the_cap_is_searched_again_inside_what_it_measured():
 
     def measure(plan):  # 3 MiB a sequence beyond 300 MiB: 225 sequences need 975 MiB, more than batch 1's 303
         measured[fo.plan_seqs(plan)] = 300 * MiB + 3 * MiB * fo.plan_seqs(plan)
-        return measured[fo.plan_seqs(plan)]
+        return measured[fo.plan_seqs(plan)], None
     argv, _, _, budget = fo.sized_search(_search(budgets), CAP, 303 * MiB, measure, "full", lines.append)
     assert budgets[0] == CAP - 303 * MiB  # the second: at most 112 sequences, inside the need interpolated there
     assert budgets[1] == CAP - (303 * MiB + (measured[225] - 303 * MiB) * 111 // 224)
@@ -175,8 +175,8 @@ def test_a_search_that_finds_nothing_after_a_plan_over_the_cap_halves_again():
         if budget < 1600 * MiB:
             raise RuntimeError("no placement fits")
         return _search(budgets)(budget, seqs)
-    argv, _, _, _ = fo.sized_search(search, CAP, 300 * MiB, lambda plan: 8 * MiB * fo.plan_seqs(plan), "h2o",
-                                    lines.append)
+    argv, _, _, _ = fo.sized_search(search, CAP, 300 * MiB, lambda plan: (8 * MiB * fo.plan_seqs(plan), None),
+                                    "h2o", lines.append)
     assert seqs_asked[:3] == [256, 113, 56] and "no placement fits" in lines[1]
     assert 8 * MiB * fo.plan_seqs(argv) <= CAP - fo.plan_tiers(argv) and "fits the cap" in lines[-1]
     with pytest.raises(RuntimeError, match="no placement fits"):  # the first search's failure is the answer
@@ -191,8 +191,8 @@ def test_interpolated_need_lies_on_the_line_from_batch_1_to_the_plan():
 def test_no_plan_fitting_in_the_rounds_is_an_error():
     with pytest.raises(RuntimeError, match="no searched plan left its measured overhead inside the 2560 MiB cap in "
                                            "5 searches"):
-        fo.sized_search(_search([]), CAP, 300 * MiB, lambda plan: CAP - fo.plan_tiers(plan) + MiB, "full",
-                        lambda s: None)  # each plan needs 1 MiB more than its tiers leave
+        fo.sized_search(_search([]), CAP, 300 * MiB, lambda plan: (CAP - fo.plan_tiers(plan) + MiB, None),
+                        "full", lambda s: None)  # each plan needs 1 MiB more than its tiers leave
     with pytest.raises(RuntimeError, match="the whole 2560 MiB cap: lower --fair-max-batch"):
         fo.sized_search(_search([]), CAP, CAP, None, "full", lambda s: None)
 
