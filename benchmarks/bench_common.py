@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -135,18 +133,6 @@ def hardware_args(hw: Optional[str]) -> list:
     """flexh2o-run fills "predicted" (and the measured/predicted ratios) in every record itself from its cost model
     (default: its --hardware auto, this machine's cached profile); pass --hardware only when a profile is named."""
     return ["--hardware", hw] if hw else []
-
-
-@contextmanager
-def terminated_as_exit():
-    """SIGTERM (kill, a job scheduler's stop) raises SystemExit(143) inside the block, so the script's `finally`
-    clauses run (a checkpoint's temporary folder removed) and subprocess.run kills the flexh2o-run it waits on,
-    instead of the interpreter dying with both left behind. The previous handler is restored after."""
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def load_avg() -> list:

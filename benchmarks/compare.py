@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ import time
 
 from bench_common import (add_dtype_args, add_h2o_args, bench_env, disk_read_probe, dry_run_batches, flag_args, gbs,
                           h2o_flags,
-                          hardware_args, load_avg, median, mib, run_flexh2o, run_peer, table, terminated_as_exit)
+                          hardware_args, load_avg, median, mib, run_flexh2o, run_peer, table)
 from bench_common import regime as placement_regime  # noqa: E402 (the name `regime` is the fair check's below)
 from memcap import MemCap, drop_cached
 
@@ -216,12 +217,24 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
     offload = os.path.join(os.path.expanduser("~"), "flexh2o_offload")
     os.makedirs(offload, exist_ok=True)
-    with terminated_as_exit():
-        workdir = tempfile.mkdtemp(prefix="hf-ckpt-", dir=offload)
-        try:
-            return _compare(args, env, systems, batches, mem_cap, workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+    return in_checkpoint_dir(offload, lambda workdir: _compare(args, env, systems, batches, mem_cap, workdir))
+
+
+def in_checkpoint_dir(offload: str, body) -> int:
+    """body(workdir) in a fresh folder under `offload`, removed however it ends. SIGTERM and SIGHUP unwind it like
+    Ctrl-C (flexh2o's console.stop_signals_as_interrupts: the folder removed, the flexh2o-run it waits on killed by
+    subprocess.run, a second signal ignored meanwhile) and give exit status 128 + the signal."""
+    from flexh2o.cli.console import Terminated, stop_signals_as_interrupts
+    try:
+        with stop_signals_as_interrupts():
+            workdir = tempfile.mkdtemp(prefix="hf-ckpt-", dir=offload)
+            try:
+                return body(workdir)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+    except Terminated as e:
+        print(f"compare.py: stopped ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
 
 
 def _compare(args, env: dict, systems: list, batches: dict, mem_cap, workdir: str) -> int:
