@@ -80,3 +80,22 @@ def test_ragged_in_order_append_writes_each_row_at_its_position():
     for name in ("k", "v", "pos", "score"):
         assert torch.equal(getattr(blk, name), getattr(want, name)), name
     assert torch.equal(slot, cur.view(-1, 1).expand(6, 2))
+
+
+def test_layers_of_a_step_share_what_one_step_rows_makes():
+    """Two layers' blocks decoded with one StepRows (as LayerCompute hands every layer of a step): each equals its
+    rows alone, and the segments, mask and flat write index were made once for both."""
+    from flexh2o.kv.step_rows import StepRows
+    extents = [3, 9, 5, 5, 11, 2]
+    step, made = StepRows(list(extents)), []
+    original = step.made
+    step.made = lambda key, make: original(key, lambda: made.append(key[0]) or make())
+    for layer in range(2):
+        blk, g = _block(extents, seed=layer)
+        q, k, v = (torch.randn(6, n, 1, 8, generator=g) for n in (4, 2, 2))
+        cur = torch.tensor(extents)
+        want = _want(q, k, v, blk, extents)
+        out = attention.decode(q, k, v, cur, blk, make_policy("full", None), layer, evicts=False, at=step)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert blk.pos[torch.arange(6), 0, cur].tolist() == extents  # the new token in its slot
+    assert sorted(made) == ["flat", "mask", "segments"]

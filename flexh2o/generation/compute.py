@@ -10,6 +10,9 @@ import torch
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.kv.step_rows import StepRows
+
+STEPS_KEPT = 64  # decode steps' positions remembered (the GPU batches of the step now computed are enough)
 
 
 class LayerCompute:
@@ -18,7 +21,7 @@ class LayerCompute:
     def __init__(self, family, cfg, rc, policy: KVPolicy, slots: tuple, evicts: bool):
         self.family, self.cfg, self.rc, self.policy = family, cfg, rc, policy
         self.slots, self.evicts = slots, evicts  # slots: per decoder layer (ModelConfig.layer_slots)
-        self._step = None  # (pos of the decode step, what _step_positions derives from it)
+        self._steps: dict = {}  # id(pos of a decode step) -> (pos, what step_positions derives from it)
 
     def shape(self, layer: int) -> tuple:
         """The model's facts of a layer's attention: (sliding window or None, logit soft-cap or None)."""
@@ -36,22 +39,27 @@ class LayerCompute:
         """One token per row: x (b, 1, h), pos (b, 1); the block gets the new K/V and loses at most one token.
         policy: the policy of these rows when they are not the whole batch (LanePolicy.first_rows)."""
         policy = self.policy if policy is None else policy
-        clamped, cur, at = self._step_positions(pos)
+        clamped, cur, at = self.step_positions(pos)
 
         def attend(q, k, v):
             return attention.decode(q, k, v, cur, blk, policy, cache_layer, *self.shape(cache_layer),
                                     evicts=self.evicts, at=at)
         return self.family.block(self.cfg, w, cache_layer, x, clamped, attend)
 
-    def _step_positions(self, pos: torch.Tensor) -> tuple:
-        """pos (b, 1) of a decode step -> (pos clamped at 0, pos (b,), its values as a list): every layer of a step
-        is handed the same tensor (Sequences.inputs), so they are derived once a step. On CUDA the list is one read
-        a step and GPU batch, made after the previous step's logits were read (Sequences.emit), so the device has
-        little left to finish; it spares every layer a search for the free slot and four indexed writes."""
-        if self._step is None or self._step[0] is not pos:
+    def step_positions(self, pos: torch.Tensor) -> tuple:
+        """pos (b, 1) of a decode step -> (pos clamped at 0, pos (b,), its values as a kv/step_rows.StepRows): every
+        layer of a step is handed the same tensor per GPU batch (Sequences.inputs), so they are derived once a step
+        and batch (the zig-zag schedule's layers take the batches in turn), and the StepRows keeps what the layers
+        derive alike from the positions. On CUDA the list is one read a step and GPU batch, made after the previous
+        step's logits were read (Sequences.emit), so the device has little left to finish; it spares every layer a
+        search for the free slot and four indexed writes."""
+        got = self._steps.get(id(pos))
+        if got is None or got[0] is not pos:
+            if len(self._steps) >= STEPS_KEPT:  # earlier steps': their tensors are no longer handed out
+                self._steps.clear()
             cur = pos[:, 0]
-            self._step = pos, (pos.clamp(min=0), cur, cur.tolist())
-        return self._step[1]
+            got = self._steps[id(pos)] = pos, (pos.clamp(min=0), cur, StepRows(cur.tolist()))
+        return got[1]
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
         """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are

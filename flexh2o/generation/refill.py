@@ -248,7 +248,8 @@ def _split_attend(lc, c: int, b: int, r: int, t: int, pos_d, pos_p, blk: KVBlock
 
     def attend(q, k, v):
         (qd, qp), (kd, kp), (vd, vp) = parts(q), parts(k), parts(v)
-        od = attention.decode(qd, kd, vd, pos_d[:, 0], blk, lc.policy, c, window, softcap, evicts=lc.evicts)
+        _, cur, at = lc.step_positions(pos_d)  # made once a step (LayerCompute.step_positions)
+        od = attention.decode(qd, kd, vd, cur, blk, lc.policy, c, window, softcap, evicts=lc.evicts, at=at)
         op = attention.prefill(qp, kp, vp, pos_p, lc.policy, c, fresh, lc.rc.attn_chunk, lc.evicts, 1, window,
                                softcap)
         n, d = q.shape[1], q.shape[3]

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flexh2o.compress.codec import assign, expand
 from flexh2o.kv.cache import KVBlock, merged_values, row_extents
 from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.kv.step_rows import StepRows
 from flexh2o.tensors import moved
 
 
@@ -131,7 +132,7 @@ ONE_CALL_SLACK = 2.0  # one attention call over every row unless that reads over
 
 
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window: Optional[int] = None,
-           softcap: Optional[float] = None, evicts: bool = True, at: Optional[list] = None) -> torch.Tensor:
+           softcap: Optional[float] = None, evicts: bool = True, at: Optional[StepRows] = None) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
@@ -142,24 +143,26 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     window, softcap: as in prefill; after the attention a windowed layer drops the token the next query will not
     see before the policy chooses (the block holds window - 1 tokens at most between steps).
     evicts False (LayerCompute.evicts) and no window: nothing is ever dropped, so every row holds its positions
-    0..cur_pos in slots 0..cur_pos and the block's free slot and extents are read from cur_pos (`at`: its values
-    as a list, when the caller has them), not searched; a policy that scores nothing is then not asked to evict.
+    0..cur_pos in slots 0..cur_pos and the block's free slot and extents are read from cur_pos (`at`: the step's
+    kv/step_rows.StepRows, when the caller has one: what the step's layers share is made there once), not searched;
+    a policy that scores nothing is then not asked to evict.
     """
     dev, home = blk.pos.device, q.device
     q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
     b, n, _, d = q.shape
     kv = blk.pos.shape[1]
     in_order = not evicts and window is None and (at is not None or dev.type == "cpu")  # off the CPU: from `at`
-    at = (cur_pos.tolist() if at is None else at) if in_order else None
-    blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order, at)
+    step = (StepRows(cur_pos.tolist()) if at is None else at) if in_order else None
+    blk.append(k[:, :, 0], v[:, :, 0], cur_pos, in_order, step and step.at, step)
     qg = q.view(b, kv, n // kv, d)
     # per row, its slots up to the last used one (once per step: the policy too)
-    extents = [p + 1 for p in at] if in_order else row_extents(blk.pos)
-    segments = decode_segments(blk.pos, extents)
+    extents = step.extents if in_order else row_extents(blk.pos)
+    segments = (step.made(("segments", b, blk.pos.shape[-1], str(dev)), lambda: decode_segments(blk.pos, extents))
+                if in_order else decode_segments(blk.pos, extents))
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
     if not policy.needs_scores and softcap is None and in_order:  # nothing to score or evict: K/V alone
         keys, values = (expand(x, q.dtype) for x in blk.front_kv(top))
-        return moved(_fused(qg, keys, values, blk.pos, segments, extents).reshape(b, n, 1, d), home)
+        return moved(_fused(qg, keys, values, blk.pos, segments, step).reshape(b, n, 1, d), home)
     front = blk.front(top)  # all the step reads and the policy sees
     keys, values = expand(front.k, q.dtype), expand(front.v, q.dtype)
     if not policy.needs_scores and softcap is None:  # one fused kernel per segment
@@ -178,24 +181,29 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     return moved(out.reshape(b, n, 1, d), home)
 
 
-def _fused(qg, keys, values, pos, segments: list, extents: Optional[list]) -> torch.Tensor:
+def _fused(qg, keys, values, pos, segments: list, step: Optional[StepRows]) -> torch.Tensor:
     """The fused kernel over each segment of rows, the query heads of a KV head as rows: qg (b, kv, g, d),
-    keys/values (b, kv, top, d), pos (b, kv, >= top) -> (b, kv, g, d). extents (in order): a segment whose every row
-    fills its slots runs unmasked, another is masked from the extents (one mask for every head, pos not read); one
-    segment of such rows is the kernel's own output."""
+    keys/values (b, kv, top, d), pos (b, kv, >= top) -> (b, kv, g, d). step (in order): a segment whose every row
+    fills its slots runs unmasked, another is masked from the extents (one mask for every head, pos not read, made
+    once a step); one segment of such rows is the kernel's own output."""
     def keep(r0, r1, used):  # each row holds its new token, so no row of the mask is empty
-        if extents is None:
+        if step is None:
             return (pos[r0:r1, :, :used] >= 0)[:, :, None]
-        if min(extents[r0:r1]) == used:
+        if min(step.extents[r0:r1]) == used:
             return None
-        ext = torch.tensor(extents[r0:r1], device=pos.device).view(-1, 1)  # in order: slot i used iff i < extent
-        return (torch.arange(used, device=pos.device) < ext)[:, None, None]  # (rows, 1, 1, used): every head
+        return step.made(("mask", r0, r1, used, str(pos.device)), lambda: _extent_mask(step, r0, r1, used, pos.device))
     if len(segments) == 1:  # used: every slot of keys (KVBlock.front_kv cut them there)
         return sdpa(qg, keys, values, attn_mask=keep(*segments[0]))
     out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
     for r0, r1, used in segments:
         out[r0:r1] = sdpa(qg[r0:r1], keys[r0:r1, :, :used], values[r0:r1, :, :used], attn_mask=keep(r0, r1, used))
     return out
+
+
+def _extent_mask(step: StepRows, r0: int, r1: int, used: int, device) -> torch.Tensor:
+    """(rows, 1, 1, used) bool, every head: in order, slot i of a row is used iff i < its extent."""
+    ext = torch.tensor(step.extents[r0:r1], device=device).view(-1, 1)
+    return (torch.arange(used, device=device) < ext)[:, None, None]
 
 
 def _scored(qg, keys, values, front: KVBlock, policy: KVPolicy, segments: list, softcap) -> torch.Tensor:

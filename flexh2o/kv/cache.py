@@ -32,12 +32,13 @@ class KVBlock:
     written: Optional[torch.Tensor] = field(default=None, compare=False)  # (b, kv[, n]) slots written since load
 
     def append(self, k: torch.Tensor, v: torch.Tensor, cur_pos: torch.Tensor, in_order: bool = False,
-               at: Optional[list] = None) -> torch.Tensor:
+               at: Optional[list] = None, step=None) -> torch.Tensor:
         """Write one token per row (k/v (b, kv, d), cur_pos (b,)) into each row's first free slot, in place;
         remember and return the slots (b, kv), so storing the block home writes only them. in_order: the caller
         knows that no token was ever evicted, so slot i holds position i and the first free slot is cur_pos (the
         block is not searched); at: then cur_pos as a list, when the caller has it, so that a plain block is
-        written through a slice where every row writes the same slot (no index tensors), or else by row."""
+        written through a slice where every row writes the same slot (no index tensors), or else by row; step: the
+        caller's kv/step_rows.StepRows for these positions, where a ragged write's flat index is made once a step."""
         b, kv = self.pos.shape[:2]
         if in_order:
             slot = cur_pos.view(b, 1).expand(b, kv)
@@ -45,7 +46,7 @@ class KVBlock:
             slot = (self.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
         plain = isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
         if in_order and at is not None and plain and min(at) != max(at) and self._flat():
-            return self._append_flat(k, v, cur_pos, slot)
+            return self._append_flat(k, v, cur_pos, slot, step)
         if in_order and at is not None and plain:
             index = ((slice(None), slice(None), at[0]) if min(at) == max(at)
                      else (torch.arange(b, device=self.pos.device), slice(None), cur_pos))  # (b, kv[, d]) either way
@@ -65,12 +66,16 @@ class KVBlock:
     def _flat(self) -> bool:
         return all(t.is_contiguous() for t in (self.k, self.v, self.pos, self.score))
 
-    def _append_flat(self, k, v, cur_pos, slot) -> torch.Tensor:
+    def _append_flat(self, k, v, cur_pos, slot, step=None) -> torch.Tensor:
         """append's write where rows write different slots of plain, contiguous tensors (a refilled batch's rows):
         one flat index of (row, head, slot) and index_copy_ / index_fill_ along it, so the write costs a few small
         ops rather than four advanced-index puts (each about 100 us with passive OpenMP threads)."""
         b, kv, s = self.pos.shape
-        at = torch.arange(0, b * kv * s, s, device=self.pos.device).view(b, kv).add_(cur_pos.view(b, 1)).view(-1)
+        dev = self.pos.device
+
+        def flat():
+            return torch.arange(0, b * kv * s, s, device=dev).view(b, kv).add_(cur_pos.view(b, 1)).view(-1)
+        at = flat() if step is None else step.made(("flat", b, kv, s, str(dev)), flat)
         d = self.k.shape[-1]
         self.k.view(-1, d).index_copy_(0, at, k.reshape(-1, d).to(self.k.dtype))
         self.v.view(-1, v.shape[-1]).index_copy_(0, at, v.reshape(-1, v.shape[-1]).to(self.v.dtype))
