@@ -1,6 +1,7 @@
 """The engine's real-drop KV eviction equals the keep-mask reference (tests/reference_kv.py), for every policy, on
 every cache placement, overlap on and off, unequal left-padded prompts, several GPU batches, OPT and grouped-KV
-Llama; a budget covering the whole sequence equals `full` bit for bit; the plan and the tiers shrink with the budget.
+Llama; a budget covering the whole sequence equals `full` bit for bit. The plan and the tiers shrinking with the
+budget: tests/test_kv_memory.py; decode attention on one block: tests/test_kv_decode_attention.py.
 
 The dummy weights make OPT's greedy tokens repeat, so the main comparison is teacher-forced with random tokens and
 checks the logits of every step; greedy tokens are checked on Llama, where they vary. Query and key weights are
@@ -14,13 +15,10 @@ import pytest
 import torch
 
 import reference_kv as ref
-from flexh2o.config import ModelConfig, from_name
+from flexh2o.config import ModelConfig
 from flexh2o.engine import Engine
-from flexh2o.kv import attention
-from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies import POLICIES as ENGINE_POLICIES, Budget
-from flexh2o.kv.spec import KVSpec, make_policy, resolve_budget
-from flexh2o.planning.memory_plan import plan_memory
+from flexh2o.kv.spec import KVSpec
 from flexh2o.sampling import TeacherForcer
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
@@ -252,95 +250,3 @@ def test_budget_covering_the_sequence_equals_full_exactly(model, data, offload_d
         assert all(torch.equal(a, b) for a, b in zip(gen.step_logits, same.step_logits)), policy
         for a, b in zip(gen.step_logits, full.step_logits):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-# ---- memory: the plan and the tiers shrink with the budget --------------------------------------------------------
-def _block_bytes(rc: RunConfig, slots: int) -> int:
-    cfg = rc.model
-    per_token = cfg.kv_heads * (2 * cfg.head_dim * 4 + 8 + 4)  # fp32 K and V, int64 position, fp32 score
-    return rc.gpu_batch_size * slots * per_token
-
-
-@pytest.mark.parametrize("percent", [[100, 0, 100, 0], [0, 100, 0, 100], [0, 0, 0, 0], [30, 30, 30, 30]])
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_plan_cache_shrinks_with_budget(model, percent, tmp_path):
-    full = _rc(model, "full", str(tmp_path), percent)
-    h2o = _rc(model, "h2o", str(tmp_path), percent)
-    blocks = MODELS[model].num_layers * full.num_gpu_batches
-    pf, ph = plan_memory(full), plan_memory(h2o)
-    assert sum(pf.bytes[t]["cache"] for t in pf.bytes) == blocks * _block_bytes(full, max(LENS) + GEN)
-    assert sum(ph.bytes[t]["cache"] for t in ph.bytes) == blocks * _block_bytes(h2o, BUDGETS["h2o"].total + 1)
-    for tier in pf.bytes:
-        assert ph.bytes[tier]["cache"] * (max(LENS) + GEN) == pf.bytes[tier]["cache"] * (BUDGETS["h2o"].total + 1)
-
-
-def test_plan_at_paper_scale():
-    """opt-30b, 512 + 32 tokens, --hh-ratio 0.2: 102 heavy + 102 recent + 1 incoming slot instead of 544."""
-    cfg = from_name("opt-30b")
-    common = dict(percent=Percent(0, 100, 100, 0), gpu_batch_size=8, prompt_len=512, gen_len=32)
-    full = plan_memory(RunConfig(model=cfg, **common)).bytes["gpu"]["cache"]
-    h2o = plan_memory(RunConfig(model=cfg, kv=KVSpec("h2o", resolve_budget("h2o", 512, 0.2)), **common))
-    assert h2o.bytes["gpu"]["cache"] * 544 == full * 205
-
-
-@pytest.mark.parametrize("percent, tier", [([100, 0, 100, 0], "gpu"), ([100, 0, 0, 0], "disk")])
-def test_tier_peaks_shrink_as_planned(percent, tier, data, offload_dir):
-    """Weights stay on the gpu tier (fp32, no copies), so each tier's peak is exactly the plan's bytes. Blocks are
-    allocated up front, so a few steps show the peak: 12 + 4 tokens, against a budget of 8 + 1 slots."""
-    prompts, forced = data
-    peaks, plans = {}, {}
-    for policy in ("full", "h2o"):
-        rc = _rc("opt", policy, offload_dir, percent, overlap=False).with_(gen_len=4)
-        plans[policy] = plan_memory(rc)
-        with Engine(rc) as eng:
-            eng.generate(prompts, rc.gen_len, sampler=TeacherForcer(forced[:, :rc.gen_len]))
-            peaks[policy] = eng.tiers[tier].peak
-        assert peaks[policy] == plans[policy].bytes[tier]["weights"] + plans[policy].bytes[tier]["cache"], policy
-    saved = plans["full"].bytes[tier]["cache"] - plans["h2o"].bytes[tier]["cache"]
-    assert saved > 0 and peaks["full"] - peaks["h2o"] == saved
-
-
-def test_decode_scores_accumulate_in_fp32():
-    """Scores near 2000 differing by a quarter: fp16 (spacing 1 there) would see a tie and evict the older token;
-    fp32 scores evict the one that really received less attention. The cache itself is stored in fp16."""
-    blk = KVBlock.empty(1, 1, 3, 2, torch.float16, "cpu")  # (b, kv, slots, d)
-    blk.pos[0, 0, :2] = torch.tensor([0, 1])
-    blk.score[0, 0, :2] = 2000.0
-    blk.k[0, 0, 0] = torch.tensor([1.0, 0.0])  # position 0 gets twice the attention of position 1 and the new one
-    q = torch.tensor([2 ** 0.5 * float(torch.log(torch.tensor(2.0))), 0.0]).view(1, 1, 1, 2)  # (b, n, 1, d)
-    new = torch.zeros(1, 1, 1, 2)
-    attention.decode(q, new, new, torch.tensor([2]), blk, make_policy("h2o", Budget(1, 1)), 0)
-    assert sorted(blk.pos[0, 0].tolist()) == [-1, 0, 2]  # position 1 (2000.25) evicted, not 0 (2000.5)
-    assert blk.score.dtype == torch.float32
-
-
-def test_decode_attention_skips_the_unused_slots_of_each_row_segment():
-    """Rows whose last used slot is the same form one segment, read only up to that slot; the result equals
-    attention over the whole block with the empty slots masked."""
-    pos = torch.full((4, 2, 6), -1, dtype=torch.long)  # (b, kv, slots)
-    pos[0, :, :2] = pos[1, :, :2] = torch.arange(2)
-    pos[2, 0, :4], pos[3, 1, 3] = torch.arange(4), 7  # rows 2, 3 use 4 slots (row 3 only in head 1)
-    assert attention.used_segments(pos) == [(0, 2, 2), (2, 4, 4)]
-    many = torch.arange(6).repeat(9, 2, 1)
-    for row in range(9):
-        many[row, :, row % 2 + 4:] = -1  # alternating 4 and 5 used slots: 9 runs, one over MAX_SEGMENTS
-    assert attention.MAX_SEGMENTS == 8
-    assert attention.used_segments(many) == [(0, 2, 5)] + [(r, r + 1, r % 2 + 4) for r in range(2, 9)]
-    # the merge that adds the fewest slot reads goes first: 10 rows padded by 1 slot, not 1 row by 399
-    assert attention.merged_runs([(0, 10, 100), (10, 11, 101), (11, 12, 500)], 2) == [(0, 11, 101), (11, 12, 500)]
-    assert attention.merged_runs([(0, 3, 7)], 1) == [(0, 3, 7)]
-    g = torch.Generator().manual_seed(0)
-    blk = KVBlock.empty(4, 2, 6, 8, torch.float32, "cpu")
-    blk.pos.copy_(pos)
-    blk.k.normal_(generator=g)
-    blk.v.normal_(generator=g)
-    q, k, v = (torch.randn(4, n, 1, 8, generator=g) for n in (4, 2, 2))
-    want_k, want_v = blk.k.clone(), blk.v.clone()
-    out = attention.decode(q, k, v, torch.tensor([2, 2, 4, 8]), blk, make_policy("full", None), 0)
-    slot = blk.written  # (b, kv) where the new token went
-    want_k[torch.arange(4)[:, None], torch.arange(2), slot] = k[:, :, 0]
-    want_v[torch.arange(4)[:, None], torch.arange(2), slot] = v[:, :, 0]
-    att = torch.einsum("bhgd,bhsd->bhgs", q.view(4, 2, 2, 8), want_k) * 8 ** -0.5
-    att = att.masked_fill((blk.pos < 0)[:, :, None], float("-inf")).softmax(-1)
-    want = torch.einsum("bhgs,bhsd->bhgd", att, want_v).reshape(4, 4, 1, 8)
-    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
