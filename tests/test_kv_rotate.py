@@ -123,3 +123,30 @@ def test_a_rotated_block_counts_the_same_bytes_and_reads_back_close():
         got = expand(blk.v, torch.float32)
         errs[r] = float((got - v)[..., torch.arange(64) != 5].abs().mean())
     assert errs[True] < 0.5 * errs[False], errs
+
+
+@pytest.mark.parametrize("keys", ["channel", "token"])
+def test_a_rotated_block_read_in_its_own_basis_is_the_model_basis_read_rotated(keys):
+    """Decode reads a rotated block without rotating every slot back (codec.expand_stored: the query is rotated, the
+    output rotated back): the stored-basis read, ring and sinks included, is the model-basis read times H, and one
+    decode step over it equals attention over the model-basis read."""
+    from flexh2o.compress.codec import expand_stored
+    from flexh2o.kv import attention
+    from flexh2o.kv.spec import make_policy
+    g = torch.Generator().manual_seed(3)
+    b, h, s, d = 2, 3, 12, 64
+    blk = KVBlock.empty(b, h, s, d, torch.float32, "cpu", CacheQuant(3, 64, keys, 4, recent=4, sinks=2, rotate=True))
+    k, v = torch.randn(b, h, s - 1, d, generator=g), torch.randn(b, h, s - 1, d, generator=g)
+    pos = torch.arange(s - 1).expand(b, s - 1)
+    attention._pack(k, v, pos[:, None].expand(b, h, s - 1), torch.zeros(b, h, s - 1),
+                    torch.ones(b, h, s - 1, dtype=torch.bool), blk)
+    for x in (blk.k, blk.v):
+        stored, rotated = expand_stored(x, torch.float32)
+        assert rotated
+        torch.testing.assert_close(stored, rotate(expand(x, torch.float32)), atol=1e-5, rtol=0)
+    q, kn, vn = (torch.randn(b, n, 1, d, generator=g) for n in (h, h, h))
+    cur = torch.full((b,), s - 1)
+    out = attention.decode(q, kn, vn, cur, blk, make_policy("full", None), 0, evicts=False)
+    keys_now, values_now = expand(blk.k, torch.float32), expand(blk.v, torch.float32)  # the new token included
+    att = (q @ keys_now.transpose(-1, -2) * d ** -0.5).softmax(-1)
+    torch.testing.assert_close(out, att @ values_now, atol=1e-5, rtol=0)

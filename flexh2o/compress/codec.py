@@ -219,6 +219,16 @@ def expand(x, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(x, dtype) if isinstance(x, CompressedTensor) else moved(x, dtype=dtype)
 
 
+def expand_stored(x, dtype: torch.dtype) -> tuple:
+    """(x as `expand` gives it, False), or for a form that holds its tokens rotated (compress/rotation.py) (its
+    tokens still in the rotated basis, True): attention reads either basis alike when its query is rotated too and
+    its output rotated back (q.k = qH.kH and sum p v = (sum p vH) H^T, H orthonormal), one token per row instead of
+    every slot rotated back each step."""
+    if hasattr(x, "expanded_stored"):
+        return x.expanded_stored(dtype)
+    return expand(x, dtype), False
+
+
 def first_slots(x, n: int):
     """The first n slots (dimension 2) of a KV cache form: another form's own `front` (compress/channel.py's keys,
     the exact window's and the rotation's wrappers), a CompressedTensor's parts cut alike, or a plain tensor (itself

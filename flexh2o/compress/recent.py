@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compress.codec import assign, expand, first_slots
+from flexh2o.compress.codec import assign, expand, expand_stored, first_slots
+from flexh2o.compress.rotation import rotate
 
 RING_PARTS = ("recent", "rslot")
 
@@ -115,7 +116,16 @@ class Recent:
         """The values (b, h, slots, d) in `dtype`: the quantized slots, the ring's exact values over theirs. No
         host sync: every entry writes one slot (an entry naming none writes slot 0 the value slot 0 ends with, so
         writes to a slot always agree)."""
-        x = expand(self.inner, dtype)  # (b, h, slots, d)
+        return self._with_ring(expand(self.inner, dtype), dtype, False)
+
+    def expanded_stored(self, dtype: torch.dtype) -> tuple:
+        """expanded, in the basis the inner form stores (codec.expand_stored): the ring's exact values are rotated
+        into it when the inner form's tokens are rotated. -> (values (b, h, slots, d), rotated)."""
+        x, rotated = expand_stored(self.inner, dtype)
+        return self._with_ring(x, dtype, rotated), rotated
+
+    def _with_ring(self, x: torch.Tensor, dtype: torch.dtype, rotated: bool) -> torch.Tensor:
+        """x (b, h, slots, d) in `dtype` with the ring's exact values (rotated first if `rotated`) over their slots."""
         b, h, r = self.rslot.shape
         if x.shape[2] == 0:
             return x
@@ -123,6 +133,12 @@ class Recent:
         slot = torch.where(ok, self.rslot, 0).long()  # (b, h, R)
         names0 = ok & (slot == 0)
         e0 = names0.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(b, h, 1, x.shape[3])  # (b, h, 1, d)
-        end0 = torch.where(names0.any(-1)[..., None, None], self.recent.gather(2, e0).to(dtype), x[:, :, :1])
-        values = torch.where(ok[..., None], self.recent.to(dtype), end0)  # (b, h, R, d)
+        exact = (rotate(self.recent) if rotated else self.recent).to(dtype)  # (b, h, R, d)
+        end0 = torch.where(names0.any(-1)[..., None, None], exact.gather(2, e0), x[:, :, :1])
+        values = torch.where(ok[..., None], exact, end0)  # (b, h, R, d)
+        if x.device.type == "cpu" and x.is_contiguous():  # one flat index_copy_: a 16-bit scatter_ on CPU costs 3x
+            s, d = x.shape[2], x.shape[3]
+            flat = (torch.arange(b * h, device=x.device).view(b, h, 1) * s + slot).view(-1)  # (row, head, slot)
+            x.view(-1, d).index_copy_(0, flat, values.reshape(-1, d))
+            return x
         return x.scatter_(2, slot[..., None].expand(b, h, r, x.shape[3]), values)

@@ -46,6 +46,16 @@ def unrotate(x: torch.Tensor) -> torch.Tensor:
     return x @ _hadamard(x.shape[-1], str(x.device)).T
 
 
+def rotated_if(x: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """Queries x (..., d) in the basis the keys were read in (codec.expand_stored): rotated when they are."""
+    return rotate(x).to(x.dtype) if rotated else x
+
+
+def unrotated_if(x: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """Attention's output x (..., d) back in the model's basis when it was made of rotated values."""
+    return unrotate(x.float()).to(x.dtype) if rotated else x
+
+
 @dataclass
 class Rotated:
     """A quantized form (`inner`: a CompressedTensor or compress/channel.py's ChannelKeys) that holds its tokens
@@ -89,3 +99,8 @@ class Rotated:
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
         """The tokens (b, h, slots, d) in `dtype`, dequantized (fp32) and rotated back."""
         return unrotate(expand(self.inner, torch.float32)).to(dtype)
+
+    def expanded_stored(self, dtype: torch.dtype) -> tuple:
+        """(the tokens (b, h, slots, d) in `dtype`, dequantized in fp32 and left in the rotated basis, True): see
+        codec.expand_stored."""
+        return expand(self.inner, torch.float32).to(dtype), True

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flexh2o.compress.codec import assign, expand
+from flexh2o.compress.codec import assign, expand, expand_stored
+from flexh2o.compress.rotation import rotated_if, unrotated_if
 from flexh2o.kv.cache import KVBlock, merged_values, row_extents
 from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.kv.step_rows import StepRows
@@ -161,14 +162,16 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
                 if in_order else decode_segments(blk.pos, extents))
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
     if not policy.needs_scores and softcap is None and in_order:  # nothing to score or evict: K/V alone
-        keys, values = (expand(x, q.dtype) for x in blk.front_kv(top))
-        return moved(_fused(qg, keys, values, blk.pos, segments, step).reshape(b, n, 1, d), home)
+        (keys, rk), (values, rv) = (expand_stored(x, q.dtype) for x in blk.front_kv(top))
+        out = _fused(rotated_if(qg, rk), keys, values, blk.pos, segments, step)
+        return moved(unrotated_if(out, rv).reshape(b, n, 1, d), home)
     front = blk.front(top)  # all the step reads and the policy sees
-    keys, values = expand(front.k, q.dtype), expand(front.v, q.dtype)
+    (keys, rk), (values, rv) = expand_stored(front.k, q.dtype), expand_stored(front.v, q.dtype)
     if not policy.needs_scores and softcap is None:  # one fused kernel per segment
-        out = _fused(qg, keys, values, front.pos, segments, None)
+        out = _fused(rotated_if(qg, rk), keys, values, front.pos, segments, None)
     else:
-        out = _scored(qg, keys, values, front, policy, segments, softcap)
+        out = _scored(rotated_if(qg, rk), keys, values, front, policy, segments, softcap)
+    out = unrotated_if(out, rv)
     if window is not None:
         front.evict((front.pos >= 0) & (front.pos <= (cur_pos + 1 - window).view(-1, 1, 1)))
     values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
