@@ -161,3 +161,13 @@ def test_fitted_levels_follow_the_prompt_not_its_range():
         assign(blk.k, (slice(None), slice(None), slice(0, 8)), prompt)
         errs[keys] = float((expand(blk.k, torch.float32) - prompt).abs().max())
     assert errs["fitted"] <= 0.25 + 1e-6 and errs["channel"] > 1.1
+
+
+def test_three_bit_levels_unpack_as_the_bit_stream_says():
+    """Random bytes read as the module's little-endian stream, value i at bits [3i, 3i + 3), by Python integers."""
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (5, 2, 24), dtype=torch.uint8, generator=g)
+    got = unpack(data, 3, 64)
+    for row, levels in zip(data.view(-1, 24).tolist(), got.view(-1, 64).tolist()):
+        stream = int.from_bytes(bytes(row), "little")
+        assert levels == [(stream >> (3 * i)) & 7 for i in range(64)]
