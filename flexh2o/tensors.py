@@ -1,4 +1,5 @@
-"""moved(): a tensor on a device in a dtype, without a dispatcher call when it is there already.
+"""Two small tensor helpers: moved(), a tensor on a device in a dtype, without a dispatcher call when it is there
+already; flat_slots(), the flat index of (row, head, slot) entries of a (b, h, s, ...) cache tensor.
 
 A no-op `Tensor.to` still costs a trip through torch's dispatcher (a few microseconds); a decode step of a
 memory-resident model asked for ~400 of them (every weight, cache field and query, every layer), a third of its
@@ -16,3 +17,11 @@ def moved(t: torch.Tensor, device: Optional[torch.device] = None, dtype: Optiona
     if (device is None or t.device == device) and (dtype is None or t.dtype == dtype):
         return t
     return t.to(device=device if device is not None else t.device, dtype=dtype or t.dtype, non_blocking=non_blocking)
+
+
+def flat_slots(b: int, h: int, s: int, slot: torch.Tensor) -> torch.Tensor:
+    """slot (b, h[, ...]) or (b, 1[, ...]) int64, each a slot of its row and head -> (n,) indexes into a contiguous
+    (b, h, s, ...) tensor seen as (b * h * s, ...), in slot's order (broadcast over heads): one index_copy_ writes
+    them all, where advanced indexing or a 16-bit scatter_ costs several times more on the CPU."""
+    base = torch.arange(0, b * h * s, s, device=slot.device).view(b, h, *(1,) * (slot.dim() - 2))
+    return (base + slot).reshape(-1)

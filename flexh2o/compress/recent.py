@@ -21,6 +21,7 @@ import torch
 
 from flexh2o.compress.codec import assign, expand, expand_stored, first_slots
 from flexh2o.compress.rotation import rotate
+from flexh2o.tensors import flat_slots
 
 RING_PARTS = ("recent", "rslot")
 
@@ -126,19 +127,16 @@ class Recent:
 
     def _with_ring(self, x: torch.Tensor, dtype: torch.dtype, rotated: bool) -> torch.Tensor:
         """x (b, h, slots, d) in `dtype` with the ring's exact values (rotated first if `rotated`) over their slots."""
-        b, h, r = self.rslot.shape
-        if x.shape[2] == 0:
+        b, h, s, d = x.shape
+        if s == 0:
             return x
-        ok = (self.rslot >= 0) & (self.rslot < x.shape[2])  # (b, h, R): the entry names a slot of x
+        ok = (self.rslot >= 0) & (self.rslot < s)  # (b, h, R): the entry names a slot of x
         slot = torch.where(ok, self.rslot, 0).long()  # (b, h, R)
         names0 = ok & (slot == 0)
-        e0 = names0.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(b, h, 1, x.shape[3])  # (b, h, 1, d)
+        e0 = names0.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(b, h, 1, d)  # (b, h, 1, d)
         exact = (rotate(self.recent) if rotated else self.recent).to(dtype)  # (b, h, R, d)
         end0 = torch.where(names0.any(-1)[..., None, None], exact.gather(2, e0), x[:, :, :1])
         values = torch.where(ok[..., None], exact, end0)  # (b, h, R, d)
-        if x.device.type == "cpu" and x.is_contiguous():  # one flat index_copy_: a 16-bit scatter_ on CPU costs 3x
-            s, d = x.shape[2], x.shape[3]
-            flat = (torch.arange(b * h, device=x.device).view(b, h, 1) * s + slot).view(-1)  # (row, head, slot)
-            x.view(-1, d).index_copy_(0, flat, values.reshape(-1, d))
-            return x
-        return x.scatter_(2, slot[..., None].expand(b, h, r, x.shape[3]), values)
+        x = x.contiguous()  # expand's own fresh tensor: already
+        x.view(-1, d).index_copy_(0, flat_slots(b, h, s, slot), values.reshape(-1, d))  # writes to a slot agree
+        return x

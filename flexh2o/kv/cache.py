@@ -14,6 +14,7 @@ import torch
 
 from flexh2o.compress.codec import assign, expand, first_slots
 from flexh2o.kv.layout import FIELDS, CacheLayout, CacheQuant
+from flexh2o.tensors import flat_slots
 
 
 @dataclass
@@ -74,7 +75,7 @@ class KVBlock:
         dev = self.pos.device
 
         def flat():
-            return torch.arange(0, b * kv * s, s, device=dev).view(b, kv).add_(cur_pos.view(b, 1)).view(-1)
+            return flat_slots(b, kv, s, cur_pos.view(b, 1))
         at = flat() if step is None else step.made(("flat", b, kv, s, str(dev)), flat)
         d = self.k.shape[-1]
         self.k.view(-1, d).index_copy_(0, at, k.reshape(-1, d).to(self.k.dtype))
