@@ -126,3 +126,27 @@ def test_lanes_one_stride_apart_read_as_views_equal_separate_runs(data):
         # kernels' summation order: 1.4e-6 for mean_vnorm at 6 tokens on an Intel Xeon with AVX-512 and AMX
         torch.testing.assert_close(logprob, alone.logprob, atol=4e-6, rtol=0, msg=policy_name)
         assert torch.equal(correct, alone.correct), policy_name
+
+
+def test_wrapped_policies_run_as_lanes_and_are_checked_by_name(data):
+    """flexh2o-eval takes WRAPPER:POLICY names as flexh2o-run does (pyramid over tova, adakv over vatp): as lanes they
+    give the figures of separate runs; a name that is no evicting policy is refused with the choices."""
+    from flexh2o.eval.ppl_rows import PplSettings
+    from flexh2o.eval.recall import RecallSettings
+    prompts, targets = data
+    model = EvalModel("_DUMMY_", CFG, tokenizer=None, dtype=torch.float32, num_sinks=2, hh_decay=0.9,
+                      pyramid_ratio=0.25, head_cap=1.5)
+    lanes = [("pyramid:tova", 9), ("adakv:vatp", 8), ("merge:h2o", 8), ("vatp", 8), ("full", None)]
+    together = lanes_run(model, lanes, prompts, targets)
+    for (policy_name, tokens), (logprob, correct) in zip(lanes, together):
+        alone = forced_run(model, policy_name, tokens, prompts, targets)
+        torch.testing.assert_close(logprob, alone.logprob, atol=1e-6, rtol=0, msg=policy_name)
+        assert torch.equal(correct, alone.correct), policy_name
+    assert not torch.equal(together[1][0], together[3][0])  # adakv's per-head budgets change vatp's figures
+    PplSettings(policies=("pyramid:tova", "adakv:vatp"))
+    RecallSettings(policies=("merge:h2o",))
+    for bad, needle in (("merge:vatp", "scoring policy"), ("full", "always runs"), ("h2o2", "choose one of")):
+        with pytest.raises(ValueError, match=needle):
+            PplSettings(policies=(bad,))
+        with pytest.raises(ValueError, match=needle):
+            RecallSettings(policies=(bad,))

@@ -267,3 +267,9 @@ def test_nan_logits_refused_in_one_line():
         with pytest.raises(ValueError, match="NaN/Inf logits.*flexh2o-convert"):
             s(logits)
     assert Sampler()(torch.arange(14.0).view(2, 7)).tolist() == [6, 6]
+
+
+def test_eval_refuses_a_policy_name_before_loading_the_model(capsys):
+    from flexh2o.cli import eval as ev
+    _fails(capsys, ev.main, ["ppl", "--policies", "h2o,merge:vatp", "--model", "/nonexistent"], "'merge:vatp'",
+           prog="flexh2o-eval")

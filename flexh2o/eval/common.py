@@ -18,7 +18,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import POLICIES, policy_params
+from flexh2o.kv.policies import POLICIES, policy_class, policy_params
 from flexh2o.kv.layout import CacheLayout, CacheQuant
 from flexh2o.kv.spec import KVSpec
 from flexh2o.placement import Percent
@@ -32,6 +32,14 @@ from flexh2o.weights.kept_run import with_checkpoint
 EVICTING = tuple(p for p in POLICIES if p != "full")  # every policy but full
 TEXTS = ("hamlet", "macbeth", "julius_caesar")
 LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
+
+
+def check_policy(name: str) -> None:
+    """ValueError unless `name` is an evicting policy: one of EVICTING or a WRAPPER:POLICY name (pyramid:tova)."""
+    if name == "full":
+        raise ValueError("the full cache always runs: give --policies only evicting ones "
+                         f"({', '.join(EVICTING)}, or WRAPPER:POLICY such as pyramid:tova)")
+    policy_class(name)  # its ValueError names the choices
 
 
 @dataclass(init=False)

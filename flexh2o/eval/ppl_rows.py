@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
+from flexh2o.eval.common import (EVICTING, check_policy, EvalResult, TEXTS, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
                                  lanes_run, load_text, machine)
 
 
@@ -33,8 +33,7 @@ class PplSettings:
         if self.windows < 1 or not self.texts:
             raise ValueError("give at least one text and one window per text")
         for p in self.policies:
-            if p not in EVICTING:
-                raise ValueError(f"unknown policy {p!r}: choose from {', '.join(EVICTING)}")
+            check_policy(p)
         for b in self.budgets:
             budget_tokens(b, self.context)
         if self.lane_mem is not None and self.lane_mem <= 0:

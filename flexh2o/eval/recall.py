@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
+from flexh2o.eval.common import (EVICTING, check_policy, EvalResult, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
                                  lanes_run, load_text, machine, progress_bar)
 
 TASKS = ("passkey", "kv")
@@ -40,8 +40,7 @@ class RecallSettings:
             if t not in TASKS:
                 raise ValueError(f"unknown recall task {t!r}: choose from {', '.join(TASKS)}")
         for p in self.policies:
-            if p not in EVICTING:
-                raise ValueError(f"unknown policy {p!r}: choose from {', '.join(EVICTING)}")
+            check_policy(p)
         if self.samples < 1 or not 1 <= self.num_facts <= len(NAMES):
             raise ValueError(f"--samples must be positive and --facts between 1 and {len(NAMES)}")
         for b in self.budgets:
