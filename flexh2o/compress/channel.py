@@ -10,7 +10,7 @@ are not evenly spaced but fitted to the prompt's values of that channel (1-D k-m
 takes its nearest level.
 
 Layout of keys (b, h, slots, d) stored as `dtype` (the parts a tier holds, compress/channel's ChannelSpec.parts):
-  data   uint8 (b, h, slots, d * bits / 8)   levels packed as compress/bits.py says
+  data   uint8 (b, h, slots, d * bits / 8)   levels packed as compress/bits.py says (an outlier's: the middle one)
   index  uint8 (b, h, slots, outliers)       channels kept exact (int16 when d > 256), in decreasing error
   exact  dtype (b, h, slots, outliers)       their values
   calib  dtype (b, h, d, 2)                  [..., 0] scale, [..., 1] minimum (per row and head: not per slot);
@@ -142,7 +142,8 @@ class ChannelKeys:
 def quantize_token(x: torch.Tensor, calib: torch.Tensor, spec: ChannelSpec, dtype: torch.dtype) -> tuple:
     """Keys x (..., d) with their calibration (..., d, 2) -> (packed levels (..., d * bits / 8), outlier channels
     (..., n) int64, their exact values (..., n) in `dtype`): levels clamped to [0, 2**bits - 1]; the outliers are
-    the n channels of largest error, ties to the lower channel."""
+    the n channels of largest error, ties to the lower channel, and hold the middle level 2**(bits - 1) (evenly
+    spaced levels; fitted ones keep their nearest)."""
     xf = x.float()
     if spec.fitted:
         lv = calib.float().expand(*xf.shape, calib.shape[-1])  # (..., d, n)
@@ -154,6 +155,8 @@ def quantize_token(x: torch.Tensor, calib: torch.Tensor, spec: ChannelSpec, dtyp
         q = ((xf - lo) / torch.where(scale > 0, scale, 1.0)).round_().clamp_(0, spec.levels)
         err = (q * scale + lo - xf).abs()
     idx = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :spec.outliers]
+    if not spec.fitted:  # an outlier's level is never read as its value: the middle one, which a read of the
+        q.scatter_(-1, idx, float(1 << (spec.bits - 1)))  # centred levels (compress/attend.py) adds as zero
     return pack(q.to(torch.uint8), spec.bits), idx, xf.gather(-1, idx).to(dtype)
 
 

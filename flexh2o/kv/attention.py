@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flexh2o.compress import attend
 from flexh2o.compress.codec import assign, expand, expand_stored
 from flexh2o.compress.rotation import rotated_if, unrotated_if
 from flexh2o.kv.cache import KVBlock, merged_values, row_extents
@@ -161,13 +162,17 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     segments = (step.made(("segments", b, blk.pos.shape[-1], str(dev)), lambda: decode_segments(blk.pos, extents))
                 if in_order else decode_segments(blk.pos, extents))
     top = max(u for _, _, u in segments)  # slots past every row's last used one are never read: not expanded
-    if not policy.needs_scores and softcap is None and in_order:  # nothing to score or evict: K/V alone
+    quantized = not isinstance(blk.k, torch.Tensor)  # read in place (compress/attend.py), through _scored
+    if not policy.needs_scores and softcap is None and in_order and not quantized:  # nothing to score or evict
         (keys, rk), (values, rv) = (expand_stored(x, q.dtype) for x in blk.front_kv(top))
         out = _fused(rotated_if(qg, rk), keys, values, blk.pos, segments, step)
         return moved(unrotated_if(out, rv).reshape(b, n, 1, d), home)
     front = blk.front(top)  # all the step reads and the policy sees
-    (keys, rk), (values, rv) = expand_stored(front.k, q.dtype), expand_stored(front.v, q.dtype)
-    if not policy.needs_scores and softcap is None:  # one fused kernel per segment
+    if quantized:
+        (keys, rk), (values, rv) = (front.k, attend.is_rotated(front.k)), (front.v, attend.is_rotated(front.v))
+    else:
+        (keys, rk), (values, rv) = expand_stored(front.k, q.dtype), expand_stored(front.v, q.dtype)
+    if not policy.needs_scores and softcap is None and not quantized:  # one fused kernel per segment
         out = _fused(rotated_if(qg, rk), keys, values, front.pos, segments, None)
     else:
         out = _scored(rotated_if(qg, rk), keys, values, front, policy, segments, softcap)
@@ -217,10 +222,10 @@ def _scored(qg, keys, values, front: KVBlock, policy: KVPolicy, segments: list, 
     out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
     att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=qg.device)
     for r0, r1, used in segments:
-        att = torch.einsum("bhgd,bhsd->bhgs", qg[r0:r1], keys[r0:r1, :, :used]).float()
+        att = attend.logits(qg[r0:r1], attend.cut(keys, r0, r1, used))
         att = _capped(att * d ** -0.5, softcap)
         att = att.masked_fill((front.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)
-        out[r0:r1] = torch.einsum("bhgs,bhsd->bhgd", att.to(qg.dtype), values[r0:r1, :, :used])  # (r, kv, g, d)
+        out[r0:r1] = attend.mix(att, attend.cut(values, r0, r1, used), qg.dtype)  # (r, kv, g, d)
         if att_sum is not None:
             att_sum[r0:r1, :, :used] = att.sum(2)
         elif policy.needs_scores:
