@@ -8,9 +8,9 @@ reads the expanded copy once. Both quantized forms are affine in their levels, s
   per-token groups (compress/codec.py)     x[t, G, c] = scale[t, G] lev[t, G, c] + lo[t, G]
       q.k[t] = sum over groups G of scale[t, G] (q_G . lev[t, G]) + lo[t, G] sum(q_G),
       sum_t p[t] v[t, G] = (p * scale[:, G]) . lev[:, G] + p . lo[:, G];
-so the levels are only unpacked, centred (`_Levels`) and cast to the compute dtype (at 4 bits the two nibbles of a
-byte are split as whole int32 words, even channels from the low nibbles and odd ones from the high, and read
-against the query's even and odd channels: no interleaving pass). An outlier channel holds the middle level
+so the levels are only unpacked (`_Levels`) and cast to the compute dtype (at 4 bits the two nibbles of a byte are
+split as whole int32 words, even channels from the low nibbles and odd ones from the high, and read against the
+query's even and odd channels: no interleaving pass). An outlier channel holds the middle level
 (compress/channel.py), so its exact value only replaces the middle's term. The exact ring (compress/recent.py)
 replaces its slots' logits by the exact keys' and moves its slots' probabilities onto the exact values. A rotated
 form (compress/rotation.py) is read in its stored basis: the caller rotates the query and rotates the output back
@@ -29,6 +29,7 @@ from flexh2o.compress.recent import Recent
 from flexh2o.compress.rotation import Rotated, rotate
 
 HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as int32: the high nibble of each byte of a word
+LOW = 0x0F0F0F0F  # the low nibble of each byte
 TOPS = -0x7F7F7F80  # 0x80808080: the top bit of each byte
 
 
@@ -82,24 +83,30 @@ def _mix32(p: torch.Tensor, form) -> torch.Tensor:
 
 
 class _Levels:
-    """The levels of packed data (..., slots, bytes) of n values a slot, centred: level = unit * part + mid, mid
-    half the levels' count, so a product with the parts is the deviation from the middle of the range, not the
-    range's whole offset (which, rounded to bf16 and then cancelled by the minimum's term, would lose the small
-    result). `parts`: (channels, int8 (..., slots, m)) pairs covering the n channels: at 4 bits the odd channels
-    (high nibbles) and the even ones (low nibbles) of whole int32 words, each nibble in its byte's top half with
-    its top bit flipped: 16 (level - 8) as int8 (unit 1/16); else all channels in order, level - mid (unit 1)."""
+    """The levels of packed data (..., slots, bytes) of n values a slot as `parts`: (channels, levels (..., slots,
+    m), unit) triples covering the n channels, level = unit * part + mid. At 4 bits the parts are the odd channels
+    (high nibbles) and the even ones (low nibbles) of whole int32 words, each masked in place (no interleaving
+    pass); else every channel in order. `centred` (for products rounded to bf16 or fp16): mid is half the levels'
+    count and the parts are int8, so a product is the deviation from the middle of the range, not the range's whole
+    offset, which cancelled against the minimum's term would leave the small result with few bits; a nibble is then
+    moved to its byte's top half with its top bit flipped, 16 (level - 8) as int8. Else mid 0: the levels as uint8
+    (a high nibble as 16 level), for fp32 products."""
 
-    def __init__(self, data: torch.Tensor, bits: int, n: int):
-        self.mid = 1 << (bits - 1)
+    def __init__(self, data: torch.Tensor, bits: int, n: int, centred: bool):
+        self.mid = 1 << (bits - 1) if centred else 0
         if bits == 4 and data.shape[-1] % 4 == 0 and _viewable(data):
             w = data.view(torch.int32)
-            self.unit = 1 / 16
-            self.parts = [(slice(1, None, 2), ((w & HIGH) ^ TOPS).view(torch.int8)),
-                          (slice(0, None, 2), (((w << 4) & HIGH) ^ TOPS).view(torch.int8))]
+            if centred:
+                self.parts = [(slice(1, None, 2), ((w & HIGH) ^ TOPS).view(torch.int8), 1 / 16),
+                              (slice(0, None, 2), (((w << 4) & HIGH) ^ TOPS).view(torch.int8), 1 / 16)]
+            else:
+                self.parts = [(slice(1, None, 2), (w & HIGH).view(torch.uint8), 1 / 16),
+                              (slice(0, None, 2), (w & LOW).view(torch.uint8), 1.0)]
         else:
-            self.unit = 1.0
             lev = unpack(data, bits, n)
-            self.parts = [(slice(None), (lev + (128 - self.mid)).bitwise_xor_(0x80).view(torch.int8))]
+            if centred:
+                lev = (lev + (128 - self.mid)).bitwise_xor_(0x80).view(torch.int8)
+            self.parts = [(slice(None), lev, 1.0)]
 
 
 def _viewable(t: torch.Tensor) -> bool:
@@ -110,15 +117,16 @@ def _viewable(t: torch.Tensor) -> bool:
 def _channel_logits(q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
     d = k.calib.shape[2]
     scale, lo = k.calib[..., 0].float()[:, :, None], k.calib[..., 1].float()[:, :, None]  # (b, h, 1, d)
-    lv = _Levels(k.data, k.spec.bits, d)
+    lv = _Levels(k.data, k.spec.bits, d, centred=q.dtype != torch.float32)
     qf = q.float()
-    qs = (qf * (scale * lv.unit)).to(q.dtype)
-    out = sum(torch.matmul(qs[..., c].contiguous(), part.to(q.dtype).transpose(-1, -2)).float() for c, part in lv.parts)
-    middle = lo + lv.mid * scale  # (b, h, 1, d): each channel's middle level, what an outlier's level reads as
-    out = out + (qf * middle).sum(-1, keepdim=True)
-    if k.spec.outliers:  # each outlier's exact value in place of its channel's middle
+    qs = qf * scale
+    out = sum(torch.matmul((qs[..., c] * unit).to(q.dtype), part.to(q.dtype).transpose(-1, -2)).float()
+              for c, part, unit in lv.parts)
+    out = out + (qf * (lo + lv.mid * scale)).sum(-1, keepdim=True)  # the term of a level `mid`
+    if k.spec.outliers:  # each outlier's exact value in place of its level's, the middle one (compress/channel.py)
         b, h, s, n = k.index.shape
         flat = k.index.view(b, h, 1, s * n).long()
+        middle = lo + (1 << (k.spec.bits - 1)) * scale  # (b, h, 1, d)
         delta = k.exact.view(b, h, 1, s * n).float() - middle.gather(-1, flat)  # (b, h, 1, s n)
         out = out + (qf.gather(-1, flat.expand(b, h, q.shape[2], s * n)) * delta).view(b, h, -1, s, n).sum(-1)
     return out
@@ -133,24 +141,25 @@ def _group_logits(q: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
     b, h, g, d = q.shape
     groups, size = x.data.shape[3], x.spec.group_size
     scale, lo = x.meta[..., 0].float(), x.meta[..., 1].float()  # (b, h, s, G)
-    lv = _Levels(x.data, x.spec.bits, size)
+    lv = _Levels(x.data, x.spec.bits, size, centred=q.dtype != torch.float32)
     qv = q.view(b, h, g, groups, size)
-    dots = sum(torch.einsum("bhgGc,bhsGc->bhgsG", qv[..., c], part.to(q.dtype)).float() for c, part in lv.parts)
+    dots = sum(torch.einsum("bhgGc,bhsGc->bhgsG", qv[..., c], part.to(q.dtype)).float() * unit
+               for c, part, unit in lv.parts)
     sums = qv.float().sum(-1)  # (b, h, g, G)
     middle = lo + lv.mid * scale
-    return (dots * (scale * lv.unit)[:, :, None] + middle[:, :, None] * sums[:, :, :, None]).sum(-1)
+    return (dots * scale[:, :, None] + middle[:, :, None] * sums[:, :, :, None]).sum(-1)
 
 
 def _group_mix(p: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
     b, h, g, s = p.shape
     groups, size = x.data.shape[3], x.spec.group_size
     scale, lo = x.meta[..., 0].float(), x.meta[..., 1].float()  # (b, h, s, G)
-    lv = _Levels(x.data, x.spec.bits, size)
-    ps = p[..., None] * (scale * lv.unit)[:, :, None]  # (b, h, g, s, G)
+    lv = _Levels(x.data, x.spec.bits, size, centred=False)
+    ps = p[..., None] * scale[:, :, None]  # (b, h, g, s, G)
     out = torch.empty(b, h, g, groups, size, device=p.device)
-    for c, part in lv.parts:
-        out[..., c] = torch.einsum("bhgsG,bhsGc->bhgGc", ps, part.float())
-    out += torch.einsum("bhgs,bhsG->bhgG", p, lo + lv.mid * scale)[..., None]  # the groups' middles
+    for c, part, unit in lv.parts:
+        out[..., c] = torch.einsum("bhgsG,bhsGc->bhgGc", ps * unit, part.float())
+    out += torch.einsum("bhgs,bhsG->bhgG", p, lo)[..., None]  # each group's minimum
     return out.view(b, h, g, groups * size)
 
 
