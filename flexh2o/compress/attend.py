@@ -12,7 +12,8 @@ so the levels are only unpacked (`_Levels`) and cast to the compute dtype (at 4 
 split as whole int32 words, even channels from the low nibbles and odd ones from the high, and read against the
 query's even and odd channels: no interleaving pass). An outlier channel holds the middle level
 (compress/channel.py), so its exact value only replaces the middle's term. The exact ring (compress/recent.py)
-replaces its slots' logits by the exact keys' and moves its slots' probabilities onto the exact values. A rotated
+replaces its slots' logits by the exact keys' and moves its slots' probabilities onto the exact values, read in the
+model's basis (the query rotated back, the ring's output rotated: a few rows, not the ring's entries). A rotated
 form (compress/rotation.py) is read in its stored basis: the caller rotates the query and rotates the output back
 (`is_rotated`). Fitted key levels and forms with ragged groups are expanded as before (`expand_stored`). Arithmetic:
 the level products in the compute dtype for keys (levels below 256 are exact in bf16 and fp16), in fp32 for values
@@ -26,7 +27,7 @@ from flexh2o.compress.bits import unpack
 from flexh2o.compress.channel import ChannelKeys
 from flexh2o.compress.codec import CompressedTensor, expand_stored, first_slots
 from flexh2o.compress.recent import Recent
-from flexh2o.compress.rotation import Rotated, rotate
+from flexh2o.compress.rotation import Rotated, rotate, unrotate
 
 HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as int32: the high nibble of each byte of a word
 LOW = 0x0F0F0F0F  # the low nibble of each byte
@@ -143,8 +144,12 @@ def _group_logits(q: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
     scale, lo = x.meta[..., 0].float(), x.meta[..., 1].float()  # (b, h, s, G)
     lv = _Levels(x.data, x.spec.bits, size, centred=q.dtype != torch.float32)
     qv = q.view(b, h, g, groups, size)
-    dots = sum(torch.einsum("bhgGc,bhsGc->bhgsG", qv[..., c], part.to(q.dtype)).float() * unit
-               for c, part, unit in lv.parts)
+    if groups == 1:  # one group a token (the default): plain matmuls
+        dots = sum(torch.matmul(q[..., c].contiguous(), part[..., 0, :].to(q.dtype).transpose(-1, -2)).float()
+                   [..., None] * unit for c, part, unit in lv.parts)
+    else:
+        dots = sum(torch.einsum("bhgGc,bhsGc->bhgsG", qv[..., c], part.to(q.dtype)).float() * unit
+                   for c, part, unit in lv.parts)
     sums = qv.float().sum(-1)  # (b, h, g, G)
     middle = lo + lv.mid * scale
     return (dots * scale[:, :, None] + middle[:, :, None] * sums[:, :, :, None]).sum(-1)
@@ -158,25 +163,26 @@ def _group_mix(p: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
     ps = p[..., None] * scale[:, :, None]  # (b, h, g, s, G)
     out = torch.empty(b, h, g, groups, size, device=p.device)
     for c, part, unit in lv.parts:
-        out[..., c] = torch.einsum("bhgsG,bhsGc->bhgGc", ps * unit, part.float())
-    out += torch.einsum("bhgs,bhsG->bhgG", p, lo)[..., None]  # each group's minimum
+        if groups == 1:  # one group a token (the default): a plain matmul
+            out[..., 0, c] = torch.matmul(ps[..., 0] * unit, part[..., 0, :].float())
+        else:
+            out[..., c] = torch.einsum("bhgsG,bhsGc->bhgGc", ps * unit, part.float())
+    out += torch.matmul(p, lo)[..., None]  # each group's minimum
     return out.view(b, h, g, groups * size)
 
 
-def _ring(r: Recent, slots: int, dtype: torch.dtype) -> tuple:
-    """(slot of each ring entry (b, h, E), `slots` where it names none of the first `slots`; the exact values
-    (b, h, E, d) in the inner form's stored basis, in `dtype`)."""
+def _ring(r: Recent, slots: int) -> torch.Tensor:
+    """The slot of each ring entry (b, h, E), `slots` where it names none of the first `slots`."""
     ok = (r.rslot >= 0) & (r.rslot < slots)
-    slot = torch.where(ok, r.rslot, slots).long()
-    exact = rotate(r.recent) if is_rotated(r.inner) else r.recent
-    return slot, exact.to(dtype)
+    return torch.where(ok, r.rslot, slots).long()
 
 
 def _ring_logits(q: torch.Tensor, r: Recent) -> torch.Tensor:
     inner = logits(q, r.inner)  # (b, h, g, s)
     b, h, g, s = inner.shape
-    slot, exact = _ring(r, s, q.dtype)
-    e = torch.einsum("bhgd,bhed->bhge", q, exact).float()
+    slot = _ring(r, s)
+    qm = unrotate(q.float()).to(q.dtype) if is_rotated(r.inner) else q  # qH . kH = q . k: the ring in its own basis
+    e = torch.matmul(qm, r.recent.to(q.dtype).transpose(-1, -2)).float()  # (b, h, g, E)
     out = torch.cat([inner, inner.new_zeros(b, h, g, 1)], -1)  # the last column takes the entries naming no slot
     out.scatter_(-1, slot[:, :, None].expand(b, h, g, slot.shape[-1]), e)
     return out[..., :s]
@@ -184,9 +190,10 @@ def _ring_logits(q: torch.Tensor, r: Recent) -> torch.Tensor:
 
 def _ring_mix(p: torch.Tensor, r: Recent) -> torch.Tensor:
     b, h, g, s = p.shape
-    slot, exact = _ring(r, s, torch.float32)
+    slot = _ring(r, s)
     idx = slot[:, :, None].expand(b, h, g, slot.shape[-1])
     rest = torch.cat([p, p.new_zeros(b, h, g, 1)], -1)
     held = rest.gather(-1, idx)  # (b, h, g, E): the probability of each entry's slot (0: none)
     rest.scatter_(-1, idx, 0.0)
-    return _mix32(rest[..., :s], r.inner) + torch.einsum("bhge,bhed->bhgd", held, exact)
+    exact = torch.matmul(held, r.recent.float())  # (b, h, g, d), in the model's basis
+    return _mix32(rest[..., :s], r.inner) + (rotate(exact) if is_rotated(r.inner) else exact)
