@@ -94,3 +94,22 @@ def test_levels_read_in_bf16_is_no_worse_than_the_expanded_read(q):
     new = attend.mix(p, vb, torch.bfloat16).double()
     assert (new - truth_v).abs().max() <= 1.5 * (old - truth_v).abs().max() + 1e-6
     assert (new - truth_v).abs().max() < 2 ** -6 * truth_v.abs().max()
+
+
+def test_outliers_are_the_stable_sorts_first_and_hold_the_middle_level():
+    """compress/channel.largest picks what a stable descending sort's first n are, ties to the lower channel (the
+    reference's rule), on errors with many ties and zeros; and a quantized key's outlier channels hold the middle
+    level, which the levels read relies on."""
+    from flexh2o.compress.bits import unpack
+    from flexh2o.compress.channel import ChannelSpec, largest, quantize_token
+    g = torch.Generator().manual_seed(5)
+    err = torch.randint(0, 4, (6, 7, 64), generator=g).float() / 4  # values 0, 0.25, 0.5, 0.75: ties everywhere
+    for n in (1, 4, 8, 64):
+        want = torch.sort(err, dim=-1, descending=True, stable=True).indices[..., :n]
+        assert torch.equal(largest(err, n), want), n
+    x = torch.randn(5, 3, 64, generator=g) * torch.where(torch.arange(64) % 9 == 0, 10.0, 1.0)
+    calib = torch.stack([torch.full((64,), 0.3), torch.full((64,), -2.0)], -1).expand(5, 3, 64, 2)
+    for bits in (2, 3, 4, 8):
+        data, idx, _ = quantize_token(x, calib, ChannelSpec(bits, 8), torch.float32)
+        levels = unpack(data, bits, 64)
+        assert (levels.gather(-1, idx) == 1 << (bits - 1)).all(), bits

@@ -80,6 +80,13 @@ class Recent:
             entry = hit.to(torch.int8).argmax(-1)
             self.recent[bi[has], hi[has], entry[has]] = values[has].to(self.recent.dtype)
 
+    def append(self, index: tuple, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+        """A decode step's new token of every row: quantized into its slots (`index`, as `assign` takes it) and
+        remembered in the ring (`remember`: which also drops an entry naming the slot, so `assign`'s lookup of the
+        entries naming the written slots is not needed)."""
+        assign(self.inner, index, values)
+        self.remember(slot, pos, values)
+
     def remember(self, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
         """A decode step's new token of every row (pos (b,)) went into `slot` (b, h) with values (b, h, d): it takes
         ring entry pos % R (the token R positions older leaves the window), or sink entry R + pos when pos < S, and

@@ -54,11 +54,11 @@ class KVBlock:
         else:
             index = (torch.arange(b, device=self.pos.device)[:, None],
                      torch.arange(kv, device=self.pos.device)[None, :], slot)
-        assign(self.k, index, k)  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
-        assign(self.v, index, v)  # a compressed block quantizes the new token's K/V here
-        for x, val in ((self.k, k), (self.v, v)):
-            if hasattr(x, "remember"):  # the newest tokens also kept exact (compress/recent.py)
-                x.remember(slot, cur_pos, val)
+        for x, val in ((self.k, k), (self.v, v)):  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
+            if hasattr(x, "remember"):  # quantized with the newest tokens also kept exact (compress/recent.py)
+                x.append(index, slot, cur_pos, val)
+            else:
+                assign(x, index, val)  # a compressed block quantizes the new token's K/V here
         self.pos[index] = cur_pos.view(b, 1).expand(b, kv)
         self.score[index] = 0.0
         self.written = slot
