@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated KV budgets: tokens (64) or %% of the context (20%%); "
                              "default 10%%,20%%,50%%")
     common.add_argument("--policies", type=_csv, default=EVICTING,
-                        help="comma-separated KV policies, or WRAPPER:POLICY (pyramid:tova, adakv:vatp) as in flexh2o-run's "
-                        f"--kv-policy (full always runs); default {', '.join(EVICTING)}")
+                        help="comma-separated KV policies, or WRAPPER:POLICY (pyramid:tova, adakv:vatp) as in "
+                        f"flexh2o-run's --kv-policy (full always runs); default {', '.join(EVICTING)}")
     add_kv_flags(common, budgets=False)
     add_compression_flags(common)
     common.add_argument("--seed", type=int, default=0, help="seed of the random policy and the recall samples")

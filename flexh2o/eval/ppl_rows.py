@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, check_policy, EvalResult, TEXTS, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
-                                 lanes_run, load_text, machine)
+from flexh2o.eval.common import (EVICTING, EvalResult, TEXTS, EvalModel, auto_lane_mem, budget_tokens, check_policy,
+                                 lane_passes, lanes_run, load_text, machine)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.eval.common import (EVICTING, check_policy, EvalResult, EvalModel, auto_lane_mem, budget_tokens, lane_passes,
-                                 lanes_run, load_text, machine, progress_bar)
+from flexh2o.eval.common import (EVICTING, EvalResult, EvalModel, auto_lane_mem, budget_tokens, check_policy,
+                                 lane_passes, lanes_run, load_text, machine, progress_bar)
 
 TASKS = ("passkey", "kv")
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Jack", "Kate", "Laura", "Mark",

@@ -55,7 +55,7 @@ class KVBlock:
             index = (torch.arange(b, device=self.pos.device)[:, None],
                      torch.arange(kv, device=self.pos.device)[None, :], slot)
         for x, val in ((self.k, k), (self.v, v)):  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
-            if hasattr(x, "remember"):  # quantized with the newest tokens also kept exact (compress/recent.py)
+            if hasattr(x, "append"):  # quantized with the newest tokens also kept exact (compress/recent.py)
                 x.append(index, slot, cur_pos, val)
             else:
                 assign(x, index, val)  # a compressed block quantizes the new token's K/V here

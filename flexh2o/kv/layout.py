@@ -220,7 +220,9 @@ class CacheLayout:
         return 2 * b * h * s * d * dtype.itemsize
 
     def expands(self, compute: torch.dtype) -> bool:
-        """Attention reads K and V through an expanded copy (quantized, or stored in another dtype)."""
+        """Decode reads K and V through working copies: an expanded one when stored in another dtype; a quantized
+        block's levels read (compress/attend.py) holds less than an expanded copy at once, and vatp's and mean_vnorm's
+        fp32 values as much, so expanded_bytes bounds it."""
         return self.quant is not None or self.dtype != compute
 
     # ---- the block's tensors ----------------------------------------------------------------------------------
