@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flexh2o.kv.policies import policy_class, policy_params
-from flexh2o.kv.policies.base import Budget, KVPolicy
+from flexh2o.kv.policies.base import DEFAULT_RECENT_SHARE, RECENT_SHARE, Budget, KVPolicy
 from flexh2o.kv.policies.lanes import LanePolicy
 from flexh2o.kv.policies.params import declared
 
@@ -93,8 +93,9 @@ class KVSpec:
         parameter's flag (`params`, by name: hh_decay, pyramid_ratio, head_cap, ...).
 
         No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
-        heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, split evenly (heavy = N // 2) for
-        policies with a recent window; all window otherwise."""
+        heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, of which the share --recent-share
+        (`params`' recent_share, default 0.5: heavy = N // 2) is the recent window for the policies that keep one;
+        all window otherwise."""
         budgeted = hh_ratio is not None or kv_budget is not None
         policy = policy or ("h2o" if budgeted else "full")
         if policy == "full":
@@ -102,8 +103,9 @@ class KVSpec:
                 raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
                                  "policy")
             return KVSpec("full", None, num_sinks, seed, **params)
-        return KVSpec(policy, resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget), num_sinks, seed,
-                      **params)
+        share = params.get("recent_share", DEFAULT_RECENT_SHARE)
+        budget = resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget, share)
+        return KVSpec(policy, budget, num_sinks, seed, **params)
 
     @staticmethod
     def of_total(policy: str, tokens: Optional[int], num_sinks: int = 4, seed: int = 0, **params) -> "KVSpec":
@@ -151,9 +153,10 @@ class KVSpec:
         if self.budget is None:
             return None
         n = self.budget.total
-        if KVSpec.of_total(self.policy, n, seed=self.seed, params=self.params) != self:
+        if KVSpec.of_total(self.policy, n, seed=self.seed, **dict(self.params)) != self:
             raise ValueError(f"KV budget heavy {self.budget.heavy} + recent {self.budget.recent} cannot be written "
-                             f"as --kv-budget for policy {self.policy} (it splits a budget evenly)")
+                             f"as --kv-budget for policy {self.policy} (it splits a budget by --recent-share "
+                             f"{self.recent_share})")
         return n
 
     def describe(self) -> str:
@@ -176,17 +179,23 @@ def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: i
 
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,
-                   recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None) -> Optional[Budget]:
-    """Ratios or a token budget -> whole token counts (None for full, or when no budget flag is given)."""
+                   recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None,
+                   recent_share: float = DEFAULT_RECENT_SHARE) -> Optional[Budget]:
+    """Ratios or a token budget -> whole token counts (None for full, or when no budget flag is given). A
+    --kv-budget N of a windowed policy: recent = N - int((1 - recent_share) N) (0.5: heavy = N // 2)."""
+    RECENT_SHARE.check(recent_share)
     if policy == "full":
         return None
     if kv_budget is not None:
         if kv_budget < 1:
             raise ValueError(f"--kv-budget must be a positive number of tokens (got {kv_budget})")
         if _windowed(policy):
-            heavy = kv_budget // 2
+            heavy = int(kv_budget * (1.0 - recent_share) + 1e-9)  # 1 - 0.9 is 0.0999...: 100 tokens keep 10
             return Budget(heavy, kv_budget - heavy)
         return Budget(0, kv_budget)
+    if recent_share != DEFAULT_RECENT_SHARE and hh_ratio is not None:
+        raise ValueError(f"--recent-share {recent_share} splits a --kv-budget: with --hh-ratio give the window as "
+                         "--recent-ratio instead")
     if hh_ratio is None:
         return None
     heavy = int(hh_ratio * prompt_len)

@@ -31,6 +31,12 @@ NUM_SINKS = Param("num_sinks", int, DEFAULT_SINKS, "attention sinks kept by the 
                   f"(streaming, vatp, h2o_sinks, mean_vnorm; default {DEFAULT_SINKS})", lo=0,
                   fix="the number of first tokens always kept",
                   shown=lambda cls, value: cls.uses_sinks and value != DEFAULT_SINKS)
+DEFAULT_RECENT_SHARE = 0.5  # H2O's even split of a budget into heavy hitters and the recent window
+RECENT_SHARE = Param("recent_share", float, DEFAULT_RECENT_SHARE, "the share of a --kv-budget (and of "
+                     "flexh2o-eval's budgets) kept as the recent window by the windowed policies (h2o, mean_attn, "
+                     f"vatp, ...; the rest are heavy hitters); default {DEFAULT_RECENT_SHARE}: H2O's even split",
+                     lo=0.0, hi=1.0, fix="the share of the budget that is the recent window, e.g. 0.25",
+                     shown=lambda cls, value: cls.windowed and value != DEFAULT_RECENT_SHARE)
 
 
 @dataclass(frozen=True)
@@ -55,9 +61,9 @@ class KVPolicy:
     default when not given) and sets it as an attribute; the flags, the KVSpec and the printed command line follow."""
 
     name = "base"
-    params = (NUM_SINKS,)
+    params = (NUM_SINKS, RECENT_SHARE)
     needs_scores = False
-    windowed = False  # a --kv-budget is split evenly into heavy tokens and a protected recent window
+    windowed = False  # a --kv-budget is split into heavy tokens and a protected recent window (--recent-share)
     uses_sinks = False  # protects the first --num-sinks positions
     needs_values = False  # priority reads the cached values
     layered = False  # the budget differs from layer to layer (layer_budget)
