@@ -46,6 +46,25 @@ def check_kv_flags(args, policy: Optional[str]) -> None:
     if policy == "full" and (recent is not None or hh is not None or kv_budget is not None):
         raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--recent-ratio/--kv-budget or pick "
                          "another policy")
+    budgeted = hh is not None or kv_budget is not None
+    if policy is not None or hasattr(args, "kv_policy"):  # flexh2o-eval checks its --policies once parsed
+        check_params_read(args, [policy or ("h2o" if budgeted else "full")])
+
+
+def check_params_read(args, policies) -> None:
+    """A policy parameter's flag given a value other than its default must be read by one of `policies` (names,
+    WRAPPER:POLICY included), else it would be ignored without a word: which policies read it is what the printed
+    command line shows (Param.printed)."""
+    from flexh2o.kv.policies import POLICIES, policy_class, policy_params
+    classes = [policy_class(name) for name in policies]
+    for p in policy_params():
+        value = getattr(args, p.name, None)
+        if value is None or value == p.default or any(p.printed(cls, value) for cls in classes):
+            continue
+        readers = ", ".join(name for name, cls in sorted(POLICIES.items()) if p.printed(cls, value))
+        which = f"the {policies[0]} policy does not read it" if len(policies) == 1 else \
+            f"none of the policies {', '.join(policies)} reads it"
+        raise ValueError(f"{p.flag} {value}: {which} (read by {readers}): drop it or pick one of those")
 
 
 def check_policy_params(args) -> None:

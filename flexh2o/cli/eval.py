@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from flexh2o.cli.checks import check_kv_flags, check_output_path, check_real
+from flexh2o.cli.checks import check_kv_flags, check_output_path, check_params_read, check_real
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags, policy_values
@@ -138,11 +138,14 @@ def _settings(args):
         check_real("--lane-mem", args.lane_mem, 0.0, lo_open=True, fix="GB of KV cache per engine pass, e.g. 2")
         if args.procs < 1:
             raise ValueError(f"--procs must be at least 1 (got {args.procs})")
-        return PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
-                           None if args.lane_mem is None else args.lane_mem * 1e9, args.separate)
-    from flexh2o.eval.recall import RecallSettings
-    return RecallSettings(args.tasks, args.filler, args.context, args.samples, args.facts, args.budgets,
-                          args.policies, args.seed)
+        settings = PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
+                               None if args.lane_mem is None else args.lane_mem * 1e9, args.separate)
+    else:
+        from flexh2o.eval.recall import RecallSettings
+        settings = RecallSettings(args.tasks, args.filler, args.context, args.samples, args.facts, args.budgets,
+                                  args.policies, args.seed)
+    check_params_read(args, list(settings.policies))
+    return settings
 
 
 if __name__ == "__main__":
