@@ -33,19 +33,18 @@ def test_default_split_is_even_and_a_share_splits_the_total():
 
 def test_share_reaches_the_run_and_its_printed_command_line(offload_dir):
     from flexh2o.tuning.search import command_line
-    args = cli.build_parser().parse_args(["--model", "opt-125m", "--kv-policy", "mean_attn", "--kv-budget", "20",
-                                          "--recent-share", "0.25"])
-    spec = kv_spec(args, 16)
+
+    def spec_and_line(*flags):  # the KVSpec of `flags` at a 16-token prompt, and the command line printed for it
+        spec = kv_spec(cli.build_parser().parse_args(["--model", "opt-125m", *flags]), 16)
+        rc = RunConfig(model=from_name("opt-125m"), percent=Percent(100, 0, 100, 0), gpu_batch_size=2,
+                       prompt_len=16, gen_len=4, kv=spec, offload_dir=offload_dir)
+        return spec, command_line(rc).split()
+
+    spec, line = spec_and_line("--kv-policy", "mean_attn", "--kv-budget", "20", "--recent-share", "0.25")
     assert spec.budget == Budget(15, 5) and spec.recent_share == 0.25
-    rc = RunConfig(model=from_name("opt-125m"), percent=Percent(100, 0, 100, 0), gpu_batch_size=2, prompt_len=16,
-                   gen_len=4, kv=spec, offload_dir=offload_dir)
-    line = command_line(rc).split()
     assert line[line.index("--recent-share") + 1] == "0.25"
     assert kv_spec(cli.build_parser().parse_args(line[1:]), 16) == spec  # the printed line reads back
-    even = kv_spec(cli.build_parser().parse_args(["--model", "opt-125m", "--kv-budget", "20"]), 16)
-    rc_even = RunConfig(model=from_name("opt-125m"), percent=Percent(100, 0, 100, 0), gpu_batch_size=2,
-                        prompt_len=16, gen_len=4, kv=even, offload_dir=offload_dir)
-    assert "--recent-share" not in command_line(rc_even)
+    assert "--recent-share" not in spec_and_line("--kv-budget", "20")[1]
 
 
 def test_bad_shares_are_refused_in_one_line(capsys):

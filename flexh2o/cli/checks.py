@@ -46,9 +46,9 @@ def check_kv_flags(args, policy: Optional[str]) -> None:
     if policy == "full" and (recent is not None or hh is not None or kv_budget is not None):
         raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--recent-ratio/--kv-budget or pick "
                          "another policy")
-    budgeted = hh is not None or kv_budget is not None
     if policy is not None or hasattr(args, "kv_policy"):  # flexh2o-eval checks its --policies once parsed
-        check_params_read(args, [policy or ("h2o" if budgeted else "full")])
+        from flexh2o.kv.spec import chosen_policy
+        check_params_read(args, [chosen_policy(policy, hh is not None or kv_budget is not None)])
 
 
 def check_params_read(args, policies) -> None:

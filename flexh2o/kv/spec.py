@@ -97,7 +97,7 @@ class KVSpec:
         (`params`' recent_share, default 0.5: heavy = N // 2) is the recent window for the policies that keep one;
         all window otherwise."""
         budgeted = hh_ratio is not None or kv_budget is not None
-        policy = policy or ("h2o" if budgeted else "full")
+        policy = chosen_policy(policy, budgeted)
         if policy == "full":
             if budgeted:
                 raise ValueError("--kv-policy full keeps every token: drop --hh-ratio/--kv-budget or pick another "
@@ -176,6 +176,12 @@ def make_policy(name: str, budget: Optional[Budget], num_sinks: int = 4, seed: i
     named = dict(zip(("hh_decay", "num_layers", "pyramid_ratio", "head_cap"), legacy))
     num_layers = named.pop("num_layers", num_layers)
     return KVSpec(name, budget, num_sinks, seed, **named, **params).make(num_layers)
+
+
+def chosen_policy(policy: Optional[str], budgeted: bool) -> str:
+    """The run's policy: --kv-policy as given, else h2o when a budget flag (--hh-ratio, --kv-budget) is given, else
+    full."""
+    return policy or ("h2o" if budgeted else "full")
 
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,
