@@ -37,11 +37,22 @@ print(set_, (rss() - base) // MiB)
 GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 
 
-def _run(fix: bool, env_extra=None, setup: str = "") -> tuple:
+# a decode step's blocks under the mmap threshold: freed at the top of the heap, kept there for the next step (up to
+# KEPT_AT_TOP) instead of returned and faulted in again; n blocks of 3 MiB freed in reverse, what stays resident
+TOP = PATTERN.split("libc.free(block(12")[0] + r"""
+base = rss()
+blocks = [block(3 * MiB) for _ in range({n})]
+for p in reversed(blocks):
+    libc.free(p)
+print(set_, (rss() - base) // MiB)
+"""
+
+
+def _run(fix: bool, env_extra=None, setup: str = "", pattern: str = PATTERN, **fields) -> tuple:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_extra or {})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = PATTERN.format(root=root, fix=fix, setup=setup)
+    code = pattern.format(root=root, fix=fix, setup=setup, **fields)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     return out[0] == "True", int(out[1])
@@ -55,6 +66,16 @@ def test_freed_transients_leave_the_resident_memory_with_the_fixed_threshold():
     assert was_set and left <= 8  # unmapped when freed
     user, _ = _run(True, {"MALLOC_TRIM_THRESHOLD_": "131072"})
     assert not user  # the user's own glibc setting wins: nothing changed
+
+
+@GLIBC
+def test_freed_blocks_at_the_heap_top_are_kept_for_reuse_up_to_the_bound():
+    unset, gone = _run(False, pattern=TOP, n=2)
+    assert not unset and gone <= 1  # glibc's default maps 3 MiB blocks and unmaps them when freed
+    was_set, kept = _run(True, pattern=TOP, n=2)
+    assert was_set and kept >= 5  # 6 MiB freed at the top of the heap: kept for the next step's blocks
+    _, over = _run(True, pattern=TOP, n=12)
+    assert over <= 3  # past KEPT_AT_TOP (32 MiB) free at the top it was returned: the last block freed stays
 
 
 @GLIBC
