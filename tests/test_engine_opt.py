@@ -145,3 +145,21 @@ def test_prefill_rows_bound_the_plan():
     small = plan_memory(rc).bytes["gpu"]["buffers"]
     big = plan_memory(rc.with_(prefill_batch=64)).bytes["gpu"]["buffers"]
     assert small < big
+
+
+def test_cpu_prefill_sub_batches_keep_each_buffer_under_the_mmap_threshold():
+    """On the CPU a sub-batch is the most prompts whose per-token buffers (prompt x hidden in the compute dtype)
+    stay under glibc's mmap threshold, so they are reused from the heap; on CUDA the six together stay near
+    PREFILL_BYTES; one prompt at least, the batch at most."""
+    from flexh2o.run_config import PREFILL_BYTES
+    from flexh2o.storage.freed_memory import MAPPED_FROM
+    for name, t, dtype in (("opt-125m", 512, torch.bfloat16), ("opt-125m", 512, torch.float32),
+                           ("opt-125m", 64, torch.bfloat16), ("opt-1.3b", 512, torch.bfloat16)):
+        rc = RunConfig(model=from_name(name), gpu_batch_size=64, prompt_len=t, gen_len=8, dtype=dtype)
+        buffer = t * rc.model.hidden * dtype.itemsize
+        rows = rc.prefill_rows()
+        assert rows * buffer < MAPPED_FROM and ((rows + 1) * buffer >= MAPPED_FROM or rows == 64), (name, t, rows)
+        gpu = rc.with_(device="cuda").prefill_rows()
+        assert gpu == max(1, min(64, PREFILL_BYTES // (6 * buffer))), (name, t, gpu)
+    assert RunConfig(model=from_name("opt-30b"), gpu_batch_size=8, prompt_len=512).prefill_rows() == 1  # 7 MiB each
+    assert RunConfig(model=from_name("opt-125m"), gpu_batch_size=3, prompt_len=16).prefill_rows() == 3
