@@ -113,8 +113,9 @@ class RunConfig:
         is. On the CPU each buffer of one value per token and channel (q, k, v, the attention output, the residual)
         stays under glibc's mmap threshold (storage/freed_memory.MAPPED_FROM): buffers under it are reused from
         the heap, larger ones are mapped and faulted in afresh at every layer (memory-resident opt-1.3b bf16, 8
-        prompts of 512: prefill 21 s in sub-batches of 2, 4 MiB buffers, against 10.7 s one prompt at a time;
-        system time 18 s -> 4 s). On CUDA the buffers together stay near PREFILL_BYTES."""
+        prompts of 512: prefill 17.4 s in sub-batches of 2, 4 MiB buffers, against 11.8 s one prompt at a time,
+        medians of alternated runs; system time 18 s -> 4 s). On CUDA the buffers together stay near
+        PREFILL_BYTES."""
         if self.prefill_batch:
             return min(self.prefill_batch, self.gpu_batch_size)
         cfg = self.model
