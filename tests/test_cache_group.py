@@ -71,3 +71,21 @@ def test_the_rotation_is_the_default_and_the_command_line_carries_its_absence():
         assert (flag in line) if flag else not any("rotate" in x for x in line)
         back = run_cli.build_run_config(parse(line[1:]), rc.model, None)
         assert back.compress_cache == cfg.compress_cache
+
+
+def test_quantization_flags_that_would_change_nothing_are_refused(capsys):
+    """--compress-bits or --compress-group-size with neither --compress-weight nor --compress-cache, and
+    --key-outliers with keys per token (which keep no value exact), would be ignored: one line, exit 2. FlexGen's
+    scheme written out (--cache-keys token --key-outliers 0) and the flags at their defaults stay accepted."""
+    for flags, needle in ((["--compress-bits", "3"], "--compress-bits 3"),
+                          (["--compress-group-size", "32"], "--compress-group-size 32"),
+                          (["--compress-cache", "--cache-keys", "token", "--key-outliers", "4"], "--key-outliers 4")):
+        assert run_cli.main(["--model", "opt-125m", *flags, "--dry-run"]) == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    for flags in (["--compress-bits", "4"], ["--compress-cache", "--cache-keys", "token", "--key-outliers", "0"],
+                  ["--compress-weight", "--compress-group-size", "32"], ["--compress-cache", "--compress-bits", "3"]):
+        assert run_cli.main(["--model", "opt-125m", *flags, "--dry-run"]) == 0, flags
+    capsys.readouterr()
+    _, flexgen = _specs("--compress-cache", "--cache-keys", "token", "--key-outliers", "0")
+    assert flexgen.keys == "token" and flexgen.outliers == 0

@@ -9,6 +9,8 @@ from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
 from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS, \
     KEY_SCHEMES, CacheQuant
 
+DEFAULT_BITS, DEFAULT_GROUP = CompressionSpec.bits, CompressionSpec.group_size  # the spec's own defaults
+
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
@@ -33,10 +35,10 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
       help="--compress-cache: quantize K and V times a Hadamard matrix along head_dim (rotated back when read; "
            "QuaRot's rotation, which spreads a token's outlier channels over all of them; no extra bytes); "
            f"default {str(DEFAULT_ROTATE).lower()} ({'on' if DEFAULT_ROTATE else 'off'})")
-    a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=4,
-      help="bits a value under --compress-* (default 4; 2 and 3: the cache only)")
-    a("--compress-group-size", type=int, default=64, help="values per quantization group of the weights and of "
-      "FlexGen's per-token cache (default 64)")
+    a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=DEFAULT_BITS,
+      help=f"bits a value under --compress-* (default {DEFAULT_BITS}; 2 and 3: the cache only)")
+    a("--compress-group-size", type=int, default=DEFAULT_GROUP, help=f"values per quantization group of the "
+      f"weights and of FlexGen's per-token cache (default {DEFAULT_GROUP})")
     a("--cache-group-size", type=int, default=None, metavar="N",
       help="--compress-cache: values per group along head_dim of the cached values (and of per-token keys); default "
            "--compress-group-size (at 2 and 3 bits 32 or 16 cost less perplexity for 4 or 12 more bytes a token and "
@@ -53,14 +55,24 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     dimension 0 (FlexGen's) or, where the int4 kernel can run them (--weight-kernel auto/int4), along the input
     dimension (1)."""
     cache = None
+    if not args.compress_cache and not args.compress_weight:
+        for flag, value, default in (("--compress-bits", args.compress_bits, DEFAULT_BITS),
+                                     ("--compress-group-size", args.compress_group_size, DEFAULT_GROUP)):
+            if value != default:
+                raise ValueError(f"{flag} {value} sets how --compress-weight and --compress-cache quantize, and "
+                                 f"neither is on: add one of them or drop {flag}")
     if not args.compress_cache:
         _refuse_cache_flags_alone(args)
     else:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
         group = getattr(args, "cache_group_size", None)
+        outliers = getattr(args, "key_outliers", DEFAULT_OUTLIERS)
+        if keys == "token" and outliers not in (0, DEFAULT_OUTLIERS):  # 0: FlexGen's scheme written out in full
+            raise ValueError(f"--key-outliers {outliers}: keys per token (--cache-keys token) keep no value exact; "
+                             f"use --cache-keys channel or fitted, or drop --key-outliers")
         try:
             cache = CacheQuant(args.compress_bits, args.compress_group_size if group is None else group, keys,
-                               getattr(args, "key_outliers", DEFAULT_OUTLIERS),
+                               outliers,
                                getattr(args, "cache_recent", DEFAULT_RECENT),
                                getattr(args, "cache_sinks", DEFAULT_SINKS),
                                getattr(args, "cache_rotate", DEFAULT_ROTATE))  # validates the flags

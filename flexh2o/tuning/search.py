@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from flexh2o.compress import CompressionSpec
 from flexh2o.compress.kept import compresses_others
 from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.models import layer_specs
@@ -123,7 +124,7 @@ def compression_flags(rc: RunConfig) -> list:
     if spec is None:
         return []
     out = ["--compress-weight"] * weights + ["--compress-cache"] * bool(rc.compress_cache)
-    if (spec.bits, spec.group_size) != (4, 64):
+    if (spec.bits, spec.group_size) != (CompressionSpec.bits, CompressionSpec.group_size):
         out.append(f"--compress-bits {spec.bits} --compress-group-size {spec.group_size}")
     cache = rc.compress_cache
     if cache and cache.group_size != spec.group_size:  # the values' groups apart from the weights'
