@@ -58,6 +58,8 @@ def test_plan_step_names_the_flag(capsys):
                                          (["recall", "--budgets", " , "], "--budgets"),
                                          (["ppl", "--lane-mem", "nan"], "--lane-mem nan"),
                                          (["ppl", "--lane-mem", "0"], "--lane-mem 0"),
+                                         (["ppl", "--separate", "--lane-mem", "1"], "--separate"),
+                                         (["ppl", "--seed", "5", "--policies", "h2o,tova"], "--seed 5"),
                                          (["ppl", "--out", "/nonexistent-dir/r.json"], "--out /nonexistent-dir")])
 def test_eval_values_refused_before_loading(capsys, monkeypatch, argv, needle):
     from flexh2o.eval import common

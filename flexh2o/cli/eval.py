@@ -130,7 +130,6 @@ def _settings(args):
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")
     check_kv_flags(args, None)
-    check_output_path(args.out or f"eval-{args.task}.json", "--out")  # before minutes of evaluation
     if not args.budgets:
         raise ValueError("--budgets holds no budget: give comma-separated tokens or percents, e.g. 64,20%")
     if args.task == "ppl":
@@ -138,6 +137,11 @@ def _settings(args):
         check_real("--lane-mem", args.lane_mem, 0.0, lo_open=True, fix="GB of KV cache per engine pass, e.g. 2")
         if args.procs < 1:
             raise ValueError(f"--procs must be at least 1 (got {args.procs})")
+        if args.separate and args.lane_mem is not None:
+            raise ValueError("--lane-mem sizes the passes lanes share, and --separate runs each lane alone: drop one")
+        if args.seed != 0 and "random" not in args.policies:  # the texts are fixed: only that policy draws
+            raise ValueError(f"--seed {args.seed}: flexh2o-eval ppl reads it only for the random policy, which "
+                             f"--policies does not run: add random to --policies or drop --seed")
         settings = PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
                                None if args.lane_mem is None else args.lane_mem * 1e9, args.separate)
     else:
