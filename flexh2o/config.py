@@ -64,6 +64,12 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_size or self.hidden // self.num_heads
 
+    @property
+    def token_width(self) -> int:
+        """Values per token of a layer's widest buffer besides the MLP's: the hidden size, or the query heads'
+        heads x head_dim where that is wider (Gemma)."""
+        return max(self.hidden, self.num_heads * self.head_dim)
+
     def window(self, layer: int) -> Optional[int]:
         """The sliding window of decoder layer `layer` (0-based), None for a layer that sees every token."""
         if self.sliding_window is None or (self.layer_kinds and self.layer_kinds[layer] != "s"):

@@ -118,8 +118,7 @@ class RunConfig:
         PREFILL_BYTES."""
         if self.prefill_batch:
             return min(self.prefill_batch, self.gpu_batch_size)
-        cfg = self.model
-        per_buffer = self.prompt_len * max(cfg.hidden, cfg.num_heads * cfg.head_dim) * self.compute.itemsize
+        per_buffer = self.prompt_len * self.model.token_width * self.compute.itemsize
         rows = (MAPPED_FROM - 1) // per_buffer if self.device == "cpu" else PREFILL_BYTES // (6 * per_buffer)
         return max(1, min(self.gpu_batch_size, rows))
 

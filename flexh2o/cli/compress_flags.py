@@ -56,13 +56,13 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     dimension (1)."""
     cache = None
     if not args.compress_cache and not args.compress_weight:
-        for flag, value, default in (("--compress-bits", args.compress_bits, DEFAULT_BITS),
-                                     ("--compress-group-size", args.compress_group_size, DEFAULT_GROUP)):
-            if value != default:
-                raise ValueError(f"{flag} {value} sets how --compress-weight and --compress-cache quantize, and "
-                                 f"neither is on: add one of them or drop {flag}")
+        _refuse_alone(args, {"compress_bits": DEFAULT_BITS, "compress_group_size": DEFAULT_GROUP},
+                      "how --compress-weight and --compress-cache quantize, and neither is on: add one of them")
     if not args.compress_cache:
-        _refuse_cache_flags_alone(args)
+        _refuse_alone(args, {"cache_keys": DEFAULT_KEYS, "key_outliers": DEFAULT_OUTLIERS,
+                             "cache_recent": DEFAULT_RECENT, "cache_sinks": DEFAULT_SINKS,
+                             "cache_rotate": DEFAULT_ROTATE, "cache_group_size": None},
+                      "the quantized KV cache, which is off: add --compress-cache")
     else:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
         group = getattr(args, "cache_group_size", None)
@@ -89,18 +89,17 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     return spec.along(weight_group_dim(args, spec, device)), cache
 
 
-def _refuse_cache_flags_alone(args: argparse.Namespace) -> None:
-    """ValueError naming a quantized-cache flag given a value other than its default without --compress-cache (it
-    would change nothing)."""
-    defaults = {"cache_keys": DEFAULT_KEYS, "key_outliers": DEFAULT_OUTLIERS, "cache_recent": DEFAULT_RECENT,
-                "cache_sinks": DEFAULT_SINKS, "cache_rotate": DEFAULT_ROTATE, "cache_group_size": None}
+def _refuse_alone(args: argparse.Namespace, defaults: dict, sets: str) -> None:
+    """ValueError naming the first flag of `defaults` (dest -> default) given another value while what it `sets`
+    is off (it would change nothing): '<flag> <value> sets <sets> or drop <flag>'."""
     for name, default in defaults.items():
-        if getattr(args, name, default) != default:
+        value = getattr(args, name, default)
+        if value != default:
             flag = "--" + name.replace("_", "-")
-            if name == "cache_rotate":
-                flag = "--cache-rotate" if args.cache_rotate else "--no-cache-rotate"
-            raise ValueError(f"{flag} sets the quantized KV cache, which is off: add --compress-cache or drop "
-                             f"{flag}")
+            if value is False:  # the --no- form of a --flag / --no-flag pair
+                flag = flag.replace("--", "--no-", 1)
+            given = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise ValueError(f"{given} sets {sets} or drop {flag}")
 
 
 def weight_group_dim(args: argparse.Namespace, spec: CompressionSpec, device: str) -> int:
