@@ -125,7 +125,7 @@ class LLM:
     def requests(self, prompts: Sequence, params) -> list:
         """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are; params: one SamplingParams
         for all, or a list of them, one per prompt."""
-        from flexh2o.requests import Defaults, fit_positions, request_from
+        from flexh2o.requests import Defaults, check_top_p, fit_positions, request_from
         prompts = _prompt_list(prompts)
         a = self.args
         defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed)
@@ -143,6 +143,7 @@ class LLM:
             fit_positions(out, self.cfg.max_positions, lambda r: f"prompt {r.id}")
         except ValueError as e:
             raise ValueError(f"prompts: {e}") from None
+        check_top_p(a.top_p, [r.temperature for r in out], "top_p")
         return out
 
 

@@ -100,11 +100,23 @@ def _request(obj: dict, defaults: Defaults, vocab: int, tokenizer) -> Request:
     if stop and tokenizer is None:
         raise ValueError("stop: stop strings need the model's tokenizer (--tokenizer)")
     try:
-        return Request(obj["id"], tuple(ids), obj.get("max_new_tokens", defaults.max_new_tokens), tuple(stop),
-                       obj.get("temperature", defaults.temperature), obj.get("top_p", defaults.top_p),
-                       obj.get("seed", defaults.seed), text)
+        req = Request(obj["id"], tuple(ids), obj.get("max_new_tokens", defaults.max_new_tokens), tuple(stop),
+                      obj.get("temperature", defaults.temperature), obj.get("top_p", defaults.top_p),
+                      obj.get("seed", defaults.seed), text)
     except TypeError:
         raise ValueError("stop: give a list of strings") from None
+    if "top_p" in obj and req.top_p < 1 and req.temperature == 0:
+        raise ValueError(f"top_p {req.top_p}: this request decodes greedily (temperature 0), which reads no top_p: "
+                         "give it a temperature > 0, or drop top_p")
+    return req
+
+
+def check_top_p(top_p: float, temperatures, flag: str = "--top-p") -> None:
+    """A run's top_p below 1 when every row decodes greedily (all `temperatures` 0) would be ignored: ValueError
+    naming the flag and the fix."""
+    if top_p < 1 and all(t == 0 for t in temperatures):
+        raise ValueError(f"{flag} {top_p} is unused: every row decodes greedily (temperature 0), which reads no "
+                         f"top-p: give a temperature > 0 (the run's or a request's), or drop {flag}")
 
 
 def _prompt_ids(obj: dict, vocab: int, tokenizer) -> tuple:

@@ -58,6 +58,10 @@ def test_bad_prompts_and_params_are_refused(ckpt):
         llm.generate(["hello"])
     with pytest.raises(ValueError, match="prompt 0: prompt_ids: token id"):
         llm.generate([[5, 10 ** 6]])
+    with pytest.raises(ValueError, match="prompt 0: top_p 0.5: this request decodes greedily"):
+        llm.generate([[5, 6]], SamplingParams(top_p=0.5))
+    with pytest.raises(ValueError, match="top_p 0.5 is unused: every row decodes greedily"):
+        LLM(ckpt, verbose=0, top_p=0.5).generate([[5, 6]])
 
 
 def test_prompts_past_the_models_positions_name_the_prompt(ckpt):

@@ -78,6 +78,7 @@ def test_bad_sizes_and_flags(capsys):
     _fails(capsys, SMALL + ["--kv-policy", "h2o"], "needs a budget")
     _fails(capsys, SMALL + ["--dtype", "int8"], "unknown dtype")
     _fails(capsys, SMALL + ["--top-p", "0"], "--top-p")
+    _fails(capsys, SMALL + ["--top-p", "0.9"], "--top-p 0.9 is unused", "temperature > 0")
 
 
 def test_bad_prompt_files(capsys, tmp_path):

@@ -54,6 +54,8 @@ BAD = [  # (line, field named in the error)
     ('{"id": "x", "prompt_ids": [1], "stop": [""]}', "stop:"),
     ('{"id": "x", "prompt_ids": [1], "temperature": -1}', "temperature"),
     ('{"id": "x", "prompt_ids": [1], "top_p": 0}', "top_p"),
+    ('{"id": "x", "prompt_ids": [1], "top_p": 0.9}', "top_p 0.9: this request decodes greedily"),
+    ('{"id": "x", "prompt_ids": [1], "top_p": 0.9, "temperature": 0}', "top_p 0.9: this request decodes greedily"),
     ('{"id": "x", "prompt_ids": [1], "seed": -2}', "seed"),
     ('{"id": "x", "prompt_ids": [1], "colour": 1}', "colour: unknown field"),
     ('{"id": "a", "prompt_ids": [1]}', "'a' repeats line 1"),
@@ -116,6 +118,21 @@ def test_cli_refuses_before_running(capsys, tmp_path, model, offload_dir):
     out.write_text('{"id": "a"}\n')
     assert cli.main(_argv(ckpt, p, out, offload_dir, "--tokenizer", tok)) == 2  # results there, no --resume
     assert "--resume" in capsys.readouterr().err
+
+
+def test_unused_top_p_refused_in_a_request_job(capsys, tmp_path, model, offload_dir):
+    """--top-p below 1 is the default of the requests that sample: refused when every request decodes greedily,
+    accepted (and run) when one request samples."""
+    ckpt, _, _ = model
+    out = tmp_path / "o.jsonl"
+    greedy = write_jsonl(tmp_path / "g.jsonl", [{"id": "a", "prompt_ids": [3, 4], "max_new_tokens": 2}])
+    assert cli.main(_argv(ckpt, greedy, out, offload_dir, "--top-p", "0.5")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--top-p 0.5 is unused" in err and not out.exists()
+    mixed = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "prompt_ids": [3, 4], "max_new_tokens": 2},
+                                               {"id": "b", "prompt_ids": [5], "max_new_tokens": 2, "temperature": 1}])
+    assert cli.main(_argv(ckpt, mixed, out, offload_dir, "--top-p", "0.5")) == 0
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["a", "b"]
 
 
 @pytest.mark.parametrize("flag", [["--cut-gen-len", "2"], ["--debug-mode", "fewer_batch"]])

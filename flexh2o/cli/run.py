@@ -104,6 +104,7 @@ def _parse(argv: Optional[list]):
 def _run(args) -> int:
     from flexh2o.job import Job, run_job
     from flexh2o.prompts import load_prompts, load_tokenizer, synthetic_prompts
+    from flexh2o.requests import check_top_p
     from flexh2o.sampling import Sampler
     from flexh2o.storage.offload_dir import sweep
 
@@ -113,6 +114,7 @@ def _run(args) -> int:
     cfg = _converted_config(args.path) if args.path != "_DUMMY_" else model_configs.from_name(args.model or "opt-125m")
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
+    check_top_p(args.top_p, [args.temperature] if reqs is None else [r.temperature for r in reqs])
     prompts = ([list(r.prompt_ids) for r in reqs] if reqs is not None
                else load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None)
     rc = build_run_config(args, cfg, prompts)
