@@ -15,6 +15,8 @@ from flexh2o.cli.kv_flags import add_kv_flags, policy_values
 from flexh2o.eval.common import EVICTING, TEXTS
 from flexh2o.jsonfile import write_json
 
+DEFAULT_SEED = 0  # of the random policy and the recall samples (ppl refuses another without the random policy)
+
 
 def _csv(text: str) -> tuple:
     return tuple(x.strip() for x in text.split(",") if x.strip())
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"flexh2o-run's --kv-policy (full always runs); default {', '.join(EVICTING)}")
     add_kv_flags(common, budgets=False)
     add_compression_flags(common)
-    common.add_argument("--seed", type=int, default=0, help="seed of the random policy and the recall samples")
+    common.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random policy and the recall "
+                        f"samples (default {DEFAULT_SEED})")
     common.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     common.add_argument("--cache-dir", help="where a .gguf model is converted once (default: $TMPDIR/flexh2o-eval)")
     common.add_argument("--out", help="JSON result file (default: eval-<task>.json)")
@@ -139,7 +142,7 @@ def _settings(args):
             raise ValueError(f"--procs must be at least 1 (got {args.procs})")
         if args.separate and args.lane_mem is not None:
             raise ValueError("--lane-mem sizes the passes lanes share, and --separate runs each lane alone: drop one")
-        if args.seed != 0 and "random" not in args.policies:  # the texts are fixed: only that policy draws
+        if args.seed != DEFAULT_SEED and "random" not in args.policies:  # the texts are fixed: only that policy draws
             raise ValueError(f"--seed {args.seed}: flexh2o-eval ppl reads it only for the random policy, which "
                              f"--policies does not run: add random to --policies or drop --seed")
         settings = PplSettings(args.texts, args.context, args.windows, args.prefix, args.budgets, args.policies,
