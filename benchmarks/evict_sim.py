@@ -16,7 +16,8 @@ lower precision; its copy is quantized from the exact K and V, where an engine c
 tier's: a bound); scores keep accumulating there. `bits=None`: plain fp32 tiers (eviction alone). Variants of the
 priority: `decay` d < 1 (score <- d score + p, divided by the weights' sum: a decayed mean), `heads="max"` (the largest
 probability among the query heads instead of their sum), `sinks` N (the first N positions never dropped), `slope`
-(per-layer budgets: layer_setting). Its figures run 0.1 to 0.25 points above the engine's for the same setting
+(per-layer budgets: layer_setting), `agg` (the dropped tokens read as one more token: their mean key with its
+logit raised by log(count), and their mean value). Its figures run 0.1 to 0.25 points above the engine's for the same setting
 (archive/ACCURACY-2026-12.md, session 23): compare settings within it; the engine's runs are the figures of record.
 
     python benchmarks/evict_sim.py macbeth:4,hamlet:4 "H=425,bits=3,nout=4" "H=200,L=500,bits=3,nout=4,lbits=2,lout=0"
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_sim import PROMPT, hadamard, q_channel, q_token  # noqa: E402
 
 DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
-                heads="sum", sinks=0, slope=0.0)
+                heads="sum", sinks=0, slope=0.0, agg=False)
 
 
 def tier_copy(k, v, bits, nout, vgroup):  # k, v (1, hk, t, d) -> their quantize-dequantize copies (rotated basis)
@@ -73,6 +74,7 @@ def replay(q, k, v, c, scaling):
     quant = slice(c["S"], max(c["S"], PROMPT - c["W"]))
     keff[:, quant], veff[:, quant] = khi[:, quant], vhi[:, quant]
     pos = torch.arange(t)
+    ksum, vsum, dropped = torch.zeros(hk, d), torch.zeros(hk, d), torch.zeros(hk)  # agg: what was dropped
     for i in range(PROMPT, t):
         state[:, i] = 1
         j = i - c["W"]  # leaves the exact window
@@ -82,8 +84,16 @@ def replay(q, k, v, c, scaling):
             veff[:, j] = torch.where(lo, vlo[:, j], vhi[:, j])
         held = state[:, :i + 1] > 0
         s = (q[:, i].view(hk, rep, 1, d) @ keff[:, None, :i + 1].transpose(-1, -2)).squeeze(2) * scaling
-        p = s.masked_fill(~held[:, None], float("-inf")).softmax(-1)  # (hk, rep, i + 1)
-        out[:, i] = (p @ veff[:, :i + 1]).reshape(hq, d)
+        s = s.masked_fill(~held[:, None], float("-inf"))
+        if c["agg"]:  # the dropped tokens as one: their mean key, logit + log(count), their mean value
+            n = dropped.clamp(min=1)[:, None]
+            sa = (q[:, i].view(hk, rep, d) * (ksum / n)[:, None]).sum(-1) * scaling + n.log()
+            pa = torch.cat([s, sa.masked_fill(dropped[:, None] == 0, float("-inf"))[..., None]], -1).softmax(-1)
+            p = pa[..., :-1]
+            out[:, i] = (p @ veff[:, :i + 1] + pa[..., -1:] * (vsum / n)[:, None]).reshape(hq, d)
+        else:
+            p = s.softmax(-1)  # (hk, rep, i + 1)
+            out[:, i] = (p @ veff[:, :i + 1]).reshape(hq, d)
         score[:, :i + 1] = c["decay"] * score[:, :i + 1] + (p.sum(1) if c["heads"] == "sum" else p.amax(1))
         seen = (i - pos[:i + 1] + 1).float()  # queries that saw each token, weighted as the scores are
         prio = score[:, :i + 1] / (seen if c["decay"] == 1 else (1 - c["decay"] ** seen) / (1 - c["decay"]))
@@ -92,6 +102,8 @@ def replay(q, k, v, c, scaling):
             out_j = prio.masked_fill(~free, float("inf")).argmin(-1)  # first of equal minima: the older
             heads = torch.arange(hk)
             state[heads, out_j] = 2 if lcap else 0
+            if not lcap and c["agg"]:
+                ksum, vsum, dropped = ksum + keff[heads, out_j], vsum + veff[heads, out_j], dropped + 1
             if lcap:
                 sink = (out_j < c["S"])[:, None]
                 keff[heads, out_j] = torch.where(sink, k[heads, out_j], klo[heads, out_j])
