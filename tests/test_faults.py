@@ -163,10 +163,17 @@ def test_signal_in_each_phase(capsys, monkeypatch, ckpt, tmp_path, phase, sig):
     assert _leftovers(off) == [] and sorted(os.listdir(tmp_path)) == ["off"]  # no output, not even a temp file
 
 
+def interruptible():
+    """A child's Ctrl-C as a terminal's foreground process has it: a suite started in the background (`cmd &` in a
+    script: SIGINT and SIGQUIT ignored, which every process it starts inherits, as Python's start-up respects) would
+    otherwise run the child with Ctrl-C ignored, and the run would rightly finish (exit 0)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_wait_for_run_dir(ckpt, off, gen="2000"):
     p = subprocess.Popen([sys.executable, "-m", "flexh2o.cli", *_argv(ckpt, off, *DISK, gen=gen),
                           "--kv-policy", "h2o", "--kv-budget", "8"], env=ENV, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     deadline = time.time() + 60
     while time.time() < deadline:
         runs = [n for n in _leftovers(off) if n.startswith(od.RUN_PREFIX)]

@@ -14,7 +14,8 @@ import pytest
 from flexh2o.cli import run as cli
 from flexh2o.planning import memory_limit
 from flexh2o.storage import offload_dir as od
-from test_faults import DISK, ENV, _argv, _leftovers, _one_line, _start_and_wait_for_run_dir, ckpt  # noqa: F401
+from test_faults import (DISK, ENV, _argv, _leftovers, _one_line, _start_and_wait_for_run_dir, ckpt,  # noqa: F401
+                         interruptible)
 
 DRY = ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--dry-run"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,16 +156,9 @@ def _script(name: str) -> str:
     return path
 
 
-def _interruptible():
-    """A child's Ctrl-C as a terminal's foreground process has it: a suite started in the background (`cmd &` in a
-    script: SIGINT and SIGQUIT ignored, which every process it starts inherits, as Python's start-up respects) would
-    otherwise run the child with Ctrl-C ignored, and the run would rightly finish (exit 0)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_while_torch_loads_exits_130_quietly(tmp_path):
     p = subprocess.Popen([_script("flexh2o-run"), *DRY, "--offload-dir", str(tmp_path)], env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     maps, deadline = f"/proc/{p.pid}/maps", time.time() + 60
     while time.time() < deadline and p.poll() is None:  # torch's libraries are being mapped: start-up
         with open(maps) as f:
