@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexh2o.kv import attention
+from flexh2o.kv import attention, segments
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies import Budget
 from flexh2o.kv.spec import make_policy
@@ -33,15 +33,15 @@ def test_decode_attention_skips_the_unused_slots_of_each_row_segment():
     pos = torch.full((4, 2, 6), -1, dtype=torch.long)  # (b, kv, slots)
     pos[0, :, :2] = pos[1, :, :2] = torch.arange(2)
     pos[2, 0, :4], pos[3, 1, 3] = torch.arange(4), 7  # rows 2, 3 use 4 slots (row 3 only in head 1)
-    assert attention.used_segments(pos) == [(0, 2, 2), (2, 4, 4)]
+    assert segments.used_segments(pos) == [(0, 2, 2), (2, 4, 4)]
     many = torch.arange(6).repeat(9, 2, 1)
     for row in range(9):
         many[row, :, row % 2 + 4:] = -1  # alternating 4 and 5 used slots: 9 runs, one over MAX_SEGMENTS
-    assert attention.MAX_SEGMENTS == 8
-    assert attention.used_segments(many) == [(0, 2, 5)] + [(r, r + 1, r % 2 + 4) for r in range(2, 9)]
+    assert segments.MAX_SEGMENTS == 8
+    assert segments.used_segments(many) == [(0, 2, 5)] + [(r, r + 1, r % 2 + 4) for r in range(2, 9)]
     # the merge that adds the fewest slot reads goes first: 10 rows padded by 1 slot, not 1 row by 399
-    assert attention.merged_runs([(0, 10, 100), (10, 11, 101), (11, 12, 500)], 2) == [(0, 11, 101), (11, 12, 500)]
-    assert attention.merged_runs([(0, 3, 7)], 1) == [(0, 3, 7)]
+    assert segments.merged_runs([(0, 10, 100), (10, 11, 101), (11, 12, 500)], 2) == [(0, 11, 101), (11, 12, 500)]
+    assert segments.merged_runs([(0, 3, 7)], 1) == [(0, 3, 7)]
     g = torch.Generator().manual_seed(0)
     blk = KVBlock.empty(4, 2, 6, 8, torch.float32, "cpu")
     blk.pos.copy_(pos)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flexh2o.kv import attention
+from flexh2o.kv import attention, segments
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.policies import Budget
 from flexh2o.kv.spec import make_policy
@@ -12,10 +12,10 @@ from flexh2o.kv.spec import make_policy
 
 def test_ragged_rows_take_one_call_and_one_long_row_keeps_its_segment():
     ragged = [(0, 3, 100), (3, 5, 140), (5, 6, 90)]  # 6 x 140 = 840 reads against 300 + 280 + 90 = 670
-    assert attention.one_call_or(ragged) == [(0, 6, 140)]
+    assert segments.one_call_or(ragged) == [(0, 6, 140)]
     lopsided = [(0, 11, 100), (11, 12, 2000)]  # 12 x 2000 = 24000 against 1100 + 2000 = 3100
-    assert attention.one_call_or(lopsided) == lopsided
-    assert attention.one_call_or([(0, 4, 7)]) == [(0, 4, 7)]
+    assert segments.one_call_or(lopsided) == lopsided
+    assert segments.one_call_or([(0, 4, 7)]) == [(0, 4, 7)]
 
 
 def _block(extents, kv=2, slots=12, d=8, seed=0):
@@ -61,8 +61,8 @@ def test_decode_segments_choose_as_the_merged_segments_do():
         if trial % 5 == 0:
             extents = sorted(extents)  # runs of equal and rising extents, too
         blk, _ = _block(extents, slots=max(extents))
-        want = attention.one_call_or(attention.used_segments(blk.pos, extents))
-        assert attention.decode_segments(blk.pos, extents) == [tuple(s) for s in want]
+        want = segments.one_call_or(segments.used_segments(blk.pos, extents))
+        assert segments.decode_segments(blk.pos, extents) == [tuple(s) for s in want]
 
 
 def test_ragged_in_order_append_writes_each_row_at_its_position():

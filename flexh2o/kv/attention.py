@@ -16,14 +16,17 @@ from flexh2o.compress.codec import assign, expand, expand_stored
 from flexh2o.compress.rotation import rotated_if, unrotated_if
 from flexh2o.kv.cache import KVBlock, merged_values, row_extents
 from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.kv.segments import decode_segments
 from flexh2o.kv.step_rows import StepRows
+from flexh2o.storage.freed_memory import MAPPED_FROM
 from flexh2o.tensors import moved
 
 
 # torch (2.11, an H200) picks cuDNN's fused attention first, and cuDNN builds a graph for each new masked shape,
 # hundreds of ms each (a new prompt length, a cache of a new width: inside the timed run); the others build nothing
 CUDA_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-WORKSPACE = 16 << 20  # bytes of fp32 attention probabilities per prefill chunk (the batch shares it)
+WORKSPACE = 16 << 20  # bytes of fp32 attention probabilities per prefill chunk on CUDA (the batch shares it)
+CPU_WORKSPACE = 3 * MAPPED_FROM // 4  # the chunk's copies under glibc's mmap threshold: reused, not faulted in anew
 
 
 def sdpa(q, k, v, attn_mask=None, enable_gqa: bool = False) -> torch.Tensor:
@@ -34,9 +37,9 @@ def sdpa(q, k, v, attn_mask=None, enable_gqa: bool = False) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
-def prefill_chunk(b: int, heads: int, t: int, max_chunk: int) -> int:
-    """Queries per prefill chunk so that the chunk's (b, heads, chunk, t) fp32 scores stay within WORKSPACE."""
-    return max(1, min(max_chunk, t, WORKSPACE // (4 * b * heads * t)))
+def prefill_chunk(b: int, heads: int, t: int, max_chunk: int, device: str) -> int:
+    """Queries per prefill chunk: its (b, heads, chunk, t) fp32 scores within `device`'s workspace (above)."""
+    return max(1, min(max_chunk, t, (CPU_WORKSPACE if device == "cpu" else WORKSPACE) // (4 * b * heads * t)))
 
 
 def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int, scores: bool = True,
@@ -68,7 +71,7 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     if wanted:  # (rows, t) fp32 per query, as one tensor per distinct copy
         weights, which = _distinct(policy.query_weights(every).view(copies, b, t))
     score = torch.zeros(len(weights) if wanted else 1, b, kv, t, dtype=torch.float32, device=q.device)
-    chunk = prefill_chunk(b, n, t, chunk)
+    chunk = prefill_chunk(b, n, t, chunk, q.device.type)
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
         allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
@@ -129,16 +132,12 @@ def _pack(k, v, pos, score, keep, blk: KVBlock) -> None:
     blk.score[:, :, :m] = torch.where(take, score.gather(-1, order), 0.0)
 
 
-MAX_SEGMENTS = 8  # row segments of one decode attention; more runs are merged, the cheapest neighbours first
-ONE_CALL_SLACK = 2.0  # one attention call over every row unless that reads over this many times the segments' slots
-
-
 def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window: Optional[int] = None,
            softcap: Optional[float] = None, evicts: bool = True, at: Optional[StepRows] = None) -> torch.Tensor:
     """One new token. q (b, n, 1, d), k/v (b, kv, 1, d), cur_pos (b,) -> out (b, n, 1, d).
 
     The new K/V are appended to `blk` (in place, on the block's device; the block remembers the slot); attention
-    runs there, each segment of rows over the slots its rows use (`used_segments`: empty slots past the last used
+    runs there, each segment of rows over the slots its rows use (kv/segments.py: empty slots past the last used
     one are skipped, not just masked, unless one masked call over every row reads little more: `one_call_or`); scores
     are updated and at most one token per row is evicted (its slot is free for the next step). The policy sees
     the block's slots up to the last one any row uses (`KVBlock.front`).
@@ -233,67 +232,3 @@ def _scored(qg, keys, values, front: KVBlock, policy: KVPolicy, segments: list, 
     if policy.needs_scores:
         policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
     return out
-
-
-def used_segments(pos: torch.Tensor, extents: Optional[list] = None) -> list:
-    """pos (b, kv, slots) -> [(first row, end row, slots used)]: runs of consecutive rows whose last used slot (over
-    their KV heads) is the same, so attention reads no slot past it. More than MAX_SEGMENTS runs: neighbouring runs
-    are merged (a merged run reads up to the larger of their extents), each time the pair whose merge adds the
-    fewest slot reads (`merged_runs`). Off the CPU: one run over the whole block (reading the extents would make
-    the host wait for the device). extents: row_extents(pos), when the caller has them."""
-    b, slots = pos.shape[0], pos.shape[-1]
-    if pos.device.type != "cpu":
-        return [(0, b, slots)]
-    used = row_extents(pos) if extents is None else extents  # (b,) slots in use up to the last used one
-    return merged_runs(_runs(used), MAX_SEGMENTS)
-
-
-def _runs(used: list) -> list:
-    """Per-row extents -> [first row, end row, extent] runs of consecutive rows with the same extent."""
-    runs = []
-    for row, u in enumerate(used):
-        if runs and runs[-1][2] == u:
-            runs[-1][1] = row + 1
-        else:
-            runs.append([row, row + 1, u])
-    return runs
-
-
-def decode_segments(pos: torch.Tensor, extents: list) -> list:
-    """one_call_or(used_segments(pos, extents)), with the one call tried on the rows' own runs first: merging runs
-    only adds reads, so where one call holds against the runs it holds against the merged segments too, and the
-    merge (a Python loop over the runs) is skipped."""
-    if pos.device.type == "cpu":
-        one = one_call_or(_runs(extents))
-        if len(one) == 1:
-            return [tuple(one[0])]
-    return one_call_or(used_segments(pos, extents))
-
-
-def one_call_or(segments: list) -> list:
-    """The rows' segments, or one segment over every row up to the largest extent when that reads no more than
-    ONE_CALL_SLACK times their slots: each further call costs about as much as a few hundred slot rows of small
-    heads (a masked call of 12 rows x 320 slots took 0.31 ms against 1.17 ms in 8 segments, fp32, 2 threads), so
-    the ragged rows of a refilled batch take one call while one long row among short ones keeps its own."""
-    if len(segments) == 1:
-        return segments
-    top = max(u for _, _, u in segments)
-    rows = segments[-1][1] - segments[0][0]
-    reads = sum((r1 - r0) * u for r0, r1, u in segments)
-    return [(segments[0][0], segments[-1][1], top)] if rows * top <= ONE_CALL_SLACK * reads else segments
-
-
-def merged_runs(runs: list, most: int) -> list:
-    """[first row, end row, slots] runs in row order -> at most `most` runs covering the same rows: the neighbouring
-    pair whose merge adds the fewest slot reads ((rows) x (larger extent - own extent)) is merged first."""
-    runs = [tuple(r) for r in runs]
-
-    def extra(a, c):
-        top = max(a[2], c[2])
-        return (a[1] - a[0]) * (top - a[2]) + (c[1] - c[0]) * (top - c[2])
-
-    while len(runs) > most:
-        i = min(range(len(runs) - 1), key=lambda j: extra(runs[j], runs[j + 1]))
-        a, c = runs[i], runs[i + 1]
-        runs[i:i + 2] = [(a[0], c[1], max(a[2], c[2]))]
-    return runs

@@ -122,7 +122,7 @@ def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
     if layout.expands(rc.compute):  # decode reads K and V of one block in the compute dtype
         cache += layout.expanded_bytes(rc.compute)
     b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
-    chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk)
+    chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk, rc.device)
     qkv = 4 * m * t * cfg.token_width * c  # q, k, v, attention output (sub-batch)
     probs = 3 if rc.kv.needs_scores else 1  # scoring policies materialise fp32 probabilities
     attention = probs * m * cfg.num_heads * chunk * t * 4 + qkv
