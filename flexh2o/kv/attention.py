@@ -72,20 +72,25 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
         weights, which = _distinct(policy.query_weights(every).view(copies, b, t))
     score = torch.zeros(len(weights) if wanted else 1, b, kv, t, dtype=torch.float32, device=q.device)
     chunk = prefill_chunk(b, n, t, chunk, q.device.type)
+    causal_only = window is None and q.device.type == "cpu" and bool(valid.all())  # (no host sync off the CPU)
+    qs = qg * d ** -0.5 if wanted or softcap is not None else qg
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
-        allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
-        if window is not None:  # left padding shifts index and position alike: the window holds in either
-            allowed = allowed & (idx[None, :] > idx[s:e, None] - window)[None]
-        allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
+        if causal_only:  # no padding, no window: one (1, c, t) mask for every row
+            allowed = (idx[None, :] <= idx[s:e, None])[None]
+        else:
+            allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
+            if window is not None:  # left padding shifts index and position alike: the window holds in either
+                allowed = allowed & (idx[None, :] > idx[s:e, None] - window)[None]
+            allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
         if not wanted and softcap is None:  # no probabilities needed: the fused kernel
             out[:, :, s:e] = sdpa(q[:, :, s:e], k, v, attn_mask=allowed[:, None], enable_gqa=g > 1)
             continue
-        att = _capped(torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:e] * d ** -0.5, k).float(), softcap)
+        att = _capped(torch.einsum("bhgqd,bhkd->bhgqk", qs[:, :, :, s:e], k).float(), softcap)
         att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
         out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
         for j, w in enumerate(weights if wanted else ()):
-            score[j] += torch.einsum("bhgqk,bq->bhk", att, w[:, s:e])  # padding queries add nothing
+            score[j] += torch.matmul(w[:, None, None, None, s:e], att).sum(2)[:, :, 0]  # padding queries add 0
     score = score[0] if copies == 1 else score[which].view(rows, kv, t)
     if copies > 1:
         k, v = k.repeat(copies, 1, 1, 1), v.repeat(copies, 1, 1, 1)
