@@ -73,24 +73,27 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     score = torch.zeros(len(weights) if wanted else 1, b, kv, t, dtype=torch.float32, device=q.device)
     chunk = prefill_chunk(b, n, t, chunk, q.device.type)
     causal_only = window is None and q.device.type == "cpu" and bool(valid.all())  # (no host sync off the CPU)
-    qs = qg * d ** -0.5 if wanted or softcap is not None else qg
+    fused = not wanted and softcap is None  # no probabilities needed: the fused kernel
+    qs = qg if fused else qg * d ** -0.5
     for s in range(0, t, chunk):
-        e = min(t, s + chunk)
-        if causal_only:  # no padding, no window: one (1, c, t) mask for every row
-            allowed = (idx[None, :] <= idx[s:e, None])[None]
+        e = min(t, s + chunk)  # the chunk's queries see keys before e only: the fused kernel reads no later one
+        f = e if fused else t  # (a matmul over a slice of the keys copies them, costing more than it saves)
+        kc, vc, ki = k[:, :, :f], v[:, :, :f], idx[None, :f]
+        if causal_only:  # no padding, no window: one (1, c, f) mask for every row
+            allowed = (ki <= idx[s:e, None])[None]
         else:
-            allowed = (idx[None, :] <= idx[s:e, None])[None] & valid[:, None, :]  # (b, c, t)
+            allowed = (ki <= idx[s:e, None])[None] & valid[:, None, :f]  # (b, c, f)
             if window is not None:  # left padding shifts index and position alike: the window holds in either
-                allowed = allowed & (idx[None, :] > idx[s:e, None] - window)[None]
-            allowed = allowed | (idx[None, :] == idx[s:e, None])[None]  # a padding query sees itself: no NaN
-        if not wanted and softcap is None:  # no probabilities needed: the fused kernel
-            out[:, :, s:e] = sdpa(q[:, :, s:e], k, v, attn_mask=allowed[:, None], enable_gqa=g > 1)
+                allowed = allowed & (ki > idx[s:e, None] - window)[None]
+            allowed = allowed | (ki == idx[s:e, None])[None]  # a padding query sees itself: no NaN
+        if fused:
+            out[:, :, s:e] = sdpa(q[:, :, s:e], kc, vc, attn_mask=allowed[:, None], enable_gqa=g > 1)
             continue
-        att = _capped(torch.einsum("bhgqd,bhkd->bhgqk", qs[:, :, :, s:e], k).float(), softcap)
+        att = _capped(torch.einsum("bhgqd,bhkd->bhgqk", qs[:, :, :, s:e], kc).float(), softcap)
         att = att.masked_fill_(~allowed[:, None, None], float("-inf")).softmax(-1)
-        out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), v).reshape(b, n, e - s, d)
-        for j, w in enumerate(weights if wanted else ()):
-            score[j] += torch.matmul(w[:, None, None, None, s:e], att).sum(2)[:, :, 0]  # padding queries add 0
+        out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", att.to(v.dtype), vc).reshape(b, n, e - s, d)
+        for j, w in enumerate(weights if wanted else ()):  # padding queries add 0
+            score[j] += torch.matmul(w[:, None, None, None, s:e], att).sum(2)[:, :, 0]
     score = score[0] if copies == 1 else score[which].view(rows, kv, t)
     if copies > 1:
         k, v = k.repeat(copies, 1, 1, 1), v.repeat(copies, 1, 1, 1)
