@@ -89,3 +89,18 @@ def test_a_follower_fed_other_tokens_wakes_and_runs_as_alone(data, plans):
     for i, (policy, tokens) in enumerate(lanes):
         alone = forced_run(model, policy, tokens, prompts, fed[2 * i:2 * i + 2])
         torch.testing.assert_close(got.logprob[2 * i:2 * i + 2], alone.logprob, atol=1e-6, rtol=0, msg=policy)
+
+
+def test_followers_of_a_leader_that_reads_no_scores_take_its_scores(data, plans):
+    """Lanes whose only active row while they are dormant is the full cache's (it reads no scores): the leader
+    still accumulates the attention its scoring followers take when they wake, so they give their separate figures
+    (before, they woke with the prompt's scores alone and evicted by those)."""
+    prompts, targets = data
+    model = _model()
+    lanes = [("full", None), ("mean_attn", 12), ("h2o", 16)]
+    together = lanes_run(model, lanes, prompts, targets)
+    assert any(active == 2 for _, _, active, _ in plans), "the full lane must run alone at some step"
+    for (policy, tokens), (logprob, correct) in zip(lanes, together):
+        alone = forced_run(model, policy, tokens, prompts, targets)
+        torch.testing.assert_close(logprob, alone.logprob, atol=1e-6, rtol=0, msg=policy)
+        assert torch.equal(correct, alone.correct), policy

@@ -102,7 +102,8 @@ class _LaneRows(BatchPlan):
             return layers.decode(w, cache_layer, x, pos, blk)
         self.followers.wake(blk, woken)
         part = blk.rows(slice(0, active))
-        x = layers.decode(w, cache_layer, x, pos, part, self.followers.policy.first_rows(active))
+        lanes = self.followers.policy  # the active rows score for the dormant lanes that read scores
+        x = layers.decode(w, cache_layer, x, pos, part, lanes.first_rows(active, scoring=lanes.needs_scores))
         if woken:
             blk.written = None  # rows were rewritten whole: the block goes home whole
         else:

@@ -215,12 +215,20 @@ class LanePolicy(KVPolicy):
                 k = i + 1
         return k
 
-    def first_rows(self, rows: int) -> "LanePolicy":
-        """The lanes covering the first `rows` rows (a lane boundary) as a LanePolicy of their own."""
+    def first_rows(self, rows: int, scoring: bool = False) -> "LanePolicy":
+        """The lanes covering the first `rows` rows (a lane boundary) as a LanePolicy of their own. scoring: it
+        accumulates attention scores even where none of its lanes reads them (a leader whose dormant followers do:
+        they take its scores when they wake, generation/followers.py)."""
         k = next((i + 1 for i, sl in enumerate(self.slices) if sl.stop == rows), None)
         if k is None:
             raise ValueError(f"{rows} rows end no lane of {[sl.stop for sl in self.slices]}")
-        return self if k == len(self.lanes) else self._head(k)
+        if k == len(self.lanes) or not scoring or self._head(k).needs_scores:
+            return self if k == len(self.lanes) else self._head(k)
+        if ("scoring", k) not in self._heads:
+            head = LanePolicy([(sl.stop - sl.start, p) for p, sl in zip(self.lanes[:k], self.slices)])
+            head.needs_scores = True
+            self._heads["scoring", k] = head
+        return self._heads["scoring", k]
 
     def _head(self, k: int) -> "LanePolicy":
         """The lanes' first k lanes as a LanePolicy of their own (built once per k)."""
