@@ -31,7 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quant_sim import (PROMPT, hadamard, load_model_and_windows, perplexities, q_channel, q_token,  # noqa: E402
+from quant_sim import (PROMPT, load_model_and_windows, perplexities, q_channel, q_token, rotated,  # noqa: E402
                        setting_of)
 
 DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
@@ -41,8 +41,7 @@ DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S
 def tier_copy(k, v, bits, nout, vgroup):  # k, v (1, hk, t, d) -> their quantize-dequantize copies (rotated basis)
     if bits is None:
         return k, v
-    h = hadamard(k.shape[-1])
-    return q_channel(k @ h, bits, nout) @ h.T, q_token(v @ h, bits, vgroup) @ h.T
+    return rotated(lambda x: q_channel(x, bits, nout), k, True), rotated(lambda x: q_token(x, bits, vgroup), v, True)
 
 
 def replay(q, k, v, c, scaling):

@@ -25,6 +25,7 @@ from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bo
 from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
+from flexh2o.requests import check_top_p
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
 from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, rounds_line,
                                      run_request_job)
@@ -98,13 +99,14 @@ def main(argv: Optional[list] = None) -> int:
 def _parse(argv: Optional[list]):
     args = build_parser().parse_args(argv)
     check_run_flags(args)
+    if not str(args.prompt_file or "").endswith(".jsonl"):  # every row at --temperature: refused before any work
+        check_top_p(args.top_p, [args.temperature])
     return args
 
 
 def _run(args) -> int:
     from flexh2o.job import Job, run_job
     from flexh2o.prompts import load_prompts, load_tokenizer, synthetic_prompts
-    from flexh2o.requests import check_top_p
     from flexh2o.sampling import Sampler
     from flexh2o.storage.offload_dir import sweep
 
@@ -114,7 +116,8 @@ def _run(args) -> int:
     cfg = _converted_config(args.path) if args.path != "_DUMMY_" else model_configs.from_name(args.model or "opt-125m")
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
-    check_top_p(args.top_p, [args.temperature] if reqs is None else [r.temperature for r in reqs])
+    if reqs is not None:  # a request's own temperature may read --top-p
+        check_top_p(args.top_p, [r.temperature for r in reqs])
     prompts = ([list(r.prompt_ids) for r in reqs] if reqs is not None
                else load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None)
     rc = build_run_config(args, cfg, prompts)

@@ -90,7 +90,7 @@ class LanePolicy(KVPolicy):
         self._device_state = {}  # device name -> _Rows, built on first use
         self._layer_totals = {}  # (device name, layer) -> per-row totals, when some lane's budget is per layer
         self._lane_total = {}  # layer -> per lane, its total budget there (None: unbounded): _lane_totals
-        self._heads = {}  # k -> the first k lanes as a LanePolicy (decode_evict of the lanes that may evict)
+        self._heads = {}  # (k, scoring) -> the first k lanes as a LanePolicy (_head)
 
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return max(p.slots(prompt_len, gen_len) for p in self.lanes)
@@ -222,19 +222,16 @@ class LanePolicy(KVPolicy):
         k = next((i + 1 for i, sl in enumerate(self.slices) if sl.stop == rows), None)
         if k is None:
             raise ValueError(f"{rows} rows end no lane of {[sl.stop for sl in self.slices]}")
-        if k == len(self.lanes) or not scoring or self._head(k).needs_scores:
-            return self if k == len(self.lanes) else self._head(k)
-        if ("scoring", k) not in self._heads:
-            head = LanePolicy([(sl.stop - sl.start, p) for p, sl in zip(self.lanes[:k], self.slices)])
-            head.needs_scores = True
-            self._heads["scoring", k] = head
-        return self._heads["scoring", k]
+        return self if k == len(self.lanes) else self._head(k, scoring)  # (all lanes: it scores if any lane does)
 
-    def _head(self, k: int) -> "LanePolicy":
-        """The lanes' first k lanes as a LanePolicy of their own (built once per k)."""
-        if k not in self._heads:
-            self._heads[k] = LanePolicy([(sl.stop - sl.start, p) for p, sl in zip(self.lanes[:k], self.slices)])
-        return self._heads[k]
+    def _head(self, k: int, scoring: bool = False) -> "LanePolicy":
+        """The lanes' first k lanes as a LanePolicy of their own (built once per k and `scoring`); scoring: it
+        accumulates scores whatever its lanes read."""
+        if (k, scoring) not in self._heads:
+            head = LanePolicy([(sl.stop - sl.start, p) for p, sl in zip(self.lanes[:k], self.slices)])
+            head.needs_scores = head.needs_scores or scoring
+            self._heads[k, scoring] = head
+        return self._heads[k, scoring]
 
     def _total(self, device, layer: int) -> torch.Tensor:
         """(rows, 1, 1) int64: each row's budget in `layer` (its lane's layer_budget)."""
