@@ -11,17 +11,23 @@ Tiers (a setting): `H` tokens at `bits` (keys per channel calibrated on the prom
 per token, both Hadamard-rotated, as quant_sim's "channel" with rotk and rotv), the newest `W` and first `S`
 positions read exact, the newest `R` positions protected (default H - int(H / 2), H2O's even split). With `L` > 0 a
 token leaving the first tier is not dropped but demoted to a second tier of `L` tokens at `lbits` (`lout` exact key
-values), from which the lowest-priority token is dropped when it is over (MiKV's idea: evicted tokens kept at a
-lower precision; its copy is quantized from the exact K and V, where an engine could only requantize the first
-tier's: a bound); scores keep accumulating there. `bits=None`: plain fp32 tiers (eviction alone). Variants of the
-priority: `decay` d < 1 (score <- d score + p, divided by the weights' sum: a decayed mean), `heads="max"` (the largest
+values), from which the lowest-priority token is dropped when it is over (MiKV's idea: evicted tokens kept at a lower
+precision; its copy is quantized from the exact K and V, where an engine could only requantize the first tier's: a
+bound); scores keep accumulating there. `bits=None`: plain fp32 tiers (eviction alone). Variants of the priority:
+`decay` d < 1 (score <- d score + p, divided by the weights' sum: a decayed mean), `heads="max"` (the largest
 probability among the query heads instead of their sum), `sinks` N (the first N positions never dropped), `slope`
-(per-layer budgets: layer_setting), `agg` (the dropped tokens read as one more token: their mean key with its
-logit raised by log(count), and their mean value). It gives the engine's figures for the same setting (macbeth, 4
-windows, mean_attn at 425 tokens: 34.170 against 34.169 with the 3-bit cache, 33.956 against 33.957 plain;
-archive/ACCURACY-2026-12.md, session 23); the engine's runs are the figures of record.
+(per-layer budgets: layer_setting), `agg` (the dropped tokens read as one more token: their mean key with its logit
+raised by log(count), and their mean value). Other priorities (`prio`, default "mean": mean_attn's): "oracle" (the
+attention the next `F` queries of the layer give the token under the full exact cache: it knows the future, so it
+bounds what any priority can do, it is not a policy), "window" (the mean over the newest `n` queries), "max" (the
+largest attention one query gave it), "expected" (the attention of a query drawn from the mean and per-channel
+variance of the newest `n` queries, kvpress's expected attention without its RoPE averaging). It gives the engine's
+figures for the same setting (macbeth, 4 windows, mean_attn at 425 tokens: 34.170 against 34.169 with the 3-bit
+cache, 33.956 against 33.957 plain; archive/ACCURACY-2026-12.md, session 23); the engine's runs are the figures of
+record.
 
     python benchmarks/evict_sim.py macbeth:4,hamlet:4 "H=425,bits=3,nout=4" "H=200,L=500,bits=3,nout=4,lbits=2,lout=0"
+    python benchmarks/evict_sim.py macbeth:4 "H=425,prio='oracle'" "H=425,prio='expected',n=32"
 """
 from __future__ import annotations
 
@@ -35,7 +41,39 @@ from quant_sim import (PROMPT, load_model_and_windows, perplexities, q_channel, 
                        setting_of)
 
 DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
-                heads="sum", sinks=0, slope=0.0, agg=False)
+                heads="sum", sinks=0, slope=0.0, agg=False, prio="mean", n=64, F=1024, beta=1.0, w=1.0)
+
+
+def predicted(c, i, prio, hist, q, keff, held, scaling):
+    """The priority of the tokens 0..i under `prio` (mean: the mean_attn priority `prio` as given). hist (hk, t, t):
+    hist[:, m, j] the attention query m gave token j (summed over the group's query heads), exact-cache attention for
+    the oracle's future queries, what the replay gave for past ones."""
+    m = c["prio"]
+    if m == "oracle":  # the next F queries of this layer, under the full exact cache: a bound, not a policy
+        return hist[:, i + 1:i + 1 + c["F"], :i + 1].sum(1)
+    if m == "window":  # the mean over the newest n queries that saw the token
+        lo = max(0, i + 1 - c["n"])
+        seen = (i + 1 - torch.arange(i + 1).clamp(min=lo)).clamp(min=1).float()
+        return hist[:, lo:i + 1, :i + 1].sum(1) / seen
+    if m == "max":  # the largest attention one query gave the token
+        return hist[:, :i + 1, :i + 1].amax(1)
+    if m == "expected":  # the attention of a query drawn from N(mean, var) of the newest n queries (kvpress)
+        hk, d = keff.shape[0], keff.shape[-1]
+        recent = q[:, max(0, i + 1 - c["n"]):i + 1]
+        mu, var = recent.mean(1).view(hk, -1, d), recent.var(1, correction=0).view(hk, -1, d)
+        kk = keff[:, :i + 1]
+        logit = (mu @ kk.transpose(-1, -2)) * scaling + 0.5 * (var @ (kk * kk).transpose(-1, -2)) * scaling ** 2
+        return logit.masked_fill(~held[:, None], float("-inf")).softmax(-1).sum(1)
+    if m == "distinct":  # mean_attn's rank among the held tokens + w x the rank of how unlike their mean key the
+        kk = keff[:, :i + 1]  # token's key is (KeyDiff's cosine)
+        cos = torch.nn.functional.cosine_similarity(kk, (kk * held[..., None]).sum(1, keepdim=True), dim=-1)
+
+        def rank(x):  # 0 for the lowest held token; tokens not held rank last
+            return x.masked_fill(~held, float("inf")).argsort(dim=-1, stable=True).argsort(dim=-1, stable=True).float()
+        return rank(prio) + c["w"] * rank(-cos)
+    if m != "mean":
+        raise ValueError(f"unknown prio {m!r}: use mean, oracle, window, max or expected")
+    return prio
 
 
 def tier_copy(k, v, bits, nout, vgroup):  # k, v (1, hk, t, d) -> their quantize-dequantize copies (rotated basis)
@@ -70,6 +108,12 @@ def replay(q, k, v, c, scaling):
     quant = slice(c["S"], max(c["S"], PROMPT - c["W"]))
     keff[:, quant], veff[:, quant] = khi[:, quant], vhi[:, quant]
     pos = torch.arange(t)
+    hist = torch.zeros(hk, t, t)  # hist[:, m, j]: what query m gave token j (summed over the group's query heads)
+    hist[:, :PROMPT, :PROMPT] = ph
+    if c["prio"] == "oracle":  # the future queries' attention under the full exact cache
+        pf = (q @ kr.transpose(-1, -2) * scaling).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
+                                                              float("-inf")).softmax(-1)
+        hist[:, PROMPT:] = pf.view(hk, rep, t, t).sum(1)[:, PROMPT:]
     ksum, vsum, dropped = torch.zeros(hk, d), torch.zeros(hk, d), torch.zeros(hk)  # agg: what was dropped
     for i in range(PROMPT, t):
         state[:, i] = 1
@@ -91,8 +135,12 @@ def replay(q, k, v, c, scaling):
             p = s.softmax(-1)  # (hk, rep, i + 1)
             out[:, i] = (p @ veff[:, :i + 1]).reshape(hq, d)
         score[:, :i + 1] = c["decay"] * score[:, :i + 1] + (p.sum(1) if c["heads"] == "sum" else p.amax(1))
+        if c["prio"] != "oracle":
+            hist[:, i, :i + 1] = p.sum(1)
         seen = (i - pos[:i + 1] + 1).float()  # queries that saw each token, weighted as the scores are
-        prio = score[:, :i + 1] / (seen if c["decay"] == 1 else (1 - c["decay"] ** seen) / (1 - c["decay"]))
+        weights = seen if c["decay"] == 1 else (1 - c["decay"] ** seen) / (1 - c["decay"])
+        prio = score[:, :i + 1] / weights ** c["beta"]  # beta 1: mean_attn, 0: h2o
+        prio = predicted(c, i, prio, hist, q, keff, held, scaling)
         if (state[0] == 1).sum() > cap:
             free = (state[:, :i + 1] == 1) & (pos[:i + 1] <= i - recent) & (pos[:i + 1] >= c["sinks"])
             out_j = prio.masked_fill(~free, float("inf")).argmin(-1)  # first of equal minima: the older
