@@ -42,6 +42,8 @@ from quant_sim import (PROMPT, load_model_and_windows, perplexities, q_channel, 
 
 DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
                 heads="sum", sinks=0, slope=0.0, agg=False, prio="mean", n=64, F=1024, beta=1.0, w=1.0)
+PRIORITIES = ("mean", "oracle", "window", "max", "expected", "distinct")
+HISTORY = ("oracle", "window", "max")  # the priorities that read what each query gave each token (hist)
 
 
 def predicted(c, i, prio, hist, q, keff, held, scaling):
@@ -71,9 +73,7 @@ def predicted(c, i, prio, hist, q, keff, held, scaling):
         def rank(x):  # 0 for the lowest held token; tokens not held rank last
             return x.masked_fill(~held, float("inf")).argsort(dim=-1, stable=True).argsort(dim=-1, stable=True).float()
         return rank(prio) + c["w"] * rank(-cos)
-    if m != "mean":
-        raise ValueError(f"unknown prio {m!r}: use mean, oracle, window, max or expected")
-    return prio
+    return prio  # mean
 
 
 def tier_copy(k, v, bits, nout, vgroup):  # k, v (1, hk, t, d) -> their quantize-dequantize copies (rotated basis)
@@ -108,8 +108,9 @@ def replay(q, k, v, c, scaling):
     quant = slice(c["S"], max(c["S"], PROMPT - c["W"]))
     keff[:, quant], veff[:, quant] = khi[:, quant], vhi[:, quant]
     pos = torch.arange(t)
-    hist = torch.zeros(hk, t, t)  # hist[:, m, j]: what query m gave token j (summed over the group's query heads)
-    hist[:, :PROMPT, :PROMPT] = ph
+    hist = torch.zeros(hk, t, t) if c["prio"] in HISTORY else None  # hist[:, m, j]: what query m gave token j
+    if hist is not None:  # (summed over the group's query heads)
+        hist[:, :PROMPT, :PROMPT] = ph
     if c["prio"] == "oracle":  # the future queries' attention under the full exact cache
         pf = (q @ kr.transpose(-1, -2) * scaling).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
                                                               float("-inf")).softmax(-1)
@@ -134,9 +135,12 @@ def replay(q, k, v, c, scaling):
         else:
             p = s.softmax(-1)  # (hk, rep, i + 1)
             out[:, i] = (p @ veff[:, :i + 1]).reshape(hq, d)
-        score[:, :i + 1] = c["decay"] * score[:, :i + 1] + (p.sum(1) if c["heads"] == "sum" else p.amax(1))
-        if c["prio"] != "oracle":
-            hist[:, i, :i + 1] = p.sum(1)
+        got = p.sum(1)  # (hk, i + 1): what this query gave each token, summed over the group's query heads
+        score[:, :i + 1] = c["decay"] * score[:, :i + 1] + (got if c["heads"] == "sum" else p.amax(1))
+        if hist is not None and c["prio"] != "oracle":
+            hist[:, i, :i + 1] = got
+        if (state[0] > 0).sum() <= cap:  # nothing leaves either tier: no priority needed
+            continue
         seen = (i - pos[:i + 1] + 1).float()  # queries that saw each token, weighted as the scores are
         weights = seen if c["decay"] == 1 else (1 - c["decay"] ** seen) / (1 - c["decay"])
         prio = score[:, :i + 1] / weights ** c["beta"]  # beta 1: mean_attn, 0: h2o
@@ -178,6 +182,9 @@ def attention_of(c: dict):
 def main(argv: list) -> int:
     try:
         settings = [(spec, setting_of(spec, DEFAULTS)) for spec in argv[1:]]
+        for spec, setting in settings:  # refused before the model loads
+            if setting.get("prio", "mean") not in PRIORITIES:
+                raise ValueError(f"unknown prio {setting['prio']!r} in {spec!r}: use {', '.join(PRIORITIES)}")
     except (ValueError, SyntaxError) as e:
         print(f"evict_sim: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,12 @@ def is_request_job(args) -> bool:
     return any(str(getattr(args, f) or "").endswith(".jsonl") for f in ("prompt_file", "output_file"))
 
 
+def reads_requests(args) -> bool:
+    """The prompts come as requests (a .jsonl --prompt-file), each with its own settings; else every row takes the
+    flags' (--temperature, --top-p, --gen-len)."""
+    return str(args.prompt_file or "").endswith(".jsonl")
+
+
 def defaults_of(args) -> Defaults:
     return Defaults(args.gen_len, args.temperature, args.top_p, args.seed)
 
@@ -40,7 +46,7 @@ def load_request_file(args, cfg, tokenizer) -> Optional[list]:
     """The requests of a .jsonl --prompt-file (None for other prompt files); --gen-len becomes the longest
     max_new_tokens so the plan counts it. Checks the job's flags first, so a refusal comes before anything runs."""
     check_job_flags(args)
-    if not str(args.prompt_file or "").endswith(".jsonl"):
+    if not reads_requests(args):
         return None
     if not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file {args.prompt_file} does not exist")

@@ -27,8 +27,8 @@ from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.requests import check_top_p
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
-from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, rounds_line,
-                                     run_request_job)
+from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, reads_requests,
+                                     rounds_line, run_request_job)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +99,7 @@ def main(argv: Optional[list] = None) -> int:
 def _parse(argv: Optional[list]):
     args = build_parser().parse_args(argv)
     check_run_flags(args)
-    if not str(args.prompt_file or "").endswith(".jsonl"):  # every row at --temperature: refused before any work
+    if not reads_requests(args):  # every row at --temperature: refused before any work
         check_top_p(args.top_p, [args.temperature])
     return args
 
