@@ -12,7 +12,7 @@ import torch.nn.functional as F
 def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optional[Callable] = None,
               prompt_len: int = 0, merges: Optional[list] = None) -> tuple:
     """q (T, n*d), k/v (T, kv*d), visible (kv, T, T) bool -> (out (T, n*d), (probs (kv, T, T) summed over each group,
-    L1 norms of the values (kv, T), keys (kv, T, d))).
+    L1 norms of the values (kv, T), keys (kv, T, d): the values and keys as the newest query reads them)).
     `merges`: per KV head, the merge events (see `merged_values`) that change the values later queries read.
 
     With `kv_quant` (a quantize-dequantize of (T, kv, d) K or V; or a pair of them, keys' and values', each taking
@@ -32,9 +32,9 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     else:
         packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache
-    vnorm = packed[1][1] if T > prompt_len else exact[1][1]  # decode steps weigh the values the cache holds
-    return (torch.where(later[:, None], packed[0], exact[0]),
-            (torch.where(later[None, :, None], packed[1][0], exact[1][0]), vnorm, exact[1][2]))
+    vnorm, keys = (packed[1][i] if T > prompt_len else exact[1][i] for i in (1, 2))  # decode steps read the K/V
+    return (torch.where(later[:, None], packed[0], exact[0]),  # the cache holds
+            (torch.where(later[None, :, None], packed[1][0], exact[1][0]), vnorm, keys))
 
 
 def _attention(q, k, v, visible, num_heads: int, kv_heads: int, merges: Optional[list] = None) -> tuple:
@@ -64,7 +64,8 @@ def _attention(q, k, v, visible, num_heads: int, kv_heads: int, merges: Optional
 
 def _mixed(q, k: tuple, v: tuple, visible, num_heads: int, kv_heads: int, window: int, sinks: int = 0) -> tuple:
     """_attention where k and v are (exact, quantized) pairs: query i reads token j's exact K and V when
-    j > i - window or j < sinks, the quantized ones otherwise; the value norms are those the newest query reads."""
+    j > i - window or j < sinks, the quantized ones otherwise; the value norms and keys are those the newest query
+    reads."""
     T = q.shape[0]
     d = q.shape[1] // num_heads
     group = num_heads // kv_heads
@@ -79,8 +80,9 @@ def _mixed(q, k: tuple, v: tuple, visible, num_heads: int, kv_heads: int, window
     out = (probs * near) @ heads(v[0]) + (probs * ~near) @ heads(v[1])
     norms = [x.view(T, kv_heads, d).abs().sum(-1).T for x in v]  # (kv, T) exact, quantized
     vnorm = torch.where(near[-1], norms[0], norms[1])
+    keys = torch.where(near[-1][:, None, None], k[0].view(T, kv_heads, d), k[1].view(T, kv_heads, d))
     return (out.transpose(0, 1).reshape(T, num_heads * d),
-            (probs.view(kv_heads, group, T, T).sum(1), vnorm, k[0].view(T, kv_heads, d).transpose(0, 1)))
+            (probs.view(kv_heads, group, T, T).sum(1), vnorm, keys.transpose(0, 1)))
 
 
 def merged_values(v: torch.Tensor, events: list) -> torch.Tensor:

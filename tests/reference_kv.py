@@ -70,7 +70,7 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
             before = [set(range(T)) if step == 0 else s | {cur} for s in kept[layer]]
             for head in range(H):
                 _record(hist[layer][head], probs[head], visible[layer][head, :T, :T], vnorm[head],
-                        range(T) if step == 0 else [cur])
+                        range(T) if step == 0 else [cur], keys[head])
             _apply_layer(policy, kept[layer], step, cur, hist[layer], layer,
                          cfg.window(layer) if hasattr(cfg, "window") else None)
             for head in range(H) if policy.merging else ():
@@ -85,9 +85,13 @@ def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,
     return out
 
 
-def _record(hist: History, probs: torch.Tensor, visible: torch.Tensor, vnorm: torch.Tensor, queries) -> None:
-    """Add what `queries` gave every token they saw (probs, visible: (T, T)); the value norms are the latest."""
+def _record(hist: History, probs: torch.Tensor, visible: torch.Tensor, vnorm: torch.Tensor, queries,
+            keys: Optional[torch.Tensor] = None) -> None:
+    """Add what `queries` gave every token they saw (probs, visible: (T, T)); the value norms (and keys (T, d), as
+    the cache holds them) are the latest."""
     hist.vnorm.update(enumerate(vnorm.tolist()))
+    if keys is not None:
+        hist.keys.update(enumerate(keys.double()))
     for q in queries:
         for t in visible[q].nonzero()[:, 0].tolist():
             hist.seen(q, t, float(probs[q, t]))

@@ -21,19 +21,22 @@ from flexh2o.kv.policies.random import random_key
 class History:
     """What a (layer, KV head) has seen: `probs[t]` lists (query position, probability the query gave token t,
     summed over the query heads of the KV head) for every query that attended to t; `vnorm[t]` is the L1 norm of
-    token t's value vector."""
+    token t's value vector; `keys[t]` its key vector (fp64), as the cache holds them."""
 
     probs: dict = field(default_factory=dict)
     vnorm: dict = field(default_factory=dict)
+    keys: dict = field(default_factory=dict)
 
     def seen(self, query: int, token: int, p: float) -> None:
         self.probs.setdefault(token, []).append((query, p))
 
 
 # heavy tokens + a protected recent window
-WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "merge")
+WINDOWED = ("h2o", "random", "a2sf", "mean_attn", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "merge",
+            "mean_keydiff")
 SINKS = ("streaming", "vatp", "h2o_sinks", "mean_vnorm", "pyramid", "adakv", "merge")  # first num_sinks protected
 MEAN = ("mean_attn", "pyramid", "adakv", "merge")  # value: the mean attention a token received
+HELD_SET = ("mean_keydiff",)  # value: ranks among the held tokens (`_held_value`)
 MERGING = ("merge",)  # an evicted token's value goes into the kept token of the most similar key (`merge_events`)
 SHARED_HEADS = ("adakv",)  # the KV heads of a layer share heads x budget tokens, each at most head_cap x budget
 LAYERED = ("pyramid",)  # each layer has its own budget (`layer_total`)
@@ -59,6 +62,7 @@ class RefPolicy:
     num_layers: int = 1
     pyramid_ratio: float = 0.5
     head_cap: float = 2.0
+    keydiff_weight: float = 1.0
 
     @property
     def wrapper(self) -> Optional[str]:
@@ -127,7 +131,7 @@ class RefPolicy:
             return set(sorted(everything, key=lambda t: (self._value(t, n - 1, hist, layer, head), t),
                               reverse=True)[:self.budget])  # ties keep the newer
         protect = self._protected(everything, n - 1)
-        value = lambda t: (self._value(t, n - 1, hist, layer, head), t)  # noqa: E731
+        value = lambda t: (self._value(t, n - 1, hist, layer, head, everything), t)  # noqa: E731
         heavy = sorted(everything - protect, key=value, reverse=True)[:budget - len(protect)]
         return protect | set(heavy)
 
@@ -137,7 +141,7 @@ class RefPolicy:
         have room."""
         heads, cap = len(hists), self.most_per_head(layer)
         kept = [self._protected(set(range(n)), n - 1) for _ in range(heads)]
-        pool = [(self._value(t, n - 1, hists[h], layer, h), t, -h) for h in range(heads)
+        pool = [(self._value(t, n - 1, hists[h], layer, h, set(range(n))), t, -h) for h in range(heads)
                 for t in set(range(n)) - kept[h]]
         for _, t, neg_head in sorted(pool, reverse=True):
             if sum(map(len, kept)) < heads * self.budget and len(kept[-neg_head]) < cap:
@@ -150,7 +154,7 @@ class RefPolicy:
         heads, cap = len(kept), self.most_per_head(layer)
         while sum(map(len, kept)) > heads * self.budget or max(map(len, kept)) > cap:
             over = [h for h in range(heads) if len(kept[h]) > cap] or range(heads)
-            pool = [(self._value(t, cur, hists[h], layer, h), t, h) for h in over
+            pool = [(self._value(t, cur, hists[h], layer, h, kept[h]), t, h) for h in over
                     for t in kept[h] - self._protected(kept[h], cur)]
             _, t, h = min(pool)
             kept[h].remove(t)
@@ -162,7 +166,7 @@ class RefPolicy:
         if self.name == "streaming":
             return min(t for t in kept if t >= self.num_sinks)
         outside = kept - self._protected(kept, cur)
-        return min(outside, key=lambda t: (self._value(t, cur, hist, layer, head), t))  # ties evict the older
+        return min(outside, key=lambda t: (self._value(t, cur, hist, layer, head, kept), t))  # ties evict the older
 
     def _protected(self, kept: set, cur: int) -> set:
         window = {t for t in kept if t > cur - self.recent} if self.base in WINDOWED else set()  # R newest
@@ -179,8 +183,11 @@ class RefPolicy:
             return sum(self.hh_decay ** (cur - q) * p for q, p in seen)
         return sum(p for _, p in seen)
 
-    def _value(self, t: int, cur: int, hist: History, layer: int, head: int) -> float:
-        """How much a policy wants to keep token t when the newest position is cur, from its history alone."""
+    def _value(self, t: int, cur: int, hist: History, layer: int, head: int, held: Optional[set] = None) -> float:
+        """How much a policy wants to keep token t when the newest position is cur, from its history alone (and,
+        for HELD_SET, the positions `held` with it)."""
+        if self.base in HELD_SET:
+            return self._held_value(t, hist, held)
         seen = hist.probs.get(t, [])
         total = sum(p for _, p in seen)
         base = self.base
@@ -195,6 +202,24 @@ class RefPolicy:
         if base == "mean_vnorm":
             return total / len(seen) * hist.vnorm[t]
         return total  # h2o, h2o_sinks
+
+    def _held_value(self, t: int, hist: History, held: set) -> float:
+        """mean_keydiff: t's place among the held tokens by its mean received attention, plus keydiff_weight times
+        its place by how unlike the held keys' mean its key is (minus the cosine); a place counts the held tokens
+        below it, an equal value putting the older position below."""
+        def mean(u):
+            seen = hist.probs[u]
+            return sum(p for _, p in seen) / len(seen)
+        centre = sum(hist.keys[u] for u in held) / len(held)
+
+        def unlike(u):
+            k = hist.keys[u]
+            norms = float(k.norm()) * float(centre.norm())
+            return -float(k @ centre) / norms if norms else 0.0
+
+        def place(f):
+            return sum((f(u), u) < (f(t), t) for u in held)
+        return place(mean) + self.keydiff_weight * place(unlike)
 
 
 @lru_cache(maxsize=None)

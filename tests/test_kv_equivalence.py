@@ -32,7 +32,8 @@ MODELS = {
 BUDGETS = {"full": None, "h2o": Budget(5, 3), "random": Budget(5, 3), "local": Budget(0, 8),
            "streaming": Budget(0, 8), "tova": Budget(0, 8), "a2sf": Budget(5, 3), "mean_attn": Budget(5, 3),
            "vatp": Budget(5, 3), "h2o_sinks": Budget(5, 3), "mean_vnorm": Budget(5, 3),
-           "pyramid": Budget(5, 3), "adakv": Budget(5, 3), "merge": Budget(5, 3)}  # heavy != recent, so a swapped
+           "pyramid": Budget(5, 3), "adakv": Budget(5, 3), "merge": Budget(5, 3),
+           "mean_keydiff": Budget(5, 3)}  # heavy != recent, so a swapped
 # split shows
 POLICIES = sorted(BUDGETS)
 SINKS, SEED = 4, 0

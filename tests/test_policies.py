@@ -16,7 +16,7 @@ BUDGETS = {"full": None, "h2o": Budget(3, 2), "random": Budget(3, 2), "local": B
            "streaming": Budget(0, 5), "tova": Budget(0, 5), "a2sf": Budget(3, 2), "mean_attn": Budget(3, 2),
            "vatp": Budget(3, 2), "h2o_sinks": Budget(3, 2), "mean_vnorm": Budget(3, 2),
            "pyramid": Budget(3, 2), "adakv": Budget(3, 2),
-           "merge": Budget(3, 2)}
+           "merge": Budget(3, 2), "mean_keydiff": Budget(3, 2)}
 NAMES = sorted(BUDGETS)
 PER_HEAD = [n for n in NAMES if not POLICIES[n].shares_heads]  # Sim checks each head alone: adakv has its own file
 LENS = [9, 4, 1, 7, 5]  # unequal prompts, left-padded to 9: shorter, equal and longer than the budget of 5
@@ -65,22 +65,24 @@ class Sim:
         self.hist = [[History() for _ in range(KV)] for _ in range(b)]
         pos = _prompt_pos(lens)
         v = _tied_scores((*pos.shape, DIM), self.gen)  # (b, KV, t, DIM)
+        k = torch.randn((*pos.shape, DIM), generator=self.gen)  # keys: no two alike (mean_keydiff's cosines)
         probs = self._prefill_probs(pos)  # (b, KV, query, key)
         score = torch.einsum("bhqk,bq->bhk", probs, self.policy.query_weights(pos[:, 0]))
         self.cur = torch.tensor(lens) - 1  # (b,) newest position
-        self._record(pos, v)
-        keep = self.policy.prefill_keep(pos, score, layer, self.cur, v)
+        self._record(pos, v, k)
+        keep = self.policy.prefill_keep(pos, score, layer, self.cur, v, k=k)
         self._check_prefill(pos, keep)
         self.slots = self.policy.slots(max(lens), gen_len)
         self.pos = torch.full((b, KV, self.slots), -1, dtype=torch.long)
         self.score = torch.zeros(b, KV, self.slots)
         self.v = torch.zeros(b, KV, self.slots, DIM)
+        self.k = torch.zeros(b, KV, self.slots, DIM)
         for i in range(b):
             for h in range(KV):
                 m = int(keep[i, h].sum())
                 assert m <= self.slots
-                k = keep[i, h]
-                self.pos[i, h, :m], self.score[i, h, :m], self.v[i, h, :m] = pos[i, h][k], score[i, h][k], v[i, h][k]
+                self.pos[i, h, :m], self.score[i, h, :m] = pos[i, h][keep[i, h]], score[i, h][keep[i, h]]
+                self.v[i, h, :m], self.k[i, h, :m] = v[i, h][keep[i, h]], k[i, h][keep[i, h]]
         self.evicted = []  # per step, the evicted positions (or None) per (row, head)
 
     def _prefill_probs(self, pos) -> torch.Tensor:
@@ -93,9 +95,10 @@ class Sim:
             self.hist[i][j].seen(int(pos[i, j, q]), int(pos[i, j, k]), float(probs[i, j, q, k]))
         return probs
 
-    def _record(self, pos, v) -> None:
+    def _record(self, pos, v, k) -> None:
         for i, j, s in (pos >= 0).nonzero().tolist():
             self.hist[i][j].vnorm[int(pos[i, j, s])] = float(v[i, j, s].abs().sum())
+            self.hist[i][j].keys[int(pos[i, j, s])] = k[i, j, s].double()
 
     def _check_prefill(self, pos, keep):
         assert not (keep & (pos < 0)).any(), "padding kept"
@@ -115,12 +118,13 @@ class Sim:
                 slot = free[0, 0]
                 self.pos[i, h, slot], self.score[i, h, slot] = self.cur[i], 0.0
                 self.v[i, h, slot] = _tied_scores((DIM,), self.gen)
-        self._record(self.pos, self.v)
+                self.k[i, h, slot] = torch.randn(DIM, generator=self.gen)
+        self._record(self.pos, self.v, self.k)
         probs = torch.where(self.pos >= 0, _tied_scores(self.pos.shape, self.gen), 0.0)
         for i, j, s in (self.pos >= 0).nonzero().tolist():
             self.hist[i][j].seen(int(self.cur[i]), int(self.pos[i, j, s]), float(probs[i, j, s]))
         self.policy.accumulate(self.score, probs)
-        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur, self.v)
+        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur, self.v, k=self.k)
         self.evicted.append(self._check_evict(evict))
         if evict is not None:
             self.pos.masked_fill_(evict, -1)

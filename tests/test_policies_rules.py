@@ -48,14 +48,16 @@ def test_h2o_prefill_ties_keep_the_newer_position():
 def test_prompt_within_budget_keeps_everything_but_padding():
     pos = _one_row([-1, -1, 0, 1, 2])
     for name in NAMES:
-        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos))
+        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos),
+                                            k=_values(pos))
         assert pos[keep].tolist() == [0, 1, 2], name
 
 
 def test_nothing_evicted_within_budget():
     pos = _one_row([0, 1, 2, -1, -1, -1])
     for name in NAMES:
-        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos))
+        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos),
+                                            k=_values(pos))
         assert evict is None or not evict.any(), name
 
 

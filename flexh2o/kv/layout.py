@@ -222,7 +222,7 @@ class CacheLayout:
     def expands(self, compute: torch.dtype) -> bool:
         """Decode reads K and V through working copies: an expanded one when stored in another dtype; a quantized
         block's levels read (compress/attend.py) holds less than an expanded copy at once, and vatp's and mean_vnorm's
-        fp32 values as much, so expanded_bytes bounds it."""
+        fp32 values (mean_keydiff's fp32 keys) as much, so expanded_bytes bounds it."""
         return self.quant is not None or self.dtype != compute
 
     # ---- the block's tensors ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from flexh2o.kv.policies.h2o import H2OPolicy
 from flexh2o.kv.policies.h2o_sinks import H2OSinksPolicy
 from flexh2o.kv.policies.local import LocalPolicy
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
+from flexh2o.kv.policies.mean_keydiff import MeanKeyDiffPolicy
 from flexh2o.kv.policies.mean_vnorm import MeanVNormPolicy
 from flexh2o.kv.policies.merge import MergePolicy
 from flexh2o.kv.policies.params import all_params
@@ -25,7 +26,7 @@ from flexh2o.kv.policies.wrappers import SEP, composed
 
 POLICIES = {p.name: p for p in (FullPolicy, H2OPolicy, LocalPolicy, StreamingPolicy, RandomPolicy, TOVAPolicy,
                                 A2SFPolicy, MeanAttentionPolicy, VATPPolicy, H2OSinksPolicy, MeanVNormPolicy,
-                                PyramidPolicy, AdaKVPolicy, MergePolicy)}
+                                PyramidPolicy, AdaKVPolicy, MergePolicy, MeanKeyDiffPolicy)}
 
 
 def policy_class(name: str):

@@ -3,7 +3,9 @@
 Tensors a policy sees, per cache block (one layer, one GPU batch), all shaped (b, kv_heads, slots):
   pos    int64, position of the token in each slot (index among the sequence's real tokens); -1 = empty slot
   score  float32, accumulated attention probability (filled only when `needs_scores`)
-  v      the cached values (b, kv_heads, slots, head_dim), for policies that weigh tokens by them
+  v      the cached values (b, kv_heads, slots, head_dim), for policies that weigh tokens by them (`needs_values`)
+  k      the cached keys (b, kv_heads, slots, head_dim), for policies that read them (`needs_keys`; `scored` hands
+         them to `priority` as the keyword k)
 cur_pos (b,) int64 is the position of the newest token of each sequence.
 
 A policy is a `priority` (higher = keep) plus a `protected` set (never evicted): the `budget.recent` newest
@@ -66,6 +68,7 @@ class KVPolicy:
     windowed = False  # a --kv-budget is split into heavy tokens and a protected recent window (--recent-share)
     uses_sinks = False  # protects the first --num-sinks positions
     needs_values = False  # priority reads the cached values
+    needs_keys = False  # priority reads the cached keys (the keyword k)
     layered = False  # the budget differs from layer to layer (layer_budget)
     shares_heads = False  # the KV heads of a layer share one budget (adakv): decisions couple the heads
     merges = False  # evicted values are merged into kept tokens: merge_plan says where, kv/cache.py writes them
@@ -114,6 +117,13 @@ class KVPolicy:
                  v: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def scored(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
+               v: Optional[torch.Tensor], k: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """priority in fp32, handed the cached keys when the policy reads them (needs_keys)."""
+        if self.needs_keys:
+            return self.priority(pos, score, layer, cur_pos, v, k=k).float()
+        return self.priority(pos, score, layer, cur_pos, v).float()
+
     def merge_plan(self, pos, score, keys, evict, extents: Optional[list] = None) -> tuple:
         """When `merges`: (target (b, h, s) int64, the slot that absorbs each evicted slot's value, -1 elsewhere;
         mass (b, h, s) fp32, each slot's weight in the mean). kv/cache.merged_values computes the new values.
@@ -141,12 +151,12 @@ class KVPolicy:
         score.add_(att)
 
     def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     v: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
         valid = pos >= 0
         if self.budget is None:
             return valid
-        prio = self.priority(pos, score, layer, cur_pos, v).float()
+        prio = self.scored(pos, score, layer, cur_pos, v, k)
         prot = self.protected(pos, cur_pos) & valid
         # lexicographic descending sort on (valid, protected, priority, pos) via stable sorts, last key first
         order = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -158,13 +168,14 @@ class KVPolicy:
         return valid & (rank < self.layer_budget(layer).total)
 
     def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None, extents: Optional[list] = None):
+                     v: Optional[torch.Tensor] = None, extents: Optional[list] = None,
+                     k: Optional[torch.Tensor] = None):
         """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None.
         extents: per row, its slots up to the last one used (kv/cache.row_extents of pos), when the caller has
         them (a policy reading only the used slots then need not compute them again)."""
         if self.budget is None:
             return None
-        prio = self.priority(pos, score, layer, cur_pos, v).float()
+        prio = self.scored(pos, score, layer, cur_pos, v, k)
         return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.layer_budget(layer).total)
 
 

@@ -86,6 +86,7 @@ class LanePolicy(KVPolicy):
         self.rows = start
         self.needs_scores = any(p.needs_scores for p in self.lanes)
         self.needs_values = any(p.needs_values for p in self.lanes)
+        self.needs_keys = any(p.needs_keys for p in self.lanes)
         self.merges = any(p.merges for p in self.lanes)
         self._device_state = {}  # device name -> _Rows, built on first use
         self._layer_totals = {}  # (device name, layer) -> per-row totals, when some lane's budget is per layer
@@ -110,10 +111,10 @@ class LanePolicy(KVPolicy):
     def query_weights(self, qpos):
         return torch.cat([p.query_weights(q) for p, q in zip(self.lanes, self._parts(qpos))])
 
-    def prefill_keep(self, pos, score, layer, cur_pos, v=None):
-        vs = self._parts(v) if v is not None else [None] * len(self.lanes)
-        parts = zip(self.lanes, self._parts(pos), self._parts(score), self._parts(cur_pos), vs)
-        return torch.cat([p.prefill_keep(ps, s, layer, c, vv) for p, ps, s, c, vv in parts])
+    def prefill_keep(self, pos, score, layer, cur_pos, v=None, k=None):
+        vs, ks = ([None] * len(self.lanes) if x is None else self._parts(x) for x in (v, k))
+        parts = zip(self.lanes, self._parts(pos), self._parts(score), self._parts(cur_pos), vs, ks)
+        return torch.cat([p.prefill_keep(ps, s, layer, c, vv, k=kk) for p, ps, s, c, vv, kk in parts])
 
     def accumulate(self, score, att) -> None:
         """score <- decay * score + att, each row with its lane's decay (rows of decay 1 are multiplied by 1)."""
@@ -131,11 +132,13 @@ class LanePolicy(KVPolicy):
                 g.put(prot, g.policy.protected(g.take(pos), g.take(cur_pos)))
         return prot
 
-    def priority(self, pos, score, layer, cur_pos, v, extents: Optional[list] = None, groups: Optional[list] = None):
+    def priority(self, pos, score, layer, cur_pos, v, extents: Optional[list] = None, groups: Optional[list] = None,
+                 k: Optional[torch.Tensor] = None):
         """Each row's lane's priority (rows of lanes without a budget get their score: they never evict). A class
         computes it over its rows' slots up to their last used one; the slots past it are empty (never read).
         extents: per row, its slots up to its last used one (row_extents), when the caller has them; groups: the
-        classes to compute (default: all; the other rows get their score)."""
+        classes to compute (default: all; the other rows get their score); k: the cached keys, for the classes that
+        read them."""
         prio = score
         extents = row_extents(pos) if extents is None else extents
         for g in self._state(pos.device).groups if groups is None else groups:
@@ -144,12 +147,13 @@ class LanePolicy(KVPolicy):
             n = max(extents[r] for r in g.rows)
             sc = g.take(score[:, :, :n])
             vi = g.take(v[:, :, :n]) if g.policy.needs_values and v is not None else None
-            own = g.policy.priority(g.take(pos[:, :, :n]), sc, layer, g.take(cur_pos), vi).float()
+            ki = g.take(k[:, :, :n]) if g.policy.needs_keys and k is not None else None
+            own = g.policy.scored(g.take(pos[:, :, :n]), sc, layer, g.take(cur_pos), vi, ki)
             prio = prio.clone() if prio is score else prio  # never write into the scores
             g.put(prio, own, n)
         return prio
 
-    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents: Optional[list] = None):
+    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents: Optional[list] = None, k=None):
         """As KVPolicy.decode_evict, over the rows that may evict only: the lanes up to the last one holding more
         tokens than its budget (`_evicting`), up to the last slot they use; the other rows evict nothing."""
         self._check(pos)
@@ -157,14 +161,15 @@ class LanePolicy(KVPolicy):
         if not rows.groups:
             return None
         extents = row_extents(pos) if extents is None else extents
-        k = self._evicting(cur_pos, layer)
-        if k == 0:
+        lanes = self._evicting(cur_pos, layer)
+        if lanes == 0:
             return None
-        if k < len(self.lanes):
-            r = self.slices[k - 1].stop
+        if lanes < len(self.lanes):
+            r = self.slices[lanes - 1].stop
             cut = (slice(0, r), slice(None), slice(0, max(extents[:r])))
-            head = self._head(k).decode_evict(pos[cut], score[cut], layer, cur_pos[:r],
-                                              None if v is None else v[cut], extents[:r])
+            head = self._head(lanes).decode_evict(pos[cut], score[cut], layer, cur_pos[:r],
+                                                  None if v is None else v[cut], extents[:r],
+                                                  k=None if k is None else k[cut])
             evict = torch.zeros_like(pos, dtype=torch.bool)
             if head is not None:
                 evict[cut] = head
@@ -178,13 +183,14 @@ class LanePolicy(KVPolicy):
         if n:
             cut = (slice(None), slice(None), slice(0, n))
             prio = self.priority(pos[cut], score[cut], layer, cur_pos, None if v is None else v[cut], extents,
-                                 generic).float()
+                                 generic, k=None if k is None else k[cut]).float()
             evict[cut] = lowest_unprotected(pos[cut], prio, self.protected(pos[cut], cur_pos),
                                             self._total(pos.device, layer))
         for g in own_rule:
             n = max(extents[r] for r in g.rows)
-            vi = g.take(v[:, :, :n]) if v is not None else None
-            own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos), vi)
+            vi, ki = (None if x is None else g.take(x[:, :, :n]) for x in (v, k))
+            own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos), vi,
+                                        k=ki)
             g.put(evict, False)
             g.put(evict, own, n)
         return evict
