@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flexh2o.kv.policies import POLICIES, Budget
+from flexh2o.kv.policies.base import Observed
 from flexh2o.kv.spec import make_policy, resolve_budget
 from flexh2o.kv.policies.random import random_key
 from test_policies import BUDGETS, DIM, NAMES, SINKS, _policy
@@ -49,7 +50,7 @@ def test_prompt_within_budget_keeps_everything_but_padding():
     pos = _one_row([-1, -1, 0, 1, 2])
     for name in NAMES:
         keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos),
-                                            k=_values(pos))
+                                            obs=Observed(_values(pos)))
         assert pos[keep].tolist() == [0, 1, 2], name
 
 
@@ -57,7 +58,7 @@ def test_nothing_evicted_within_budget():
     pos = _one_row([0, 1, 2, -1, -1, -1])
     for name in NAMES:
         evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos),
-                                            k=_values(pos))
+                                            obs=Observed(_values(pos)))
         assert evict is None or not evict.any(), name
 
 

@@ -4,8 +4,8 @@ Tensors a policy sees, per cache block (one layer, one GPU batch), all shaped (b
   pos    int64, position of the token in each slot (index among the sequence's real tokens); -1 = empty slot
   score  float32, accumulated attention probability (filled only when `needs_scores`)
   v      the cached values (b, kv_heads, slots, head_dim), for policies that weigh tokens by them (`needs_values`)
-  k      the cached keys (b, kv_heads, slots, head_dim), for policies that read them (`needs_keys`; `scored` hands
-         them to `priority` as the keyword k)
+  obs    an Observed: the cached keys (b, kv_heads, slots, head_dim) for policies that read them (`needs_keys`);
+         `scored` hands it to `priority` as the keyword obs when the policy reads it
 cur_pos (b,) int64 is the position of the newest token of each sequence.
 
 A policy is a `priority` (higher = keep) plus a `protected` set (never evicted): the `budget.recent` newest
@@ -22,7 +22,7 @@ Prefill weights query q by `query_weights`; each decode step computes score <- d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -68,7 +68,7 @@ class KVPolicy:
     windowed = False  # a --kv-budget is split into heavy tokens and a protected recent window (--recent-share)
     uses_sinks = False  # protects the first --num-sinks positions
     needs_values = False  # priority reads the cached values
-    needs_keys = False  # priority reads the cached keys (the keyword k)
+    needs_keys = False  # priority reads the cached keys (obs.keys)
     layered = False  # the budget differs from layer to layer (layer_budget)
     shares_heads = False  # the KV heads of a layer share one budget (adakv): decisions couple the heads
     merges = False  # evicted values are merged into kept tokens: merge_plan says where, kv/cache.py writes them
@@ -118,10 +118,10 @@ class KVPolicy:
         raise NotImplementedError
 
     def scored(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-               v: Optional[torch.Tensor], k: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """priority in fp32, handed the cached keys when the policy reads them (needs_keys)."""
+               v: Optional[torch.Tensor], obs: Optional["Observed"] = None) -> torch.Tensor:
+        """priority in fp32, handed `obs` when the policy reads it (needs_keys)."""
         if self.needs_keys:
-            return self.priority(pos, score, layer, cur_pos, v, k=k).float()
+            return self.priority(pos, score, layer, cur_pos, v, obs=obs).float()
         return self.priority(pos, score, layer, cur_pos, v).float()
 
     def merge_plan(self, pos, score, keys, evict, extents: Optional[list] = None) -> tuple:
@@ -151,12 +151,12 @@ class KVPolicy:
         score.add_(att)
 
     def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     v: Optional[torch.Tensor] = None, obs: Optional["Observed"] = None) -> torch.Tensor:
         """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
         valid = pos >= 0
         if self.budget is None:
             return valid
-        prio = self.scored(pos, score, layer, cur_pos, v, k)
+        prio = self.scored(pos, score, layer, cur_pos, v, obs)
         prot = self.protected(pos, cur_pos) & valid
         # lexicographic descending sort on (valid, protected, priority, pos) via stable sorts, last key first
         order = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -169,14 +169,26 @@ class KVPolicy:
 
     def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
                      v: Optional[torch.Tensor] = None, extents: Optional[list] = None,
-                     k: Optional[torch.Tensor] = None):
+                     obs: Optional["Observed"] = None):
         """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None.
         extents: per row, its slots up to the last one used (kv/cache.row_extents of pos), when the caller has
         them (a policy reading only the used slots then need not compute them again)."""
         if self.budget is None:
             return None
-        prio = self.scored(pos, score, layer, cur_pos, v, k)
+        prio = self.scored(pos, score, layer, cur_pos, v, obs)
         return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.layer_budget(layer).total)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a block holds or saw that some policies read besides positions, scores and values, None unless a policy
+    of the block reads it: keys (b, h, s, d), the cached keys as the cache holds them (dequantized), in fp32."""
+
+    keys: Optional[torch.Tensor] = None
+
+    def map(self, fn: Callable) -> "Observed":
+        """The same with fn applied to each tensor present (a slice of rows or slots)."""
+        return Observed(None if self.keys is None else fn(self.keys))
 
 
 def lowest_unprotected(pos: torch.Tensor, prio: torch.Tensor, prot: torch.Tensor, total) -> torch.Tensor:

@@ -48,8 +48,8 @@ class MeanKeyDiffPolicy(MeanAttentionPolicy):
     needs_keys = True
     params = (KEYDIFF_WEIGHT,)
 
-    def priority(self, pos, score, layer, cur_pos, v, k=None):
-        if k is None:
+    def priority(self, pos, score, layer, cur_pos, v, obs=None):
+        if obs is None or obs.keys is None:
             raise ValueError("the mean_keydiff policy needs the cached keys")
         attended = held_rank(super().priority(pos, score, layer, cur_pos, v), pos)
-        return attended + self.keydiff_weight * held_rank(key_distinctness(k, pos), pos)
+        return attended + self.keydiff_weight * held_rank(key_distinctness(obs.keys, pos), pos)
