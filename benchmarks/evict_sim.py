@@ -40,13 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant_sim import (PROMPT, load_model_and_windows, perplexities, q_channel, q_token, rotated,  # noqa: E402
                        setting_of)
 
-DEFAULTS = dict(H=None, R=None, L=0, bits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None, decay=1.0,
-                heads="sum", sinks=0, slope=0.0, agg=False, prio="mean", n=64, F=1024, beta=1.0, w=1.0)
-PRIORITIES = ("mean", "oracle", "window", "max", "expected", "distinct")
+DEFAULTS = dict(H=None, R=None, L=0, bits=None, vbits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None,
+                decay=1.0, heads="sum", sinks=0, slope=0.0, agg=False, prio="mean", n=64, F=1024, beta=1.0, w=1.0,
+                mix="mean:1/cos:1")
+PRIORITIES = ("mean", "oracle", "window", "max", "expected", "distinct", "mix")
 HISTORY = ("oracle", "window", "max")  # the priorities that read what each query gave each token (hist)
 
 
-def predicted(c, i, prio, hist, q, keff, held, scaling):
+def predicted(c, i, prio, hist, q, keff, held, scaling, veff=None):
     """The priority of the tokens 0..i under `prio` (mean: the mean_attn priority `prio` as given). hist (hk, t, t):
     hist[:, m, j] the attention query m gave token j (summed over the group's query heads), exact-cache attention for
     the oracle's future queries, what the replay gave for past ones."""
@@ -66,20 +67,42 @@ def predicted(c, i, prio, hist, q, keff, held, scaling):
         kk = keff[:, :i + 1]
         logit = (mu @ kk.transpose(-1, -2)) * scaling + 0.5 * (var @ (kk * kk).transpose(-1, -2)) * scaling ** 2
         return logit.masked_fill(~held[:, None], float("-inf")).softmax(-1).sum(1)
-    if m == "distinct":  # mean_attn's rank among the held tokens + w x the rank of how unlike their mean key the
-        kk = keff[:, :i + 1]  # token's key is (KeyDiff's cosine)
-        cos = torch.nn.functional.cosine_similarity(kk, (kk * held[..., None]).sum(1, keepdim=True), dim=-1)
-
-        def rank(x):  # 0 for the lowest held token; tokens not held rank last
-            return x.masked_fill(~held, float("inf")).argsort(dim=-1, stable=True).argsort(dim=-1, stable=True).float()
-        return rank(prio) + c["w"] * rank(-cos)
+    if m in ("distinct", "mix"):  # ranks among the held tokens summed, weighted (distinct: mean_attn's rank +
+        parts = {"mean": 1.0, "cos": c["w"]} if m == "distinct" else dict(  # w x the rank of how unlike their
+            (n, float(x)) for n, x in (t.split(":") for t in c["mix"].split("/")))  # mean key its key is: KeyDiff)
+        if "max" in parts or "window" in parts:
+            raise ValueError("mix reads no attention history")
+        return sum(x * rank(feature(c, n, i, prio, q, keff, veff, held, scaling), held) for n, x in parts.items())
     return prio  # mean
 
 
-def tier_copy(k, v, bits, nout, vgroup):  # k, v (1, hk, t, d) -> their quantize-dequantize copies (rotated basis)
-    if bits is None:
+def rank(x, held):  # (hk, t) -> each held token's rank by x, 0 the lowest; tokens not held rank last
+    return x.masked_fill(~held, float("inf")).argsort(dim=-1, stable=True).argsort(dim=-1, stable=True).float()
+
+
+def feature(c, name, i, prio, q, keff, veff, held, scaling):
+    """One signal of a mixed priority (higher: keep) for tokens 0..i: mean (mean_attn's), cos (minus the cosine of
+    the key to the held keys' mean: KeyDiff), expected (expected attention), knorm (minus the key's L2 norm),
+    vnorm (the value's L1 norm, VATP's)."""
+    kk = keff[:, :i + 1]
+    if name == "mean":
+        return prio
+    if name == "cos":
+        return -torch.nn.functional.cosine_similarity(kk, (kk * held[..., None]).sum(1, keepdim=True), dim=-1)
+    if name == "expected":
+        return predicted({**c, "prio": "expected"}, i, prio, None, q, keff, held, scaling, veff)
+    if name == "knorm":
+        return -kk.norm(dim=-1)
+    if name == "vnorm":
+        return veff[:, :i + 1].abs().sum(-1)
+    raise ValueError(f"unknown mix part {name!r}: use mean, cos, expected, knorm, vnorm")
+
+
+def tier_copy(k, v, bits, nout, vgroup, vbits=None):  # k, v (1, hk, t, d) -> their quantize-dequantize copies
+    if bits is None:  # (rotated basis); the values at vbits (None: bits)
         return k, v
-    return rotated(lambda x: q_channel(x, bits, nout), k, True), rotated(lambda x: q_token(x, bits, vgroup), v, True)
+    return rotated(lambda x: q_channel(x, bits, nout), k, True), rotated(lambda x: q_token(x, vbits or bits, vgroup),
+                                                                         v, True)
 
 
 def replay(q, k, v, c, scaling):
@@ -87,7 +110,7 @@ def replay(q, k, v, c, scaling):
     hq, t, d = q.shape
     hk = k.shape[0]
     rep = hq // hk
-    khi, vhi = (x[0] for x in tier_copy(k[None], v[None], c["bits"], c["nout"], c["vgroup"]))
+    khi, vhi = (x[0] for x in tier_copy(k[None], v[None], c["bits"], c["nout"], c["vgroup"], c["vbits"]))
     klo, vlo = (x[0] for x in tier_copy(k[None], v[None], c["lbits"], c["lout"], c["vgroup"])) if c["L"] else (
         khi, vhi)
     cap, lcap = c["H"] or t, c["L"]
@@ -144,7 +167,7 @@ def replay(q, k, v, c, scaling):
         seen = (i - pos[:i + 1] + 1).float()  # queries that saw each token, weighted as the scores are
         weights = seen if c["decay"] == 1 else (1 - c["decay"] ** seen) / (1 - c["decay"])
         prio = score[:, :i + 1] / weights ** c["beta"]  # beta 1: mean_attn, 0: h2o
-        prio = predicted(c, i, prio, hist, q, keff, held, scaling)
+        prio = predicted(c, i, prio, hist, q, keff, held, scaling, veff)
         if (state[0] == 1).sum() > cap:
             free = (state[:, :i + 1] == 1) & (pos[:i + 1] <= i - recent) & (pos[:i + 1] >= c["sinks"])
             out_j = prio.masked_fill(~free, float("inf")).argmin(-1)  # first of equal minima: the older
