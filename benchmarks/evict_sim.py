@@ -21,7 +21,10 @@ raised by log(count), and their mean value). Other priorities (`prio`, default "
 attention the next `F` queries of the layer give the token under the full exact cache: it knows the future, so it
 bounds what any priority can do, it is not a policy), "window" (the mean over the newest `n` queries), "max" (the
 largest attention one query gave it), "expected" (the attention of a query drawn from the mean and per-channel
-variance of the newest `n` queries, kvpress's expected attention without its RoPE averaging). It gives the engine's
+variance of the newest `n` queries, kvpress's expected attention without its RoPE averaging), "distinct"
+(mean_attn's rank among the held tokens + `w` x the rank of the key's distinctness, minus its cosine to the held keys'
+mean: the engine's mean_keydiff), "mix" (a sum of such ranks, `mix='mean:1/cos:1.5/expected:1'`: `feature`). `vbits`:
+the values' bits when not `bits`. It gives the engine's
 figures for the same setting (macbeth, 4 windows, mean_attn at 425 tokens: 34.170 against 34.169 with the 3-bit
 cache, 33.956 against 33.957 plain; archive/ACCURACY-2026-12.md, session 23); the engine's runs are the figures of
 record.
