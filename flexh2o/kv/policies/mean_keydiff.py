@@ -24,23 +24,26 @@ KEYDIFF_WEIGHT = Param("keydiff_weight", float, DEFAULT_KEYDIFF_WEIGHT, "the mea
                        f"(default {DEFAULT_KEYDIFF_WEIGHT:g})", lo=0.0)
 
 
-def held_rank(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """(b, h, s) fp32: each held slot's (pos >= 0) rank by x among its row's held slots, 0 for the lowest, equal
-    values ranking the older position lower; empty slots rank after every held one."""
-    x = torch.where(pos >= 0, x.float(), torch.inf)
-    order = torch.argsort(pos, dim=-1, stable=True)  # oldest first, then by x: the stable sort keeps age in ties
-    order = torch.gather(order, -1, torch.argsort(torch.gather(x, -1, order), dim=-1, stable=True))
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=pos.device).expand_as(order))
-    return rank.float()
+def held_ranks(pos: torch.Tensor, *values: torch.Tensor) -> list:
+    """For each x of `values` (b, h, s): fp32 (b, h, s), each held slot's (pos >= 0) rank by x among its row's held
+    slots, 0 for the lowest, equal values ranking the older position lower; empty slots rank after every held one."""
+    by_age = torch.argsort(pos, dim=-1, stable=True)  # oldest first: a stable sort by x then keeps age in ties
+    steps = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    out = []
+    for x in values:
+        x = torch.where(pos >= 0, x.float(), torch.inf)
+        order = torch.gather(by_age, -1, torch.argsort(torch.gather(x, -1, by_age), dim=-1, stable=True))
+        out.append(torch.empty_like(order).scatter_(-1, order, steps).float())
+    return out
 
 
 def key_distinctness(k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """(b, h, s) fp32: minus the cosine similarity of each slot's key to the mean of its row's held keys."""
-    k = k.float()
-    held = (pos >= 0).unsqueeze(-1)
-    anchor = (k * held).sum(-2, keepdim=True) / held.sum(-2, keepdim=True).clamp(min=1)
-    return -torch.nn.functional.cosine_similarity(k, anchor, dim=-1)
+    """(b, h, s) fp32: minus the cosine similarity of each slot's key to the mean of its row's held keys (0 where
+    either is a zero vector)."""
+    k, held = k.float(), (pos >= 0).float()
+    mean = torch.einsum("bhsd,bhs->bhd", k, held) / held.sum(-1, keepdim=True).clamp(min=1)
+    norms = torch.linalg.vector_norm(k, dim=-1) * torch.linalg.vector_norm(mean, dim=-1, keepdim=True)
+    return -torch.einsum("bhsd,bhd->bhs", k, mean) / norms.clamp(min=torch.finfo(torch.float32).tiny)
 
 
 class MeanKeyDiffPolicy(MeanAttentionPolicy):
@@ -51,5 +54,6 @@ class MeanKeyDiffPolicy(MeanAttentionPolicy):
     def priority(self, pos, score, layer, cur_pos, v, obs=None):
         if obs is None or obs.keys is None:
             raise ValueError("the mean_keydiff policy needs the cached keys")
-        attended = held_rank(super().priority(pos, score, layer, cur_pos, v), pos)
-        return attended + self.keydiff_weight * held_rank(key_distinctness(obs.keys, pos), pos)
+        attended, unlike = held_ranks(pos, super().priority(pos, score, layer, cur_pos, v),
+                                      key_distinctness(obs.keys, pos))
+        return attended + self.keydiff_weight * unlike
