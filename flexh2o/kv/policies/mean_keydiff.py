@@ -5,7 +5,8 @@ Budget and protection as mean_attn: `heavy` + `recent` tokens, the `recent` newe
 held tokens (those in its slots, the protected ones and the incoming one included), per KV head: a = each token's
 rank by mean_attn's value (the sum of the attention probability every query gave it, summed over the query heads
 of the KV head, divided by the c - p + 1 queries that saw it), d = its rank by minus the cosine similarity of its
-cached key to the mean of the held keys (the keys as the cache holds them: dequantized, in fp32). Ranks count from 0
+cached key to the mean of the held keys (in fp32; at a decode step the keys as the cache holds them, dequantized;
+at prefill the prompt's exact keys, as vatp reads the values). Ranks count from 0
 for the lowest value, equal values ranking the older position lower. Priority: a + keydiff_weight * d
 (--keydiff-weight).
 Lowest priority is evicted, ties evict the older position.
