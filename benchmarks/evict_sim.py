@@ -47,6 +47,7 @@ DEFAULTS = dict(H=None, R=None, L=0, bits=None, vbits=None, nout=4, lbits=2, lou
                 decay=1.0, heads="sum", sinks=0, slope=0.0, agg=False, prio="mean", n=64, F=1024, beta=1.0, w=1.0,
                 mix="mean:1/cos:1")
 PRIORITIES = ("mean", "oracle", "window", "max", "expected", "distinct", "mix")
+MIX_PARTS = ("mean", "cos", "expected", "knorm", "vnorm")  # the signals a "mix" priority sums the ranks of (feature)
 HISTORY = ("oracle", "window", "max")  # the priorities that read what each query gave each token (hist)
 
 
@@ -70,13 +71,26 @@ def predicted(c, i, prio, hist, q, keff, held, scaling, veff=None):
         kk = keff[:, :i + 1]
         logit = (mu @ kk.transpose(-1, -2)) * scaling + 0.5 * (var @ (kk * kk).transpose(-1, -2)) * scaling ** 2
         return logit.masked_fill(~held[:, None], float("-inf")).softmax(-1).sum(1)
-    if m in ("distinct", "mix"):  # ranks among the held tokens summed, weighted (distinct: mean_attn's rank +
-        parts = {"mean": 1.0, "cos": c["w"]} if m == "distinct" else dict(  # w x the rank of how unlike their
-            (n, float(x)) for n, x in (t.split(":") for t in c["mix"].split("/")))  # mean key its key is: KeyDiff)
-        if "max" in parts or "window" in parts:
-            raise ValueError("mix reads no attention history")
-        return sum(x * rank(feature(c, n, i, prio, q, keff, veff, held, scaling), held) for n, x in parts.items())
+    if m in ("distinct", "mix"):  # ranks among the held tokens summed, weighted (distinct: mean_attn's rank + w x
+        parts = {"mean": 1.0, "cos": c["w"]} if m == "distinct" else mix_weights(c)  # the rank of how unlike the
+        return sum(x * rank(feature(c, n, i, prio, q, keff, veff, held, scaling), held)  # held keys' mean its key
+                   for n, x in parts.items())  # is: KeyDiff)
     return prio  # mean
+
+
+def mix_weights(c: dict) -> dict:
+    """`mix` 'mean:1/cos:1.5' -> {'mean': 1.0, 'cos': 1.5}; ValueError naming a part not in MIX_PARTS."""
+    out = {}
+    for item in c["mix"].split("/"):
+        name, _, weight = item.partition(":")
+        if name not in MIX_PARTS:
+            raise ValueError(f"unknown mix part {name!r} in mix={c['mix']!r}: use {', '.join(MIX_PARTS)}")
+        try:
+            out[name] = float(weight)
+        except ValueError:
+            raise ValueError(f"mix part {item!r} in mix={c['mix']!r} needs a number after the colon, as cos:1.5") \
+                from None
+    return out
 
 
 def rank(x, held):  # (hk, t) -> each held token's rank by x, 0 the lowest; tokens not held rank last
@@ -98,7 +112,7 @@ def feature(c, name, i, prio, q, keff, veff, held, scaling):
         return -kk.norm(dim=-1)
     if name == "vnorm":
         return veff[:, :i + 1].abs().sum(-1)
-    raise ValueError(f"unknown mix part {name!r}: use mean, cos, expected, knorm, vnorm")
+    raise ValueError(f"unknown mix part {name!r}: use {', '.join(MIX_PARTS)}")
 
 
 def tier_copy(k, v, bits, nout, vgroup, vbits=None):  # k, v (1, hk, t, d) -> their quantize-dequantize copies
@@ -211,6 +225,7 @@ def main(argv: list) -> int:
         for spec, setting in settings:  # refused before the model loads
             if setting.get("prio", "mean") not in PRIORITIES:
                 raise ValueError(f"unknown prio {setting['prio']!r} in {spec!r}: use {', '.join(PRIORITIES)}")
+            mix_weights({**DEFAULTS, **setting})
     except (ValueError, SyntaxError) as e:
         print(f"evict_sim: {e}", file=sys.stderr)
         return 2

@@ -95,17 +95,16 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
         for j, w in enumerate(weights if wanted else ()):  # padding queries add 0
             score[j] += torch.matmul(w[:, None, None, None, s:e], att).sum(2)[:, :, 0]
     score = score[0] if copies == 1 else score[which].view(rows, kv, t)
-    obs = Observed(k.float() if policy.needs_keys else None)
     if copies > 1:
         k, v = k.repeat(copies, 1, 1, 1), v.repeat(copies, 1, 1, 1)
-        obs = obs.map(lambda x: x.repeat(copies, *(1,) * (x.dim() - 1)))
+    keys32 = k.float() if policy.needs_keys or (policy.merges and scores) else None
     kpos = every[:, None, :].expand(rows, kv, t)
     cur = every.max(-1).values  # (rows,)
     if window is not None:  # what the next query cannot see is gone before the policy chooses
         kpos = torch.where(kpos > (cur + 1 - window)[:, None, None], kpos, -1)
-    keep = policy.prefill_keep(kpos, score, layer, cur, v, obs=obs)
+    keep = policy.prefill_keep(kpos, score, layer, cur, v, obs=Observed(keys32 if policy.needs_keys else None))
     if policy.merges and scores:  # the dropped prompt tokens' values go into kept ones (the policy says where)
-        target, mass = policy.merge_plan(kpos, score, k.float(), (kpos >= 0) & ~keep)
+        target, mass = policy.merge_plan(kpos, score, keys32, (kpos >= 0) & ~keep)
         v = merged_values(v.float(), target, mass)[0].to(v.dtype)
     _pack(k, v, kpos, score, keep, blk)
     return out
@@ -190,8 +189,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
         front.evict((front.pos >= 0) & (front.pos <= (cur_pos + 1 - window).view(-1, 1, 1)))
     values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
     keys32 = expand(front.k, torch.float32) if policy.needs_keys or policy.merges else None
-    obs = Observed(keys32 if policy.needs_keys else None)
-    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values, extents=extents, obs=obs)
+    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values, extents=extents,
+                                obs=Observed(keys32 if policy.needs_keys else None))
     if policy.merges and evict is not None:
         front.merge(*policy.merge_plan(front.pos, front.score, keys32, evict, extents=extents))
         blk.written = front.written

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from flexh2o.kv.policies.base import Budget, KVPolicy, cache_slots
+from flexh2o.kv.policies.base import Budget, KVPolicy, Observed, cache_slots
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
 from flexh2o.kv.policies.params import Param
 
@@ -52,7 +52,7 @@ class HeadBudgets(KVPolicy):
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return cache_slots(Budget(0, math.floor(self.head_cap * self.budget.total)), prompt_len, gen_len)
 
-    def prefill_keep(self, pos, score, layer, cur_pos, v=None, obs=None):
+    def prefill_keep(self, pos, score, layer, cur_pos, v=None, obs=Observed()):
         valid = pos >= 0  # (b, h, t)
         b, h, t = pos.shape
         total, cap = self._limits(h)
@@ -67,7 +67,7 @@ class HeadBudgets(KVPolicy):
         room = total - prot.sum((1, 2), keepdim=True)  # (b, 1, 1)
         return prot | (fits & (in_layer < room))
 
-    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents=None, obs=None):
+    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents=None, obs=Observed()):
         b, h, s = pos.shape
         total, cap = self._limits(h)
         prio = self.scored(pos, score, layer, cur_pos, v, obs)

@@ -57,6 +57,19 @@ class Budget:
         return self.heavy + self.recent
 
 
+@dataclass(frozen=True)
+class Observed:
+    """What a block holds or saw that some policies read besides positions, scores and values, None unless a policy
+    of the block reads it: keys (b, h, s, d), the cached keys as the cache holds them (dequantized), in fp32.
+    Observed() (the default everywhere): nothing."""
+
+    keys: Optional[torch.Tensor] = None
+
+    def map(self, fn: Callable) -> "Observed":
+        """The same with fn applied to each tensor present (a slice of rows or slots)."""
+        return Observed(None if self.keys is None else fn(self.keys))
+
+
 class KVPolicy:
     """Base class: subclasses set `name` and the flags below and implement `priority`. A class declares the
     parameters it reads in `params` (Param, kv/policies/params.py): the constructor takes each as a keyword (its
@@ -118,7 +131,7 @@ class KVPolicy:
         raise NotImplementedError
 
     def scored(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-               v: Optional[torch.Tensor], obs: Optional["Observed"] = None) -> torch.Tensor:
+               v: Optional[torch.Tensor], obs: Observed = Observed()) -> torch.Tensor:
         """priority in fp32, handed `obs` when the policy reads it (needs_keys)."""
         if self.needs_keys:
             return self.priority(pos, score, layer, cur_pos, v, obs=obs).float()
@@ -151,7 +164,7 @@ class KVPolicy:
         score.add_(att)
 
     def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None, obs: Optional["Observed"] = None) -> torch.Tensor:
+                     v: Optional[torch.Tensor] = None, obs: Observed = Observed()) -> torch.Tensor:
         """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
         valid = pos >= 0
         if self.budget is None:
@@ -169,7 +182,7 @@ class KVPolicy:
 
     def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
                      v: Optional[torch.Tensor] = None, extents: Optional[list] = None,
-                     obs: Optional["Observed"] = None):
+                     obs: Observed = Observed()):
         """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None.
         extents: per row, its slots up to the last one used (kv/cache.row_extents of pos), when the caller has
         them (a policy reading only the used slots then need not compute them again)."""
@@ -177,18 +190,6 @@ class KVPolicy:
             return None
         prio = self.scored(pos, score, layer, cur_pos, v, obs)
         return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.layer_budget(layer).total)
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What a block holds or saw that some policies read besides positions, scores and values, None unless a policy
-    of the block reads it: keys (b, h, s, d), the cached keys as the cache holds them (dequantized), in fp32."""
-
-    keys: Optional[torch.Tensor] = None
-
-    def map(self, fn: Callable) -> "Observed":
-        """The same with fn applied to each tensor present (a slice of rows or slots)."""
-        return Observed(None if self.keys is None else fn(self.keys))
 
 
 def lowest_unprotected(pos: torch.Tensor, prio: torch.Tensor, prot: torch.Tensor, total) -> torch.Tensor:

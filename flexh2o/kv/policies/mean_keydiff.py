@@ -16,6 +16,7 @@ mean_attn, plain or with the 3-bit cache (simulated in benchmarks/evict_sim.py f
 """
 import torch
 
+from flexh2o.kv.policies.base import Observed
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
 from flexh2o.kv.policies.params import Param
 
@@ -52,8 +53,8 @@ class MeanKeyDiffPolicy(MeanAttentionPolicy):
     needs_keys = True
     params = (KEYDIFF_WEIGHT,)
 
-    def priority(self, pos, score, layer, cur_pos, v, obs=None):
-        if obs is None or obs.keys is None:
+    def priority(self, pos, score, layer, cur_pos, v, obs=Observed()):
+        if obs.keys is None:
             raise ValueError("the mean_keydiff policy needs the cached keys")
         attended, unlike = held_ranks(pos, super().priority(pos, score, layer, cur_pos, v),
                                       key_distinctness(obs.keys, pos))
