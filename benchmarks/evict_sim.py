@@ -23,8 +23,11 @@ bounds what any priority can do, it is not a policy), "window" (the mean over th
 largest attention one query gave it), "expected" (the attention of a query drawn from the mean and per-channel
 variance of the newest `n` queries, kvpress's expected attention without its RoPE averaging), "distinct"
 (mean_attn's rank among the held tokens + `w` x the rank of the key's distinctness, minus its cosine to the held keys'
-mean: the engine's mean_keydiff), "mix" (a sum of such ranks, `mix='mean:1/cos:1.5/expected:1'`: `feature`). `vbits`:
-the values' bits when not `bits`. It gives the engine's
+mean: the engine's mean_keydiff), "mix" (a sum of such ranks, `mix='mean:1/cos:1.5/expected:1'`: `feature`; also
+red: minus the largest cosine to another held key, cosall: distinctness from every key seen, vcos: the values'
+distinctness); `pool` k: mean_attn's value max-pooled over k neighbouring positions first (SnapKV's). `vbits`:
+the values' bits when not `bits`; `o8`: key outliers' values as fp8 (e4m3), `w8`: the exact window and sinks read
+8-bit copies (per token, rotated): --cache-exact-bits 8's layout. It gives the engine's
 figures for the same setting (macbeth, 4 windows, mean_attn at 425 tokens: 34.170 against 34.169 with the 3-bit
 cache, 33.956 against 33.957 plain; archive/ACCURACY-2026-12.md, session 23); the engine's runs are the figures of
 record.
@@ -45,9 +48,10 @@ from quant_sim import (PROMPT, load_model_and_windows, perplexities, q_channel, 
 
 DEFAULTS = dict(H=None, R=None, L=0, bits=None, vbits=None, nout=4, lbits=2, lout=0, W=16, S=4, vgroup=None,
                 decay=1.0, heads="sum", sinks=0, slope=0.0, agg=False, prio="mean", n=64, F=1024, beta=1.0, w=1.0,
-                mix="mean:1/cos:1")
+                mix="mean:1/cos:1", pool=1, o8=False, w8=False)
 PRIORITIES = ("mean", "oracle", "window", "max", "expected", "distinct", "mix")
-MIX_PARTS = ("mean", "cos", "expected", "knorm", "vnorm")  # the signals a "mix" priority sums the ranks of (feature)
+MIX_PARTS = ("mean", "cos", "expected", "knorm", "vnorm", "red", "cosall", "vcos")  # the signals a "mix" priority
+# sums the ranks of (feature)
 HISTORY = ("oracle", "window", "max")  # the priorities that read what each query gave each token (hist)
 
 
@@ -103,7 +107,20 @@ def feature(c, name, i, prio, q, keff, veff, held, scaling):
     vnorm (the value's L1 norm, VATP's)."""
     kk = keff[:, :i + 1]
     if name == "mean":
+        if c["pool"] > 1:  # SnapKV's pooling: a token as important as its most important neighbour
+            x = prio.masked_fill(~held, 0.0)[:, None]
+            return torch.nn.functional.max_pool1d(x, c["pool"], 1, c["pool"] // 2)[:, 0, :i + 1]
         return prio
+    if name == "red":  # minus the largest cosine to another held key: a near-duplicate costs little to drop
+        kn = torch.nn.functional.normalize(kk, dim=-1)
+        sim = (kn @ kn.transpose(-1, -2)).masked_fill(~held[:, None], float("-inf"))
+        sim.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
+        return -sim.amax(-1)
+    if name == "cosall":  # against the mean of every key seen, held or not
+        return -torch.nn.functional.cosine_similarity(kk, kk.sum(1, keepdim=True), dim=-1)
+    if name == "vcos":  # the values' distinctness
+        vv = veff[:, :i + 1]
+        return -torch.nn.functional.cosine_similarity(vv, (vv * held[..., None]).sum(1, keepdim=True), dim=-1)
     if name == "cos":
         return -torch.nn.functional.cosine_similarity(kk, (kk * held[..., None]).sum(1, keepdim=True), dim=-1)
     if name == "expected":
@@ -115,11 +132,11 @@ def feature(c, name, i, prio, q, keff, veff, held, scaling):
     raise ValueError(f"unknown mix part {name!r}: use {', '.join(MIX_PARTS)}")
 
 
-def tier_copy(k, v, bits, nout, vgroup, vbits=None):  # k, v (1, hk, t, d) -> their quantize-dequantize copies
-    if bits is None:  # (rotated basis); the values at vbits (None: bits)
+def tier_copy(k, v, bits, nout, vgroup, vbits=None, o8=False):  # k, v (1, hk, t, d) -> their quantize-dequantize
+    if bits is None:  # copies (rotated basis); the values at vbits (None: bits)
         return k, v
-    return rotated(lambda x: q_channel(x, bits, nout), k, True), rotated(lambda x: q_token(x, vbits or bits, vgroup),
-                                                                         v, True)
+    return (rotated(lambda x: q_channel(x, bits, nout, o8=o8), k, True),
+            rotated(lambda x: q_token(x, vbits or bits, vgroup), v, True))
 
 
 def replay(q, k, v, c, scaling):
@@ -127,7 +144,7 @@ def replay(q, k, v, c, scaling):
     hq, t, d = q.shape
     hk = k.shape[0]
     rep = hq // hk
-    khi, vhi = (x[0] for x in tier_copy(k[None], v[None], c["bits"], c["nout"], c["vgroup"], c["vbits"]))
+    khi, vhi = (x[0] for x in tier_copy(k[None], v[None], c["bits"], c["nout"], c["vgroup"], c["vbits"], c["o8"]))
     klo, vlo = (x[0] for x in tier_copy(k[None], v[None], c["lbits"], c["lout"], c["vgroup"])) if c["L"] else (
         khi, vhi)
     cap, lcap = c["H"] or t, c["L"]
@@ -145,6 +162,8 @@ def replay(q, k, v, c, scaling):
     state = torch.zeros(hk, t, dtype=torch.int8)  # 0 absent, 1 first tier, 2 second tier
     state[:, :PROMPT] = 1
     keff, veff = k.clone(), v.clone()  # what each held token reads as now
+    if c["w8"]:  # the exact window and sinks read 8-bit copies (per token, rotated) instead
+        keff, veff = (rotated(lambda y: q_token(y, 8), x[None], True)[0] for x in (k, v))
     quant = slice(c["S"], max(c["S"], PROMPT - c["W"]))
     keff[:, quant], veff[:, quant] = khi[:, quant], vhi[:, quant]
     pos = torch.arange(t)

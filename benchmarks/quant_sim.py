@@ -9,8 +9,10 @@ G tokens, each calibrated on itself), "nuq" (per channel, 2^kbits levels fitted 
 `iters` rounds, `nout` exact, as KVQuant's non-uniform datatype); pre=True quantizes keys before RoPE; cs: the
 channel scales calibrated on the prompt from token cs on; clip: their range the [clip, 1 - clip] quantiles instead
 of min and max. Values per token (FlexGen's), in groups of vgroup along head_dim (None: the whole head_dim, 64 on
-SmolLM2: FlexGen's default): vscheme "uniform" (min and max, FlexGen's) or "normal" (mean and std, the Lloyd-Max
-levels of a normal variable).
+SmolLM2: FlexGen's default): vscheme "uniform" (min and max, FlexGen's), "normal" (mean and std, the Lloyd-Max
+levels of a normal variable) or "mse" (min and max shrunk about their middle by the ratio of least squared error).
+qw w: channel keys' outliers chosen by error times (the prompt's query RMS of the channel) ** w; o8: their values
+kept as fp8 (e4m3), as --cache-exact-bits 8 stores them.
 rotk / rotv: keys / values multiplied by an orthonormal Hadamard matrix along head_dim before they are quantized and
 by its transpose after (QuaRot's rotation: q.k and the attention output are unchanged by it, a channel's outliers
 are spread over every channel of the token).
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 PROMPT = 64
 DEFAULTS = dict(kbits=None, vbits=None, vgroup=None, kscheme="channel", nout=4, cs=0, clip=0.0, G=32, W=0, S=0,
-                pre=False, vscheme="uniform", iters=25, rotk=False, rotv=False)
+                pre=False, vscheme="uniform", iters=25, rotk=False, rotv=False, qw=0, o8=False)
 
 
 def q_token(x, bits, group=None):  # x (..., T, d): per token along d in groups of `group` (None: all d), fp16
@@ -44,16 +46,34 @@ def q_token(x, bits, group=None):  # x (..., T, d): per token along d in groups 
     return ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
 
 
-def q_channel(x, bits, nout, cs=0, clip=0.0):  # x (b, h, T, d): calibrated on the prompt's tokens from cs on,
-    levels = 2 ** bits - 1  # each channel's range the [clip, 1 - clip] quantiles of them (0: min and max)
+def q_mse(x, bits, group=None, ratios=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)):  # per token, the min-max range
+    if group and group < x.shape[-1]:  # shrunk about its middle by the ratio of least squared error (fp16)
+        return q_mse(x.unflatten(-1, (-1, group)), bits).flatten(-2)
+    levels = 2 ** bits - 1
+    lo0, hi0 = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    mid, half = (lo0 + hi0) / 2, (hi0 - lo0) / 2
+    best, err = None, None
+    for r in ratios:
+        lo = (mid - r * half).half().float()
+        st = (2 * r * half / levels).half().float()
+        y = ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
+        e = (y - x).square().sum(-1, keepdim=True)
+        best, err = (y, e) if best is None else (torch.where(e < err, y, best), torch.minimum(e, err))
+    return best
+
+
+def q_channel(x, bits, nout, cs=0, clip=0.0, w=None, o8=False):  # x (b, h, T, d): calibrated on the prompt's
+    levels = 2 ** bits - 1  # tokens from cs on, each channel's range the [clip, 1 - clip] quantiles of them (0: min
+    # and max); outliers by error times w (None: 1), their values fp8 (e4m3) with o8
     p = x[:, :, cs:PROMPT]
     lo, hi = (p.amin(2, keepdim=True), p.amax(2, keepdim=True)) if not clip else (
         p.quantile(clip, 2, keepdim=True), p.quantile(1 - clip, 2, keepdim=True))
     st = (hi - lo) / levels
     r = ((x - lo) / st.clamp_min(1e-8)).round().clamp(0, levels) * st + lo
     if nout:
-        idx = (r - x).abs().topk(nout, -1).indices
-        r = r.scatter(-1, idx, x.gather(-1, idx))
+        idx = ((r - x).abs() * (1 if w is None else w)).topk(nout, -1).indices
+        ex = x.gather(-1, idx)
+        r = r.scatter(-1, idx, ex.to(torch.float8_e4m3fn).float() if o8 else ex)
     return r
 
 
@@ -136,7 +156,7 @@ def key_quant(k, c, theta):
     if c["kscheme"] == "token":
         return q_token(k, c["kbits"])
     if c["kscheme"] == "channel":
-        return q_channel(k, c["kbits"], c["nout"], c["cs"], c["clip"])
+        return q_channel(k, c["kbits"], c["nout"], c["cs"], c["clip"], c.get("_w"), c["o8"])
     if c["kscheme"] == "nuq":
         return q_nuq(k, c["kbits"], c["nout"], c["cs"], c["iters"])
     return q_kivi(k, c["kbits"], c["G"])
@@ -146,9 +166,16 @@ def attention_of(c: dict, theta: float):
     """transformers' attention interface: exact where the setting keeps a token exact, quantized elsewhere."""
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         t, rep = query.shape[2], query.shape[1] // key.shape[1]
-        kq = key_quant(key.float(), c, theta)
-        vq = value.float() if c["vbits"] is None else rotated(lambda x: (
-            q_normal if c["vscheme"] == "normal" else q_token)(x, c["vbits"], c["vgroup"]), value.float(), c["rotv"])
+        cc = c
+        if c.get("qw"):  # outliers by error times the prompt's query RMS of the channel (the rotated basis's)
+            b, hk, d = key.shape[0], key.shape[1], key.shape[-1]
+            qp = query[:, :, :PROMPT].float()
+            qp = qp @ hadamard(d) if c["rotk"] else qp
+            cc = {**c, "_w": qp.view(b, hk, rep, PROMPT, d).square().mean((2, 3)).sqrt()[:, :, None] ** c["qw"]}
+        kq = key_quant(key.float(), cc, theta)
+        vfn = {"normal": q_normal, "mse": q_mse}.get(c["vscheme"], q_token)
+        vq = value.float() if c["vbits"] is None else rotated(lambda x: vfn(x, c["vbits"], c["vgroup"]),
+                                                              value.float(), c["rotv"])
         k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (key, value, kq, vq))  # (b, hq, T, d)
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
         exact = (j > i - c["W"]) | (j < c["S"]) | (i < PROMPT)  # the prompt's queries: prefill reads exact K/V

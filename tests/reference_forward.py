@@ -19,7 +19,8 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     (x, prompt_len): tests/reference_quant.py), the queries after the prompt (generated tokens) read the quantized
     K/V, as from a compressed cache; the prompt's queries read them exact (prefill attends before the cache is
     written). A third member W > 0 of the pair (reference_quant.recent): query i reads token j exact when j > i - W
-    (the cache's newest W tokens); a fourth S > 0: also when j < S (the sequence's first S tokens)."""
+    (the cache's newest W tokens); a fourth S > 0: also when j < S (the sequence's first S tokens); a fifth, a
+    quantize-dequantize those tokens are read through instead of exact."""
     if kv_quant is None:
         return _attention(q, k, v, visible, num_heads, kv_heads, merges)
     assert not merges or not any(merges), "the reference merges only exact K/V"
@@ -27,8 +28,10 @@ def attention(q, k, v, visible, num_heads: int, kv_heads: int, kv_quant: Optiona
     pair = kv_quant if isinstance(kv_quant, tuple) else (lambda x, n: kv_quant(x),) * 2
     qk, qv = (f(x.view(T, kv_heads, -1), prompt_len).reshape(T, -1) for f, x in zip(pair, (k, v)))
     exact = _attention(q, k, v, visible, num_heads, kv_heads)
-    if len(pair) > 2 and any(pair[2:]):
-        packed = _mixed(q, (k, qk), (v, qv), visible, num_heads, kv_heads, *pair[2:])
+    if len(pair) > 2 and any(pair[2:4]):
+        near = pair[4] if len(pair) > 4 and pair[4] is not None else (lambda x, n: x)
+        nk, nv = (near(x.view(T, kv_heads, -1), prompt_len).reshape(T, -1) for x in (k, v))
+        packed = _mixed(q, (nk, qk), (nv, qv), visible, num_heads, kv_heads, *pair[2:4])
     else:
         packed = _attention(q, qk, qv, visible, num_heads, kv_heads)
     later = torch.arange(T) >= prompt_len  # (T,) query rows that read the cache

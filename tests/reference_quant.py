@@ -22,31 +22,37 @@ def near_half(level: torch.Tensor, levels: int) -> float:
     return float(torch.where(inside, gap, 1.0).min()) if level.numel() else 1.0
 
 
-def per_token(bits: int, group: int, margins: Optional[list] = None):
-    """FlexGen's scheme: every token and head in groups of `group` values along head_dim, each group's minimum and
-    (max - min) / (2**bits - 1) step; a value becomes min + step * round((x - min) / step)."""
+def fp8(value: float) -> float:
+    """value as an fp8 e4m3 number holds it (3 mantissa bits; the cache clamps to +-448 first)."""
+    return float(torch.tensor(min(max(value, -448.0), 448.0)).to(torch.float8_e4m3fn).float())
+
+
+def per_token(bits: int, group: Optional[int], margins: Optional[list] = None):
+    """FlexGen's scheme: every token and head in groups of `group` values along head_dim (None: the whole head_dim),
+    each group's minimum and (max - min) / (2**bits - 1) step; a value becomes min + step * round((x - min) / step)."""
     levels = 2 ** bits - 1
 
     def quant(x: torch.Tensor, prompt_len: int) -> torch.Tensor:
         out = x.clone()
         T, kv, d = x.shape
-        for start in range(0, d, group):
-            g = x[:, :, start:start + group]  # (T, kv, group): one group of every token and head
+        size = group or d
+        for start in range(0, d, size):
+            g = x[:, :, start:start + size]  # (T, kv, group): one group of every token and head
             lo = g.min(-1, keepdim=True).values
             step = (g.max(-1, keepdim=True).values - lo) / levels
             level = (g - lo) / torch.where(step > 0, step, 1.0)
             if margins is not None:
                 margins.append(near_half(torch.where(step > 0, level, 0.0), levels))
-            out[:, :, start:start + group] = torch.round(level).clamp(0, levels) * step + lo
+            out[:, :, start:start + size] = torch.round(level).clamp(0, levels) * step + lo
         return out
     return quant
 
 
-def per_channel(bits: int, outliers: int, margins: Optional[list] = None):
+def per_channel(bits: int, outliers: int, margins: Optional[list] = None, in_fp8: bool = False):
     """Keys per channel: each head's channel gets the minimum and (max - min) / (2**bits - 1) step of its values over
     the prompt; each token's value becomes min + step * level, the level rounded and clamped to [0, 2**bits - 1];
     then the `outliers` values of the token (per head) that this moved the most keep their exact value (ties: the
-    lower channel)."""
+    lower channel), or with in_fp8 their value as fp8 holds it."""
     levels = 2 ** bits - 1
 
     def quant(x: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -62,12 +68,12 @@ def per_channel(bits: int, outliers: int, margins: Optional[list] = None):
             out[:, h] = torch.round(level).clamp(0, levels) * step + lo
             for t, errors in enumerate((out[:, h] - x[:, h]).abs().tolist()):
                 for _, c in sorted((-e, c) for c, e in enumerate(errors))[:outliers]:
-                    out[t, h, c] = x[t, h, c]
+                    out[t, h, c] = fp8(float(x[t, h, c])) if in_fp8 else x[t, h, c]
         return out
     return quant
 
 
-def per_channel_fitted(bits: int, outliers: int, rounds: int = 25):
+def per_channel_fitted(bits: int, outliers: int, rounds: int = 25, in_fp8: bool = False):
     """Keys per channel with fitted levels (KVQuant's non-uniform datatype): each head's channel gets 2**bits
     levels from 1-D k-means over its values in the prompt: they start at the centres of 2**bits equal bins between
     the values' minimum and maximum; for `rounds` rounds each value joins its nearest level (equidistant: the lower)
@@ -104,7 +110,7 @@ def per_channel_fitted(bits: int, outliers: int, rounds: int = 25):
                     out[t, h, c] = lv32[nearest(float(xd[t, h, c]), lv32)]
             for t, errors in enumerate((out[:, h] - x[:, h]).abs().tolist()):
                 for _, c in sorted((-e, c) for c, e in enumerate(errors))[:outliers]:
-                    out[t, h, c] = x[t, h, c]
+                    out[t, h, c] = fp8(float(x[t, h, c])) if in_fp8 else x[t, h, c]
         return out
     return quant
 
@@ -136,8 +142,9 @@ def rotated(quant):
     return quant_rotated
 
 
-def recent(keys, values, window: int, sinks: int = 0) -> tuple:
+def recent(keys, values, window: int, sinks: int = 0, near=None) -> tuple:
     """A cache that quantizes as keys and values say but keeps each sequence's newest `window` tokens and its first
-    `sinks` tokens exact: the (keys, values, window, sinks) tuple tests/reference_forward.attention reads (query i reads
-    token j exact when j > i - window or j < sinks)."""
-    return keys, values, window, sinks
+    `sinks` tokens exact: the (keys, values, window, sinks, near) tuple tests/reference_forward.attention reads (query
+    i reads token j exact when j > i - window or j < sinks); `near`: a quantize-dequantize those tokens are read
+    through instead of exact (per_token(8, None): --cache-exact-bits 8), in the model's basis."""
+    return keys, values, window, sinks, near

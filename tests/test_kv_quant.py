@@ -30,13 +30,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def ref_quant(q: CacheQuant, margins: list = None) -> tuple:
     """The reference's (keys, values) quantize-dequantize for `q` (margins: see reference_quant; not recorded for
     fitted levels, whose nearest-level choice has no .5 boundary)."""
-    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers, margins),
+    in_fp8 = q.exact_bits == 8
+    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers, margins, in_fp8),
             "token": lambda: rq.per_token(q.bits, q.group_size, margins),
-            "fitted": lambda: rq.per_channel_fitted(q.bits, q.outliers)}[q.keys]()
+            "fitted": lambda: rq.per_channel_fitted(q.bits, q.outliers, in_fp8=in_fp8)}[q.keys]()
     values = rq.per_token(q.bits, q.group_size, margins)
     if q.rotate:
         keys, values = rq.rotated(keys), rq.rotated(values)
-    return rq.recent(keys, values, q.recent, q.sinks)
+    return rq.recent(keys, values, q.recent, q.sinks, rq.per_token(8, None, margins) if q.exact_bits else None)
 
 
 def seeded_data(seed: int) -> tuple:

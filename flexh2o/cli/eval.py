@@ -103,7 +103,7 @@ def _run(args, argv: list) -> int:
     out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
                compress_cache=args.compress_cache, compress_bits=args.compress_bits, cache_keys=args.cache_keys,
                key_outliers=args.key_outliers, cache_recent=args.cache_recent, cache_sinks=args.cache_sinks,
-               cache_rotate=args.cache_rotate,
+               cache_rotate=args.cache_rotate, cache_exact_bits=args.cache_exact_bits,
                compress_group_size=args.compress_group_size, cache_group_size=args.cache_group_size,
                weight_kernel=args.weight_kernel,
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))

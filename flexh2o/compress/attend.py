@@ -128,7 +128,7 @@ def _channel_logits(q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
         b, h, s, n = k.index.shape
         flat = k.index.view(b, h, 1, s * n).long()
         middle = lo + (1 << (k.spec.bits - 1)) * scale  # (b, h, 1, d)
-        delta = k.exact.view(b, h, 1, s * n).float() - middle.gather(-1, flat)  # (b, h, 1, s n)
+        delta = k.exact_values().view(b, h, 1, s * n) - middle.gather(-1, flat)  # (b, h, 1, s n)
         out = out + (qf.gather(-1, flat.expand(b, h, q.shape[2], s * n)) * delta).view(b, h, -1, s, n).sum(-1)
     return out
 
@@ -182,7 +182,7 @@ def _ring_logits(q: torch.Tensor, r: Recent) -> torch.Tensor:
     b, h, g, s = inner.shape
     slot = _ring(r, s)
     qm = unrotate(q.float()).to(q.dtype) if is_rotated(r.inner) else q  # qH . kH = q . k: the ring in its own basis
-    e = torch.matmul(qm, r.recent.to(q.dtype).transpose(-1, -2)).float()  # (b, h, g, E)
+    e = torch.matmul(qm, r.ring(q.dtype).transpose(-1, -2)).float()  # (b, h, g, E)
     out = torch.cat([inner, inner.new_zeros(b, h, g, 1)], -1)  # the last column takes the entries naming no slot
     out.scatter_(-1, slot[:, :, None].expand(b, h, g, slot.shape[-1]), e)
     return out[..., :s]
@@ -195,5 +195,5 @@ def _ring_mix(p: torch.Tensor, r: Recent) -> torch.Tensor:
     rest = torch.cat([p, p.new_zeros(b, h, g, 1)], -1)
     held = rest.gather(-1, idx)  # (b, h, g, E): the probability of each entry's slot (0: none)
     rest.scatter_(-1, idx, 0.0)
-    exact = torch.matmul(held, r.recent.float())  # (b, h, g, d), in the model's basis
+    exact = torch.matmul(held, r.ring(torch.float32))  # (b, h, g, d), in the model's basis
     return _mix32(rest[..., :s], r.inner) + (rotate(exact) if is_rotated(r.inner) else exact)

@@ -12,7 +12,8 @@ takes its nearest level.
 Layout of keys (b, h, slots, d) stored as `dtype` (the parts a tier holds, compress/channel's ChannelSpec.parts):
   data   uint8 (b, h, slots, d * bits / 8)   levels packed as compress/bits.py says (an outlier's: the middle one)
   index  uint8 (b, h, slots, outliers)       channels kept exact (int16 when d > 256), in decreasing error
-  exact  dtype (b, h, slots, outliers)       their values
+  exact  dtype (b, h, slots, outliers)       their values; with `fp8` uint8: their fp8 (e4m3) bit patterns, the
+                                             values clamped to +-448 (--cache-exact-bits 8)
   calib  dtype (b, h, d, 2)                  [..., 0] scale, [..., 1] minimum (per row and head: not per slot);
          dtype (b, h, d, 2**bits)            fitted: the levels, ascending
 """
@@ -27,17 +28,20 @@ from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
 from flexh2o.compress.codec import _round_down, _round_up
 
 SLOT_PARTS = ("data", "index", "exact")  # indexed by slot at dimension 2; calib is per row and head
+FP8_MAX = 448.0  # the largest finite fp8 e4m3 value: fp8 outliers are clamped to it
 FIT_ROUNDS = 25  # k-means rounds of fitted levels (from evenly spaced ones; SmolLM2's keys settle well before)
 
 
 @dataclass(frozen=True)
 class ChannelSpec:
     """bits (2, 3, 4 or 8) a key value; outliers: values per token kept exact (0 to head_dim); fitted: each
-    channel's levels fitted to the prompt (k-means) instead of evenly spaced between its minimum and maximum."""
+    channel's levels fitted to the prompt (k-means) instead of evenly spaced between its minimum and maximum;
+    fp8: the outliers' values stored in 8 bits (fp8 e4m3) instead of the storage dtype."""
 
     bits: int = 4
     outliers: int = 4
     fitted: bool = False
+    fp8: bool = False  # the outliers' values stored as fp8 (e4m3) instead of the storage dtype
 
     def __post_init__(self):
         if self.bits not in PACKABLE:
@@ -62,7 +66,8 @@ class ChannelSpec:
         n = self.outliers
         return {"data": ((b, h, s, packed_width(d, self.bits)), torch.uint8),
                 "index": ((b, h, s, n), torch.uint8 if d <= 256 else torch.int16),
-                "exact": ((b, h, s, n), dtype), "calib": ((b, h, d, self.calib_width), dtype)}
+                "exact": ((b, h, s, n), torch.uint8 if self.fp8 else dtype),
+                "calib": ((b, h, d, self.calib_width), dtype)}
 
 
 @dataclass
@@ -122,7 +127,13 @@ class ChannelKeys:
         if values.dim() == calib.dim():  # a range of slots per row and head: one calibration for all of them
             calib = calib.unsqueeze(-3)
         data, idx, exact = quantize_token(values, calib, self.spec, self.dtype)
+        if self.spec.fp8:
+            exact = exact.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         self.data[index], self.index[index], self.exact[index] = data, idx.to(self.index.dtype), exact
+
+    def exact_values(self) -> torch.Tensor:
+        """The outliers' values (b, h, slots, outliers) in fp32 (from their fp8 bit patterns with `fp8`)."""
+        return (self.exact.view(torch.float8_e4m3fn) if self.spec.fp8 else self.exact).float()
 
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
         """The keys (b, h, slots, d) in `dtype`; arithmetic in fp32."""
@@ -135,7 +146,7 @@ class ChannelKeys:
             scale, lo = (self.calib[..., i].float().unsqueeze(2) for i in (0, 1))  # (b, h, 1, d)
             x = q.float().mul_(scale).add_(lo)
         if self.spec.outliers:
-            x.scatter_(-1, self.index.long(), self.exact.float())
+            x.scatter_(-1, self.index.long(), self.exact_values())
         return x.to(dtype)
 
 

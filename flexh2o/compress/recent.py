@@ -12,6 +12,9 @@ policy sees every slot; an evicted slot reused by a new token drops the ring ent
 Parts (besides the quantized form's own, compress/codec.py or compress/channel.py), per row and head, not per slot:
   recent  dtype (b, h, R + S, d)   the exact values
   rslot   int32 (b, h, R + S)      the slot holding each entry's token (-1: none)
+With 8-bit entries (--cache-exact-bits 8: `ring_spec`) `recent` holds each entry quantized alone, in one group of d
+at 8 bits (compress/codec.py's CompressedTensor: recent its uint8 levels, rmeta (b, h, R + S, 1, 2) its step and
+minimum in dtype), in the model's basis: a window 8-bit instead of exact, at about half the bytes.
 """
 from __future__ import annotations
 
@@ -19,19 +22,29 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compress.codec import assign, expand, expand_stored, first_slots
+from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, assign, expand, expand_stored, first_slots, \
+    quantize
 from flexh2o.compress.rotation import rotate
 from flexh2o.tensors import flat_slots
 
-RING_PARTS = ("recent", "rslot")
+RING_PARTS = ("recent", "rslot")  # and rmeta with 8-bit entries
+RING_BITS = (0, 8)  # 0: entries in the storage dtype (exact); 8: each entry quantized alone at 8 bits
+
+
+def ring_spec(bits: int, head_dim: int):
+    """How ring entries are stored: None (exact, in the storage dtype) or one 8-bit group of head_dim per entry."""
+    if bits not in RING_BITS:
+        raise ValueError(f"--cache-exact-bits {bits}: choose 8, or leave it out for the storage dtype")
+    return CacheGroupSpec(bits, head_dim, -1) if bits else None
 
 
 @dataclass
 class Recent:
-    """A quantized form (`inner`: a CompressedTensor or ChannelKeys) and its exact ring (module docstring)."""
+    """A quantized form (`inner`: a CompressedTensor or ChannelKeys) and its exact ring (module docstring); recent
+    a plain tensor, or a CompressedTensor with 8-bit entries."""
 
     inner: object
-    recent: torch.Tensor
+    recent: object
     rslot: torch.Tensor
     sinks: int = 0
 
@@ -53,11 +66,37 @@ class Recent:
 
     @property
     def nbytes(self) -> int:
-        return self.inner.nbytes + sum(t.numel() * t.element_size() for t in (self.recent, self.rslot))
+        ring = self.recent.nbytes if isinstance(self.recent, CompressedTensor) else \
+            self.recent.numel() * self.recent.element_size()
+        return self.inner.nbytes + ring + self.rslot.numel() * self.rslot.element_size()
 
     def map(self, fn) -> "Recent":
         """fn applied to every part (indexing of rows or heads, .to(device))."""
-        return Recent(self.inner.map(fn), fn(self.recent), fn(self.rslot), self.sinks)
+        ring = self.recent.map(fn) if isinstance(self.recent, CompressedTensor) else fn(self.recent)
+        return Recent(self.inner.map(fn), ring, fn(self.rslot), self.sinks)
+
+    def ring_tensors(self) -> dict:
+        """The ring's parts (name -> tensor): recent and rslot, and rmeta with 8-bit entries."""
+        if isinstance(self.recent, CompressedTensor):
+            return {"recent": self.recent.data, "rmeta": self.recent.meta, "rslot": self.rslot}
+        return {"recent": self.recent, "rslot": self.rslot}
+
+    def ring(self, dtype: torch.dtype) -> torch.Tensor:
+        """The entries' values (b, h, R + S, d) in `dtype`, in the model's basis."""
+        return expand(self.recent, dtype)
+
+    def _write(self, bi, hi, entry, values: torch.Tensor, keep=None) -> None:
+        """Ring entries [bi, hi, entry] = values (..., d); where `keep` (broadcast to the index) is False the entry
+        stays as it is."""
+        if isinstance(self.recent, CompressedTensor):
+            ct = quantize(values, self.recent.spec, self.recent.dtype)
+            parts = ((self.recent.data, ct.data), (self.recent.meta, ct.meta))
+        else:
+            parts = ((self.recent, values.to(self.recent.dtype)),)
+        for dst, new in parts:
+            if keep is not None:
+                new = torch.where(keep.view(keep.shape + (1,) * (new.dim() - keep.dim())), new, dst[bi, hi, entry])
+            dst[bi, hi, entry] = new
 
     def front(self, n: int) -> "Recent":
         """The first n slots (the ring unchanged: entries naming a later slot are not read)."""
@@ -78,7 +117,7 @@ class Recent:
         has = hit.any(-1)
         if bool(has.any()):
             entry = hit.to(torch.int8).argmax(-1)
-            self.recent[bi[has], hi[has], entry[has]] = values[has].to(self.recent.dtype)
+            self._write(bi[has], hi[has], entry[has], values[has])
 
     def append(self, index: tuple, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
         """A decode step's new token of every row: quantized into its slots (`index`, as `assign` takes it) and
@@ -99,12 +138,13 @@ class Recent:
         sink = pos < s if s else None
         entry = pos % r if s == 0 else torch.where(sink, r + pos.clamp(max=s - 1), pos % max(r, 1))
         entry = entry.view(b, 1).expand(b, h)
-        slot, values = slot.to(self.rslot.dtype), values.to(self.recent.dtype)
+        slot = slot.to(self.rslot.dtype)
+        keep = None
         if not r:  # no window: a token past the sinks takes no entry (its row's write leaves the entry as it is)
-            slot = torch.where(sink.view(b, 1), slot, self.rslot[bi, hi, entry])
-            values = torch.where(sink.view(b, 1, 1), values, self.recent[bi, hi, entry])
+            keep = sink.view(b, 1).expand(b, h)
+            slot = torch.where(keep, slot, self.rslot[bi, hi, entry])
         self.rslot[bi, hi, entry] = slot
-        self.recent[bi, hi, entry] = values
+        self._write(bi, hi, entry, values, keep)
 
     def remember_prompt(self, pos: torch.Tensor, values: torch.Tensor) -> None:
         """Prefill packed a prompt's kept tokens into the first slots: pos (b, h, m) their positions (-1: empty),
@@ -118,7 +158,7 @@ class Recent:
         p = pos[bi, hi, si]
         entry = torch.where(p < s, r + p, p % max(r, 1))
         self.rslot[bi, hi, entry] = si.to(self.rslot.dtype)
-        self.recent[bi, hi, entry] = values[bi, hi, si].to(self.recent.dtype)
+        self._write(bi, hi, entry, values[bi, hi, si])
 
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
         """The values (b, h, slots, d) in `dtype`: the quantized slots, the ring's exact values over theirs. No
@@ -141,7 +181,8 @@ class Recent:
         slot = torch.where(ok, self.rslot, 0).long()  # (b, h, R)
         names0 = ok & (slot == 0)
         e0 = names0.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(b, h, 1, d)  # (b, h, 1, d)
-        exact = (rotate(self.recent) if rotated else self.recent).to(dtype)  # (b, h, R, d)
+        exact = self.ring(self.dtype)
+        exact = (rotate(exact) if rotated else exact).to(dtype)  # (b, h, R, d)
         end0 = torch.where(names0.any(-1)[..., None, None], exact.gather(2, e0), x[:, :, :1])
         values = torch.where(ok[..., None], exact, end0)  # (b, h, R, d)
         x = x.contiguous()  # expand's own fresh tensor: already

@@ -9,7 +9,8 @@ head_dim d, stored as `dtype`:
            compress/channel.py) or with levels fitted to the prompt (keys "fitted": the same parts, calib holding
            each channel's 2**bits levels); `rotate`: either form holds its tokens times a Hadamard matrix
            (compress/rotation.py's Rotated: the same parts, in the rotated basis); with `recent` R > 0 both also
-           keep a ring of their newest R tokens exact (recent, rslot; compress/recent.py), R = min(recent, slots)
+           keep a ring of their newest R tokens exact (recent, rslot; compress/recent.py), R = min(recent, slots);
+           `exact_bits` 8: the ring's entries 8-bit (recent uint8 + rmeta) and per-channel keys' outliers fp8
   pos      int64 (b, h, s): the token a slot holds (-1: empty)
   score    fp32 (b, h, s): the policy's accumulated attention
 """
@@ -22,7 +23,7 @@ import torch
 
 from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
 from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
-from flexh2o.compress.recent import RING_PARTS, Recent
+from flexh2o.compress.recent import Recent, ring_spec
 from flexh2o.compress.rotation import Rotated
 
 KEY_SCHEMES = ("channel", "fitted", "token")
@@ -42,7 +43,9 @@ class CacheQuant:
     (FlexGen's scheme); keys either the same way (keys "token") or per channel, calibrated on the prompt, with
     `outliers` values per token kept exact (keys "channel": evenly spaced levels; "fitted": levels fitted to the
     prompt's values of each channel); all with the newest `recent` tokens of each row also
-    kept exact (0: none); `rotate`: K and V quantized times a Hadamard matrix along head_dim (compress/rotation.py).
+    kept exact (0: none); `rotate`: K and V quantized times a Hadamard matrix along head_dim (compress/rotation.py);
+    `exact_bits` 8: what is kept exact is stored in 8 bits instead of the storage dtype (the keys' outliers as fp8
+    e4m3, the newest and first tokens each quantized alone at 8 bits; 0: the storage dtype).
     group_dim (-1) is the values' grouped dimension."""
 
     bits: int = 4
@@ -52,6 +55,7 @@ class CacheQuant:
     recent: int = 0
     sinks: int = 0
     rotate: bool = False  # the flags' default is DEFAULT_ROTATE (as recent and sinks: off unless asked for here)
+    exact_bits: int = 0
 
     def __post_init__(self):
         if self.keys not in KEY_SCHEMES:
@@ -61,6 +65,10 @@ class CacheQuant:
         if self.sinks < 0:
             raise ValueError(f"--cache-sinks must be 0 or more (got {self.sinks})")
         ChannelSpec(self.bits, self.outliers)  # validates the bits and the outliers
+        ring_spec(self.exact_bits, 64)  # validates the exact parts' bits
+        if self.exact_bits and not (self.recent or self.sinks or (self.keys != "token" and self.outliers)):
+            raise ValueError(f"--cache-exact-bits {self.exact_bits}: this cache keeps nothing exact (no "
+                             f"--cache-recent, --cache-sinks or key outliers); drop --cache-exact-bits")
         CacheGroupSpec(self.bits, self.group_size, -1)  # validates the bits and the group size
 
     group_dim = -1  # the values' grouped dimension (head_dim), as a CompressionSpec's
@@ -74,7 +82,7 @@ class CacheQuant:
         """ChannelSpec (keys per channel) or CacheGroupSpec (per token, as the values)."""
         if self.keys == "token":
             return self.value_spec
-        return ChannelSpec(self.bits, self.outliers, self.keys == "fitted")
+        return ChannelSpec(self.bits, self.outliers, self.keys == "fitted", self.exact_bits == 8)
 
     @staticmethod
     def of(spec) -> Optional["CacheQuant"]:
@@ -91,6 +99,7 @@ class CacheQuant:
         recent = f", newest {self.recent} tokens exact" if self.recent else ""
         recent += f", first {self.sinks} tokens exact" if self.sinks else ""
         recent += ", rotated" if self.rotate else ""
+        recent += f", exact parts at {self.exact_bits} bits" if self.exact_bits else ""
         return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"
 
 
@@ -179,8 +188,13 @@ class CacheLayout:
         if field not in ("k", "v") or not self.ring:
             return parts
         b, h, _, d = self.kv_shape
-        return parts + (Part(field, "recent", (b, h, self.ring, d), self.dtype, False),
-                        Part(field, "rslot", (b, h, self.ring), torch.int32, False))
+        spec = ring_spec(self.quant.exact_bits, d)
+        if spec is None:
+            ring = (Part(field, "recent", (b, h, self.ring, d), self.dtype, False),)
+        else:
+            (ds, ddt), (ms, mdt) = spec.layout((b, h, self.ring, d), self.dtype)
+            ring = Part(field, "recent", ds, ddt, False), Part(field, "rmeta", ms, mdt, False)
+        return parts + ring + (Part(field, "rslot", (b, h, self.ring), torch.int32, False),)
 
     def _quant_parts(self, field: str) -> tuple:
         if field in ("pos", "score"):
@@ -237,13 +251,18 @@ class CacheLayout:
             inner = CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
         if self.quant.rotate:
             inner = Rotated(inner)
-        return Recent(inner, tensors["recent"], tensors["rslot"], self.sinks) if self.ring else inner
+        if not self.ring:
+            return inner
+        spec = ring_spec(self.quant.exact_bits, self.head_dim)
+        ring = tensors["recent"] if spec is None else \
+            CompressedTensor(tensors["recent"], tensors["rmeta"], self.head_dim, spec)
+        return Recent(inner, ring, tensors["rslot"], self.sinks)
 
     @staticmethod
     def split(obj) -> dict:
         """A field's object -> its parts' tensors (name -> tensor), as assemble takes them."""
         if isinstance(obj, Recent):
-            return {**CacheLayout.split(obj.inner), **{n: getattr(obj, n) for n in RING_PARTS}}
+            return {**CacheLayout.split(obj.inner), **obj.ring_tensors()}
         if isinstance(obj, Rotated):
             return CacheLayout.split(obj.inner)
         if isinstance(obj, ChannelKeys):

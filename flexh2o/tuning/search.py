@@ -139,6 +139,8 @@ def compression_flags(rc: RunConfig) -> list:
         out.append(f"--cache-sinks {cache.sinks}")
     if cache and cache.rotate != DEFAULT_ROTATE:
         out.append("--cache-rotate" if cache.rotate else "--no-cache-rotate")
+    if cache and cache.exact_bits:
+        out.append(f"--cache-exact-bits {cache.exact_bits}")
     if rc.compress_weight and rc.weight_kernel != "auto":
         out.append(f"--weight-kernel {'off' if rc.weight_kernel == 'generic' else rc.weight_kernel}")
     return out

@@ -1,0 +1,78 @@
+"""What the quantized cache keeps exact, stored in 8 bits (--cache-exact-bits 8): per-channel keys' outliers as fp8
+(e4m3), the window's and the sinks' entries each quantized alone at 8 bits. Under policies that keep and that evict,
+rotated and not, on every cache placement, the engine equals tests/reference_kv.py fed tests/reference_quant.py's
+quantize-dequantize (its fp8 through torch's e4m3 conversion, its 8-bit window per token over the whole head); the
+layout counts the 8-bit parts' bytes; the flag is validated and printed back."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexh2o.cli.compress_flags import add_compression_flags, compression_specs
+from flexh2o.kv.layout import CacheLayout, CacheQuant
+from test_kv_equivalence import ATOL, BUDGETS, COMBOS, _assert_matches, _ref_policy
+from test_kv_quant import HEAD_DIM, _run, data, quant_reference  # noqa: F401 (fixtures)
+from test_kv_rotate import ROTATE_ATOL
+
+EXACT8 = CacheQuant(3, HEAD_DIM, "channel", 2, 3, 2, True, 8)  # window 3 and 2 sinks below every budget's 8 slots
+CASES = [("opt", "h2o", c, EXACT8) for c in COMBOS] + \
+    [("opt", p, COMBOS[i % len(COMBOS)], EXACT8) for i, p in enumerate(("full", "mean_keydiff", "vatp", "tova"))] + \
+    [("opt", "h2o", COMBOS[2], CacheQuant(4, HEAD_DIM, "token", 0, 3, 0, False, 8)),
+     ("opt", "h2o", COMBOS[1], CacheQuant(3, HEAD_DIM, "fitted", 2, 0, 0, False, 8)),
+     ("llama", "h2o", COMBOS[2], EXACT8)]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("model, policy, combo, q", [pytest.param(
+    *c, id=f"{c[0]}-{c[1]}-{c[2][0]}-{c[3].keys}") for c in CASES])
+def test_engine_matches_reference_with_8bit_exact_parts(model, policy, combo, q, data, quant_reference, offload_dir):
+    """Teacher-forced: the logits of every step of every sequence within the suite's tolerance (test_kv_rotate's for
+    a rotated cache: its near-half roundings), and the kept counts."""
+    _assert_matches(_run(model, policy, combo, q, data, offload_dir), quant_reference(model, policy, q),
+                    BUDGETS[policy], _ref_policy(model, policy, BUDGETS[policy]),
+                    atol=ROTATE_ATOL if q.rotate else ATOL)
+
+
+def test_8bit_exact_parts_move_the_logits(data, quant_reference):
+    """The comparison is sharp: the same cache with its exact parts in the storage dtype gives logits 2.6e-3 apart,
+    26x the tolerance the unrotated cases are held to."""
+    a = quant_reference("opt", "h2o", CacheQuant(3, HEAD_DIM, "channel", 2, 3, 2, False, 8))
+    b = quant_reference("opt", "h2o", CacheQuant(3, HEAD_DIM, "channel", 2, 3, 2, False))
+    gap = max(float((x - y).abs().max()) for ra, rb in zip(a, b) for x, y in zip(ra.step_logits, rb.step_logits))
+    assert gap > 10 * ATOL
+
+
+def test_8bit_exact_parts_bytes_by_hand():
+    """b 2, 3 KV heads, 10 slots, head_dim 64, fp16, 4 bits, 4 outliers, window 4: a slot's keys hold 32 bytes of
+    levels, 4 outlier channels and 4 fp8 values (40; 44 with fp16 outliers), its values 32 + 4; per row and head the
+    calibration 256 bytes plus K and V's rings: 4 entries of 64 levels, an fp16 step and minimum, an int32 slot."""
+    lay = CacheLayout(2, 3, 10, 64, torch.float16, CacheQuant(4, 64, "channel", 4, 4, 0, False, 8))
+    assert lay.kv_slot_bytes() == 40 + 36
+    assert lay.kv_row_bytes() == 256 + 2 * 4 * (64 + 4 + 4)
+    assert lay.nbytes == 60 * (40 + 36 + 12) + 6 * (256 + 2 * 4 * 72)
+    ring = {p.name: p for p in lay.field_parts("k")}
+    assert ring["recent"].dtype == torch.uint8 and ring["exact"].dtype == torch.uint8
+
+
+def _specs(*flags):
+    import argparse
+    p = argparse.ArgumentParser()
+    add_compression_flags(p)
+    return compression_specs(p.parse_args(list(flags)))
+
+
+def test_the_flag():
+    """--cache-exact-bits 8 reaches the CacheQuant and is printed back; without --compress-cache, or on a cache that
+    keeps nothing exact, it is refused naming the fix."""
+    from types import SimpleNamespace
+
+    from flexh2o.tuning.search import compression_flags
+    _, q = _specs("--compress-cache", "--compress-bits", "3", "--cache-exact-bits", "8")
+    assert q.exact_bits == 8 and q.key_spec.fp8
+    assert "--cache-exact-bits 8" in compression_flags(SimpleNamespace(compress_weight=None, compress_cache=q))
+    with pytest.raises(ValueError, match="--cache-exact-bits 8 sets the quantized KV cache"):
+        _specs("--cache-exact-bits", "8")
+    with pytest.raises(ValueError, match="keeps nothing exact"):
+        _specs("--compress-cache", "--cache-keys", "token", "--key-outliers", "0", "--cache-recent", "0",
+               "--cache-sinks", "0", "--cache-exact-bits", "8")
