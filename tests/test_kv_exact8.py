@@ -76,3 +76,28 @@ def test_the_flag():
     with pytest.raises(ValueError, match="keeps nothing exact"):
         _specs("--compress-cache", "--cache-keys", "token", "--key-outliers", "0", "--cache-recent", "0",
                "--cache-sinks", "0", "--cache-exact-bits", "8")
+
+
+def test_ring_entries_are_8bit_copies_and_follow_merges_and_evictions():
+    """On a block (1 row, 1 head, 8 slots, head_dim 8, window 3): the newest 3 tokens read their own 8-bit copy (one
+    step and minimum each: within half a step of exact, not exact), older ones the 4-bit levels; a merge into a
+    window slot rewrites its 8-bit copy; an evicted slot's entry goes, and the new token takes the ring."""
+    from flexh2o.compress.codec import assign, expand
+    from test_kv_recent import _filled
+    blk, k, v = _filled(CacheQuant(4, 8, "token", 0, 3, 0, False, 8))
+    plain, _, _ = _filled(CacheQuant(4, 8, "token", 0))
+    got, quant = expand(blk.k, torch.float32)[0, 0], expand(plain.k, torch.float32)[0, 0]
+    exact = k[0, 0, 3:6]
+    step = (exact.amax(-1, keepdim=True) - exact.amin(-1, keepdim=True)) / 255
+    assert torch.equal(got[:3], quant[:3]) and not torch.equal(got[3:6], exact)
+    assert bool(((got[3:6] - exact).abs() <= step / 2 + 1e-6).all())
+    assert float((quant[3:6] - exact).abs().max()) > 4 * float((got[3:6] - exact).abs().max())
+    merged = torch.randn(1, 8)
+    assign(blk.v, (torch.tensor([0]), torch.tensor([0]), torch.tensor([5])), merged)
+    got_v = expand(blk.v, torch.float32)[0, 0, 5]
+    assert float((got_v - merged[0]).abs().max()) <= float(merged.amax() - merged.amin()) / 510 + 1e-6
+    blk.evict(torch.tensor([False, False, False, False, True, False, False, False]).view(1, 1, 8))
+    new = torch.randn(1, 1, 8)
+    blk.append(new, new, torch.tensor([6]))  # into freed slot 4; position 3 leaves the window
+    got = expand(blk.k, torch.float32)[0, 0]
+    assert torch.equal(got[3], quant[3]) and float((got[4] - new[0, 0]).abs().max()) < 0.02

@@ -31,7 +31,7 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     a("--cache-sinks", type=int, default=DEFAULT_SINKS, metavar="N",
       help=f"--compress-cache: the first N tokens of each sequence (attention sinks) also kept exact in the storage "
            f"dtype while they are kept; the plan counts their bytes; 0: none; default {DEFAULT_SINKS}")
-    a("--cache-exact-bits", type=int, choices=[8], default=0, metavar="8",
+    a("--cache-exact-bits", type=int, choices=[8], default=None, metavar="8",
       help="--compress-cache: store what the cache keeps exact in 8 bits instead of the storage dtype (the key "
            "outliers as fp8 e4m3, each --cache-recent and --cache-sinks token quantized alone at 8 bits): about half "
            "their bytes, so more tokens fit the same bytes (benchmarks/ACCURACY.md); default: the storage dtype")
@@ -65,7 +65,7 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     if not args.compress_cache:
         _refuse_alone(args, {"cache_keys": DEFAULT_KEYS, "key_outliers": DEFAULT_OUTLIERS,
                              "cache_recent": DEFAULT_RECENT, "cache_sinks": DEFAULT_SINKS,
-                             "cache_rotate": DEFAULT_ROTATE, "cache_group_size": None, "cache_exact_bits": 0},
+                             "cache_rotate": DEFAULT_ROTATE, "cache_group_size": None, "cache_exact_bits": None},
                       "the quantized KV cache, which is off: add --compress-cache")
     else:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
@@ -80,7 +80,7 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
                                getattr(args, "cache_recent", DEFAULT_RECENT),
                                getattr(args, "cache_sinks", DEFAULT_SINKS),
                                getattr(args, "cache_rotate", DEFAULT_ROTATE),
-                               getattr(args, "cache_exact_bits", 0))  # validates the flags
+                               getattr(args, "cache_exact_bits", None) or 0)  # validates the flags
         except ValueError as e:  # the group's check names --compress-group-size: name the flag given
             if group is None:
                 raise
