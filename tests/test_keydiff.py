@@ -34,7 +34,7 @@ def test_priority_sums_the_ranks_with_the_weight():
     score = torch.tensor([[[3.0, 1.0, 0.5]]])  # means 1.0, 0.5, 0.5 at position 2: ranks 2, 0, 1
     k = torch.tensor([[[[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]]]])  # cosines to the mean .865, .915, .501: ranks 1, 0, 2
     policy = POLICIES["mean_keydiff"](Budget(1, 1), keydiff_weight=0.5)
-    prio = policy.scored(pos, score, 0, torch.tensor([2]), None, Observed(k))
+    prio = policy.scored(pos, score, 0, torch.tensor([2]), Observed(k))
     assert prio.tolist() == [[[2.5, 0.0, 2.0]]]
     with pytest.raises(ValueError, match="cached keys"):
-        policy.priority(pos, score, 0, torch.tensor([2]), None)
+        policy.priority(pos, score, 0, torch.tensor([2]), Observed())

@@ -71,7 +71,7 @@ class Sim:
         score = torch.einsum("bhqk,bq->bhk", probs, self.policy.query_weights(pos[:, 0]))
         self.cur = torch.tensor(lens) - 1  # (b,) newest position
         self._record(pos, v, k)
-        keep = self.policy.prefill_keep(pos, score, layer, self.cur, v, obs=Observed(k))
+        keep = self.policy.prefill_keep(pos, score, layer, self.cur, obs=Observed(k, v))
         self._check_prefill(pos, keep)
         self.slots = self.policy.slots(max(lens), gen_len)
         self.pos = torch.full((b, KV, self.slots), -1, dtype=torch.long)
@@ -125,8 +125,8 @@ class Sim:
         for i, j, s in (self.pos >= 0).nonzero().tolist():
             self.hist[i][j].seen(int(self.cur[i]), int(self.pos[i, j, s]), float(probs[i, j, s]))
         self.policy.accumulate(self.score, probs)
-        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur, self.v,
-                                         obs=Observed(self.k))
+        evict = self.policy.decode_evict(self.pos, self.score, self.layer, self.cur,
+                                         obs=Observed(self.k, self.v))
         self.evicted.append(self._check_evict(evict))
         if evict is not None:
             self.pos.masked_fill_(evict, -1)

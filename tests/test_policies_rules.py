@@ -49,16 +49,16 @@ def test_h2o_prefill_ties_keep_the_newer_position():
 def test_prompt_within_budget_keeps_everything_but_padding():
     pos = _one_row([-1, -1, 0, 1, 2])
     for name in NAMES:
-        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos),
-                                            obs=Observed(_values(pos)))
+        keep = _policy(name).prefill_keep(pos, torch.rand(pos.shape), 0, torch.tensor([2]),
+                                          obs=Observed(_values(pos), _values(pos)))
         assert pos[keep].tolist() == [0, 1, 2], name
 
 
 def test_nothing_evicted_within_budget():
     pos = _one_row([0, 1, 2, -1, -1, -1])
     for name in NAMES:
-        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]), _values(pos),
-                                            obs=Observed(_values(pos)))
+        evict = _policy(name).decode_evict(pos, torch.rand(pos.shape), 0, torch.tensor([2]),
+                                           obs=Observed(_values(pos), _values(pos)))
         assert evict is None or not evict.any(), name
 
 
@@ -124,7 +124,7 @@ def test_priority_is_score_only_for_the_rules_that_return_the_score():
     for name, cls in POLICIES.items():
         p = cls(Budget(2, 2), num_layers=2)
         if cls.priority_is_score:
-            assert p.priority(pos, score, 0, torch.tensor([5]), v) is score, name
+            assert p.priority(pos, score, 0, torch.tensor([5]), Observed(values=v)) is score, name
     assert {n for n, c in POLICIES.items() if c.priority_is_score} == {"h2o", "tova", "a2sf", "h2o_sinks"}
 
     class Halved(H2OPolicy):

@@ -9,6 +9,7 @@ import pytest
 
 from flexh2o.config import from_name
 from flexh2o.kv.policies import POLICIES, Budget, policy_params
+from flexh2o.kv.policies.base import Observed
 from flexh2o.kv.policies.h2o import H2OPolicy
 from flexh2o.kv.policies.params import Param
 from flexh2o.kv.spec import KVSpec
@@ -79,7 +80,7 @@ def test_toy_policy_runs_wrapped_and_in_eval(toy):
     assert (policy.toy_tilt, policy.pyramid_ratio) == (0.1, 0.25)
     assert [b.total for b in policy.layer_budgets()] == [9, 7]
     pos = torch.arange(6).view(1, 1, 6)
-    prio = policy.priority(pos, torch.zeros(1, 1, 6), 0, torch.tensor([5]), None)
+    prio = policy.priority(pos, torch.zeros(1, 1, 6), 0, torch.tensor([5]), Observed())
     assert torch.allclose(prio, 0.1 / (6 - pos.float()))
     model = EvalModel("_DUMMY_", from_name("opt-125m"), None, torch.float32, toy_tilt=0.3)
     assert spec_of(model, "toy", 8) == KVSpec("toy", Budget(4, 4), toy_tilt=0.3)

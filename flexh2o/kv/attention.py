@@ -102,7 +102,7 @@ def prefill(q, k, v, pos, policy: KVPolicy, layer: int, blk: KVBlock, chunk: int
     cur = every.max(-1).values  # (rows,)
     if window is not None:  # what the next query cannot see is gone before the policy chooses
         kpos = torch.where(kpos > (cur + 1 - window)[:, None, None], kpos, -1)
-    keep = policy.prefill_keep(kpos, score, layer, cur, v, obs=Observed(keys32 if policy.needs_keys else None))
+    keep = policy.prefill_keep(kpos, score, layer, cur, obs=Observed(keys32, v).only(policy))
     if policy.merges and scores:  # the dropped prompt tokens' values go into kept ones (the policy says where)
         target, mass = policy.merge_plan(kpos, score, keys32, (kpos >= 0) & ~keep)
         v = merged_values(v.float(), target, mass)[0].to(v.dtype)
@@ -189,8 +189,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
         front.evict((front.pos >= 0) & (front.pos <= (cur_pos + 1 - window).view(-1, 1, 1)))
     values = expand(front.v, torch.float32) if policy.needs_values else None  # what the cache holds
     keys32 = expand(front.k, torch.float32) if policy.needs_keys or policy.merges else None
-    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, values, extents=extents,
-                                obs=Observed(keys32 if policy.needs_keys else None))
+    evict = policy.decode_evict(front.pos, front.score, layer, cur_pos, extents=extents,
+                                obs=Observed(keys32, values).only(policy))
     if policy.merges and evict is not None:
         front.merge(*policy.merge_plan(front.pos, front.score, keys32, evict, extents=extents))
         blk.written = front.written

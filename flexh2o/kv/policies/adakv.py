@@ -52,11 +52,11 @@ class HeadBudgets(KVPolicy):
     def slots(self, prompt_len: int, gen_len: int) -> int:
         return cache_slots(Budget(0, math.floor(self.head_cap * self.budget.total)), prompt_len, gen_len)
 
-    def prefill_keep(self, pos, score, layer, cur_pos, v=None, obs=Observed()):
+    def prefill_keep(self, pos, score, layer, cur_pos, obs=Observed()):
         valid = pos >= 0  # (b, h, t)
         b, h, t = pos.shape
         total, cap = self._limits(h)
-        prio = self.scored(pos, score, layer, cur_pos, v, obs)
+        prio = self.scored(pos, score, layer, cur_pos, obs)
         prot = self.protected(pos, cur_pos) & valid
         cand = valid & ~prot
         head = torch.arange(h, device=pos.device).view(1, h, 1).expand(b, h, t)
@@ -67,10 +67,10 @@ class HeadBudgets(KVPolicy):
         room = total - prot.sum((1, 2), keepdim=True)  # (b, 1, 1)
         return prot | (fits & (in_layer < room))
 
-    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents=None, obs=Observed()):
+    def decode_evict(self, pos, score, layer, cur_pos, extents=None, obs=Observed()):
         b, h, s = pos.shape
         total, cap = self._limits(h)
-        prio = self.scored(pos, score, layer, cur_pos, v, obs)
+        prio = self.scored(pos, score, layer, cur_pos, obs)
         prot = self.protected(pos, cur_pos)
         head = torch.arange(h, device=pos.device).view(1, h, 1).expand(b, h, s)
         held = pos >= 0

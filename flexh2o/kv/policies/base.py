@@ -3,9 +3,8 @@
 Tensors a policy sees, per cache block (one layer, one GPU batch), all shaped (b, kv_heads, slots):
   pos    int64, position of the token in each slot (index among the sequence's real tokens); -1 = empty slot
   score  float32, accumulated attention probability (filled only when `needs_scores`)
-  v      the cached values (b, kv_heads, slots, head_dim), for policies that weigh tokens by them (`needs_values`)
-  obs    an Observed: the cached keys (b, kv_heads, slots, head_dim) for policies that read them (`needs_keys`);
-         `scored` hands it to `priority` as the keyword obs when the policy reads it
+  obs    an Observed: the cached keys and values (b, kv_heads, slots, head_dim) for the policies that read them
+         (`needs_keys`, `needs_values`: Observed.only keeps what a policy reads)
 cur_pos (b,) int64 is the position of the newest token of each sequence.
 
 A policy is a `priority` (higher = keep) plus a `protected` set (never evicted): the `budget.recent` newest
@@ -59,15 +58,20 @@ class Budget:
 
 @dataclass(frozen=True)
 class Observed:
-    """What a block holds or saw that some policies read besides positions, scores and values, None unless a policy
-    of the block reads it: keys (b, h, s, d), the cached keys as the cache holds them (dequantized), in fp32.
-    Observed() (the default everywhere): nothing."""
+    """What a block holds that some policies read besides positions and scores, None unless a policy of the block
+    reads it: keys and values (b, h, s, d), as the cache holds them (dequantized; at prefill the prompt's exact
+    ones), keys in fp32. Observed() (the default everywhere): nothing."""
 
     keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
 
     def map(self, fn: Callable) -> "Observed":
         """The same with fn applied to each tensor present (a slice of rows or slots)."""
-        return Observed(None if self.keys is None else fn(self.keys))
+        return Observed(*(None if x is None else fn(x) for x in (self.keys, self.values)))
+
+    def only(self, policy: "KVPolicy") -> "Observed":
+        """What `policy` reads of it (needs_keys, needs_values), the rest dropped."""
+        return Observed(self.keys if policy.needs_keys else None, self.values if policy.needs_values else None)
 
 
 class KVPolicy:
@@ -80,7 +84,7 @@ class KVPolicy:
     needs_scores = False
     windowed = False  # a --kv-budget is split into heavy tokens and a protected recent window (--recent-share)
     uses_sinks = False  # protects the first --num-sinks positions
-    needs_values = False  # priority reads the cached values
+    needs_values = False  # priority reads the cached values (obs.values)
     needs_keys = False  # priority reads the cached keys (obs.keys)
     layered = False  # the budget differs from layer to layer (layer_budget)
     shares_heads = False  # the KV heads of a layer share one budget (adakv): decisions couple the heads
@@ -127,15 +131,13 @@ class KVPolicy:
         return cache_slots(self.budget, prompt_len, gen_len) < prompt_len + gen_len
 
     def priority(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                 v: Optional[torch.Tensor]) -> torch.Tensor:
+                 obs: Observed) -> torch.Tensor:
         raise NotImplementedError
 
     def scored(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-               v: Optional[torch.Tensor], obs: Observed = Observed()) -> torch.Tensor:
-        """priority in fp32, handed `obs` when the policy reads it (needs_keys)."""
-        if self.needs_keys:
-            return self.priority(pos, score, layer, cur_pos, v, obs=obs).float()
-        return self.priority(pos, score, layer, cur_pos, v).float()
+               obs: Observed = Observed()) -> torch.Tensor:
+        """priority in fp32."""
+        return self.priority(pos, score, layer, cur_pos, obs).float()
 
     def merge_plan(self, pos, score, keys, evict, extents: Optional[list] = None) -> tuple:
         """When `merges`: (target (b, h, s) int64, the slot that absorbs each evicted slot's value, -1 elsewhere;
@@ -164,12 +166,12 @@ class KVPolicy:
         score.add_(att)
 
     def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None, obs: Observed = Observed()) -> torch.Tensor:
+                     obs: Observed = Observed()) -> torch.Tensor:
         """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
         valid = pos >= 0
         if self.budget is None:
             return valid
-        prio = self.scored(pos, score, layer, cur_pos, v, obs)
+        prio = self.scored(pos, score, layer, cur_pos, obs)
         prot = self.protected(pos, cur_pos) & valid
         # lexicographic descending sort on (valid, protected, priority, pos) via stable sorts, last key first
         order = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -181,14 +183,13 @@ class KVPolicy:
         return valid & (rank < self.layer_budget(layer).total)
 
     def decode_evict(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
-                     v: Optional[torch.Tensor] = None, extents: Optional[list] = None,
-                     obs: Observed = Observed()):
+                     extents: Optional[list] = None, obs: Observed = Observed()):
         """Bool (b, h, s) marking the one slot per row to evict, rows within budget marking none; or None.
         extents: per row, its slots up to the last one used (kv/cache.row_extents of pos), when the caller has
         them (a policy reading only the used slots then need not compute them again)."""
         if self.budget is None:
             return None
-        prio = self.scored(pos, score, layer, cur_pos, v, obs)
+        prio = self.scored(pos, score, layer, cur_pos, obs)
         return lowest_unprotected(pos, prio, self.protected(pos, cur_pos), self.layer_budget(layer).total)
 
 

@@ -8,5 +8,5 @@ class FullPolicy(KVPolicy):
     def __init__(self, budget=None, num_sinks: int = 4, seed: int = 0, **options):
         super().__init__(None, num_sinks, seed, **options)
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         return pos

@@ -12,5 +12,5 @@ class H2OPolicy(KVPolicy):
     priority_is_score = True
     windowed = True
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         return score

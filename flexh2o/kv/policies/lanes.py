@@ -111,11 +111,10 @@ class LanePolicy(KVPolicy):
     def query_weights(self, qpos):
         return torch.cat([p.query_weights(q) for p, q in zip(self.lanes, self._parts(qpos))])
 
-    def prefill_keep(self, pos, score, layer, cur_pos, v=None, obs=Observed()):
-        vs = [None] * len(self.lanes) if v is None else self._parts(v)
-        obss = [obs.map(lambda x, sl=sl: x[sl]) for sl in self.slices]
-        parts = zip(self.lanes, self._parts(pos), self._parts(score), self._parts(cur_pos), vs, obss)
-        return torch.cat([p.prefill_keep(ps, s, layer, c, vv, obs=o) for p, ps, s, c, vv, o in parts])
+    def prefill_keep(self, pos, score, layer, cur_pos, obs=Observed()):
+        obss = [obs.only(p).map(lambda x, sl=sl: x[sl]) for p, sl in zip(self.lanes, self.slices)]
+        parts = zip(self.lanes, self._parts(pos), self._parts(score), self._parts(cur_pos), obss)
+        return torch.cat([p.prefill_keep(ps, s, layer, c, obs=o) for p, ps, s, c, o in parts])
 
     def accumulate(self, score, att) -> None:
         """score <- decay * score + att, each row with its lane's decay (rows of decay 1 are multiplied by 1)."""
@@ -133,8 +132,8 @@ class LanePolicy(KVPolicy):
                 g.put(prot, g.policy.protected(g.take(pos), g.take(cur_pos)))
         return prot
 
-    def priority(self, pos, score, layer, cur_pos, v, extents: Optional[list] = None, groups: Optional[list] = None,
-                 obs: Observed = Observed()):
+    def priority(self, pos, score, layer, cur_pos, obs: Observed = Observed(), extents: Optional[list] = None,
+                 groups: Optional[list] = None):
         """Each row's lane's priority (rows of lanes without a budget get their score: they never evict). A class
         computes it over its rows' slots up to their last used one; the slots past it are empty (never read).
         extents: per row, its slots up to its last used one (row_extents), when the caller has them; groups: the
@@ -147,14 +146,13 @@ class LanePolicy(KVPolicy):
                 continue
             n = max(extents[r] for r in g.rows)
             sc = g.take(score[:, :, :n])
-            vi = g.take(v[:, :, :n]) if g.policy.needs_values and v is not None else None
-            oi = obs.map(lambda x: g.take(x[:, :, :n]))
-            own = g.policy.scored(g.take(pos[:, :, :n]), sc, layer, g.take(cur_pos), vi, oi)
+            oi = obs.only(g.policy).map(lambda x: g.take(x[:, :, :n]))
+            own = g.policy.scored(g.take(pos[:, :, :n]), sc, layer, g.take(cur_pos), oi)
             prio = prio.clone() if prio is score else prio  # never write into the scores
             g.put(prio, own, n)
         return prio
 
-    def decode_evict(self, pos, score, layer, cur_pos, v=None, extents: Optional[list] = None, obs=Observed()):
+    def decode_evict(self, pos, score, layer, cur_pos, extents: Optional[list] = None, obs=Observed()):
         """As KVPolicy.decode_evict, over the rows that may evict only: the lanes up to the last one holding more
         tokens than its budget (`_evicting`), up to the last slot they use; the other rows evict nothing."""
         self._check(pos)
@@ -168,8 +166,7 @@ class LanePolicy(KVPolicy):
         if lanes < len(self.lanes):
             r = self.slices[lanes - 1].stop
             cut = (slice(0, r), slice(None), slice(0, max(extents[:r])))
-            head = self._head(lanes).decode_evict(pos[cut], score[cut], layer, cur_pos[:r],
-                                                  None if v is None else v[cut], extents[:r],
+            head = self._head(lanes).decode_evict(pos[cut], score[cut], layer, cur_pos[:r], extents[:r],
                                                   obs=obs.map(lambda x: x[cut]))
             evict = torch.zeros_like(pos, dtype=torch.bool)
             if head is not None:
@@ -183,15 +180,14 @@ class LanePolicy(KVPolicy):
         n = max((extents[r] for g in generic for r in g.rows), default=0)
         if n:
             cut = (slice(None), slice(None), slice(0, n))
-            prio = self.priority(pos[cut], score[cut], layer, cur_pos, None if v is None else v[cut], extents,
-                                 generic, obs=obs.map(lambda x: x[cut])).float()
+            prio = self.priority(pos[cut], score[cut], layer, cur_pos, obs.map(lambda x: x[cut]), extents,
+                                 generic).float()
             evict[cut] = lowest_unprotected(pos[cut], prio, self.protected(pos[cut], cur_pos),
                                             self._total(pos.device, layer))
         for g in own_rule:
             n = max(extents[r] for r in g.rows)
-            vi = None if v is None else g.take(v[:, :, :n])
-            oi = obs.map(lambda x: g.take(x[:, :, :n]))
-            own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos), vi,
+            oi = obs.only(g.policy).map(lambda x: g.take(x[:, :, :n]))
+            own = g.policy.decode_evict(g.take(pos[:, :, :n]), g.take(score[:, :, :n]), layer, g.take(cur_pos),
                                         obs=oi)
             g.put(evict, False)
             g.put(evict, own, n)

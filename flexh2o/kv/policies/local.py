@@ -5,5 +5,5 @@ from flexh2o.kv.policies.base import KVPolicy
 class LocalPolicy(KVPolicy):
     name = "local"
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         return pos

@@ -13,6 +13,6 @@ from flexh2o.kv.policies.h2o import H2OPolicy
 class MeanAttentionPolicy(H2OPolicy):
     name = "mean_attn"
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         seen = (cur_pos.view(-1, 1, 1) - pos + 1).clamp(min=1).float()  # (b, h, s) queries that saw the token
         return score / seen

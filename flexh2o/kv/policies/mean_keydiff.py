@@ -16,7 +16,6 @@ mean_attn, plain or with the 3-bit cache (simulated in benchmarks/evict_sim.py f
 """
 import torch
 
-from flexh2o.kv.policies.base import Observed
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
 from flexh2o.kv.policies.params import Param
 
@@ -53,9 +52,9 @@ class MeanKeyDiffPolicy(MeanAttentionPolicy):
     needs_keys = True
     params = (KEYDIFF_WEIGHT,)
 
-    def priority(self, pos, score, layer, cur_pos, v, obs=Observed()):
+    def priority(self, pos, score, layer, cur_pos, obs):
         if obs.keys is None:
             raise ValueError("the mean_keydiff policy needs the cached keys")
-        attended, unlike = held_ranks(pos, super().priority(pos, score, layer, cur_pos, v),
+        attended, unlike = held_ranks(pos, super().priority(pos, score, layer, cur_pos, obs),
                                       key_distinctness(obs.keys, pos))
         return attended + self.keydiff_weight * unlike

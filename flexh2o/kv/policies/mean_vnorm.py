@@ -18,7 +18,7 @@ class MeanVNormPolicy(MeanAttentionPolicy):
     uses_sinks = True
     needs_values = True
 
-    def priority(self, pos, score, layer, cur_pos, v):
-        if v is None:
+    def priority(self, pos, score, layer, cur_pos, obs):
+        if obs.values is None:
             raise ValueError("the mean_vnorm policy needs the cached values")
-        return super().priority(pos, score, layer, cur_pos, v) * value_norm(v)
+        return super().priority(pos, score, layer, cur_pos, obs) * value_norm(obs.values)

@@ -20,5 +20,5 @@ class RandomPolicy(KVPolicy):
     name = "random"
     windowed = True
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         return random_key(self.seed, layer, pos)

@@ -6,5 +6,5 @@ class StreamingPolicy(KVPolicy):
     name = "streaming"
     uses_sinks = True
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         return pos

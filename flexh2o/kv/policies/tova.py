@@ -15,5 +15,5 @@ class TOVAPolicy(KVPolicy):
     priority_is_score = True
     decay = 0.0
 
-    def priority(self, pos, score, layer, cur_pos, v):
+    def priority(self, pos, score, layer, cur_pos, obs):
         return score

@@ -19,7 +19,7 @@ class VATPPolicy(H2OPolicy):
     uses_sinks = True
     needs_values = True
 
-    def priority(self, pos, score, layer, cur_pos, v):
-        if v is None:
+    def priority(self, pos, score, layer, cur_pos, obs):
+        if obs.values is None:
             raise ValueError("the vatp policy needs the cached values")
-        return score * value_norm(v)
+        return score * value_norm(obs.values)
