@@ -5,6 +5,8 @@ quantize-dequantize (its fp8 through torch's e4m3 conversion, its 8-bit window p
 layout counts the 8-bit parts' bytes; the flag is validated and printed back."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -101,3 +103,24 @@ def test_ring_entries_are_8bit_copies_and_follow_merges_and_evictions():
     blk.append(new, new, torch.tensor([6]))  # into freed slot 4; position 3 leaves the window
     got = expand(blk.k, torch.float32)[0, 0]
     assert torch.equal(got[3], quant[3]) and float((got[4] - new[0, 0]).abs().max()) < 0.02
+
+
+def test_keys_beyond_fp8_range_warn_and_are_clamped():
+    """A prompt key beyond fp8's +-448 warns at calibration (what fp8 outliers cannot hold); the outlier reads back
+    clamped to 448, the in-range ones as fp8 holds them."""
+    from flexh2o.compress.channel import ChannelKeys, ChannelSpec
+    spec = ChannelSpec(4, 1, fp8=True)
+    parts = spec.parts((1, 1, 2, 8), torch.float32)
+    keys = ChannelKeys(*(torch.zeros(s, dtype=dt) for s, dt in (parts[n] for n in ("data", "index", "exact",
+                                                                                    "calib"))), spec)
+    k = torch.zeros(1, 1, 2, 8)
+    k[0, 0, 1, 3] = 1000.0
+    k[0, 0, 0, 5] = 3.3
+    with pytest.warns(RuntimeWarning, match="beyond \\+-448"):
+        keys.calibrate(k, torch.ones(1, 1, 2, dtype=torch.bool))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # in range: no warning
+        keys.calibrate(torch.zeros(1, 1, 1, 8), torch.ones(1, 1, 1, dtype=torch.bool))  # every level 0: both
+    keys.assign((slice(None), slice(None), slice(0, 2)), k)  # large values become their token's one outlier
+    got = keys.expanded(torch.float32)[0, 0]
+    assert float(got[1, 3]) == 448.0 and float(got[0, 5]) == 3.25

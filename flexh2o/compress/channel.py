@@ -19,6 +19,7 @@ Layout of keys (b, h, slots, d) stored as `dtype` (the parts a tier holds, compr
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,8 @@ from flexh2o.compress.codec import _round_down, _round_up
 
 SLOT_PARTS = ("data", "index", "exact")  # indexed by slot at dimension 2; calib is per row and head
 FP8_MAX = 448.0  # the largest finite fp8 e4m3 value: fp8 outliers are clamped to it
+FP8_CLAMPED = ("--cache-exact-bits 8: this model's keys reach beyond +-448, fp8's range: such values kept as outliers "
+               "are clamped; drop --cache-exact-bits 8 (or keep --cache-rotate on, which spreads them) for this model")
 FIT_ROUNDS = 25  # k-means rounds of fitted levels (from evenly spaced ones; SmolLM2's keys settle well before)
 
 
@@ -107,7 +110,10 @@ class ChannelKeys:
         """Set every row's and head's per-channel minimum and scale from keys k (b, h, t, d) over the tokens marked
         in valid (b, h, t): the minimum rounded down and the scale up to the storage dtype, so each key of the
         prompt is within half a step of its level (a row with no valid token gets scale 0, minimum 0). Fitted:
-        the levels of `fit_levels`, rounded to the storage dtype."""
+        the levels of `fit_levels`, rounded to the storage dtype. With fp8 outliers, a prompt key beyond +-448
+        warns (once a process, Python's default filter) that such values are clamped when kept as outliers."""
+        if self.spec.fp8 and bool((k.float().abs() * valid[..., None]).amax() > FP8_MAX):
+            warnings.warn(FP8_CLAMPED, RuntimeWarning, stacklevel=2)
         if self.spec.fitted:
             self.calib.copy_(fit_levels(k, valid, 1 << self.spec.bits))
             return
