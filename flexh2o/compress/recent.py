@@ -31,11 +31,16 @@ RING_PARTS = ("recent", "rslot")  # and rmeta with 8-bit entries
 RING_BITS = (0, 8)  # 0: entries in the storage dtype (exact); 8: each entry quantized alone at 8 bits
 
 
-def ring_spec(bits: int, head_dim: int):
-    """How ring entries are stored: None (exact, in the storage dtype) or one 8-bit group of head_dim per entry."""
+def check_ring_bits(bits: int) -> int:
+    """bits if ring entries can be stored so (RING_BITS), else ValueError naming the flag."""
     if bits not in RING_BITS:
         raise ValueError(f"--cache-exact-bits {bits}: choose 8, or leave it out for the storage dtype")
-    return CacheGroupSpec(bits, head_dim, -1) if bits else None
+    return bits
+
+
+def ring_spec(bits: int, head_dim: int):
+    """How ring entries are stored: None (exact, in the storage dtype) or one 8-bit group of head_dim per entry."""
+    return CacheGroupSpec(bits, head_dim, -1) if check_ring_bits(bits) else None
 
 
 @dataclass
@@ -66,9 +71,7 @@ class Recent:
 
     @property
     def nbytes(self) -> int:
-        ring = self.recent.nbytes if isinstance(self.recent, CompressedTensor) else \
-            self.recent.numel() * self.recent.element_size()
-        return self.inner.nbytes + ring + self.rslot.numel() * self.rslot.element_size()
+        return self.inner.nbytes + self.recent.nbytes + self.rslot.nbytes  # a tensor's or a CompressedTensor's
 
     def map(self, fn) -> "Recent":
         """fn applied to every part (indexing of rows or heads, .to(device))."""

@@ -23,7 +23,7 @@ import torch
 
 from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
 from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
-from flexh2o.compress.recent import Recent, ring_spec
+from flexh2o.compress.recent import Recent, check_ring_bits, ring_spec
 from flexh2o.compress.rotation import Rotated
 
 KEY_SCHEMES = ("channel", "fitted", "token")
@@ -65,7 +65,7 @@ class CacheQuant:
         if self.sinks < 0:
             raise ValueError(f"--cache-sinks must be 0 or more (got {self.sinks})")
         ChannelSpec(self.bits, self.outliers)  # validates the bits and the outliers
-        ring_spec(self.exact_bits, 64)  # validates the exact parts' bits
+        check_ring_bits(self.exact_bits)
         if self.exact_bits and not (self.recent or self.sinks or (self.keys != "token" and self.outliers)):
             raise ValueError(f"--cache-exact-bits {self.exact_bits}: this cache keeps nothing exact (no "
                              f"--cache-recent, --cache-sinks or key outliers); drop --cache-exact-bits")
@@ -173,6 +173,11 @@ class CacheLayout:
         return self.window + self.sinks
 
     @property
+    def ring_spec(self):
+        """How the ring's entries are stored: None (the storage dtype) or an 8-bit group spec (compress/recent.py)."""
+        return ring_spec(self.quant.exact_bits, self.head_dim) if self.quant is not None else None
+
+    @property
     def window(self) -> int:
         """Ring entries of the newest tokens (cut to the slots)."""
         return min(self.quant.recent, self.slots) if self.quant is not None else 0
@@ -188,7 +193,7 @@ class CacheLayout:
         if field not in ("k", "v") or not self.ring:
             return parts
         b, h, _, d = self.kv_shape
-        spec = ring_spec(self.quant.exact_bits, d)
+        spec = self.ring_spec
         if spec is None:
             ring = (Part(field, "recent", (b, h, self.ring, d), self.dtype, False),)
         else:
@@ -253,7 +258,7 @@ class CacheLayout:
             inner = Rotated(inner)
         if not self.ring:
             return inner
-        spec = ring_spec(self.quant.exact_bits, self.head_dim)
+        spec = self.ring_spec
         ring = tensors["recent"] if spec is None else \
             CompressedTensor(tensors["recent"], tensors["rmeta"], self.head_dim, spec)
         return Recent(inner, ring, tensors["rslot"], self.sinks)
