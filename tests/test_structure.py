@@ -16,14 +16,14 @@ MAX_LINES = 300
 # part of a module's path under flexh2o/ (a folder or a module); `__main__` modules are entry points wherever they are.
 LAYERS = (
     ("entry points", {"cli", "__main__", "api", ""}),  # "": the package itself (flexh2o.LLM, lazily)
-    ("tools that run the engine", {"tuning", "eval"}),
+    ("tools that run the engine", {"tuning", "eval", "serve"}),
     ("jobs", {"job", "pipeline", "batch"}),
     ("the engine", {"engine", "generation"}),
     ("the runtime plan", {"planning", "run_config"}),
     ("the run's parts", {"weights", "kv", "models", "placement", "schedule"}),
     ("tiers and codecs", {"storage", "compress"}),
     ("leaves", {"config", "units", "dtypes", "tensors", "jsonfile", "tokenizer", "prompts", "sampling", "metrics",
-                "errors", "requests"}),
+                "errors", "requests", "chat"}),
 )
 
 
