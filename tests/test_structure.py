@@ -1,6 +1,6 @@
 """The house's shape, as rules over every flexh2o module (today's and tomorrow's): imports run down the layers and
-never in a circle, counting imports inside functions too; no module over MAX_LINES lines; every package folder named
-in the README's design map."""
+never in a circle, counting imports inside functions too, and no two folders import each other; no module over
+MAX_LINES lines; every package folder named in the design map (docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
@@ -91,6 +91,33 @@ def test_no_import_runs_up_a_layer():
     assert not up, "imports from a lower layer to a higher one:\n" + "\n".join(up)
 
 
+def folder_of(module: str) -> str:
+    """The folder (or top-level module) of flexh2o/ that holds a module: flexh2o.kv.policies.h2o -> 'kv'."""
+    parts = module.split(".")[1:]
+    return parts[0] if parts else ""
+
+
+def folder_graph(graph: dict) -> dict:
+    """The import graph between folders: 'a' -> 'b' when a module under a imports one under b."""
+    out: dict = {folder_of(m): set() for m in graph}
+    for a, targets in graph.items():
+        out[folder_of(a)] |= {folder_of(b) for b in targets} - {folder_of(a)}
+    return out
+
+
+def test_no_two_folders_import_each_other():
+    """A `__main__` or a function-level import counts too: the folders form no circle."""
+    found = _cycle(folder_graph(import_graph()))
+    assert found is None, " -> ".join(found)
+
+
+def test_the_folder_graph_sees_a_circle_through_any_modules():
+    graph = {"flexh2o.eval.__main__": {"flexh2o.cli.eval"}, "flexh2o.cli.eval": {"flexh2o.eval.common"},
+             "flexh2o.eval.common": set()}
+    assert folder_graph(graph) == {"eval": {"cli"}, "cli": {"eval"}}
+    assert _cycle(folder_graph(graph)) == ["cli", "eval", "cli"]
+
+
 def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path):
     pkg = tmp_path / "flexh2o"
     (pkg / "sub").mkdir(parents=True)
@@ -116,8 +143,8 @@ def package_folders() -> list:
 
 
 def design_map() -> str:
-    """The README's '## Design' section."""
-    text = (ROOT.parent / "README.md").read_text()
+    """The design map: the '## Design' section of docs/architecture.md (moved there from the README)."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
     start = text.index("\n## Design")
     end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else len(text)]
@@ -126,4 +153,4 @@ def design_map() -> str:
 def test_the_readme_design_map_names_every_package_folder():
     text = design_map()
     missing = [f"{d}/" for d in package_folders() if f"`{d}/" not in text]
-    assert not missing, f"README.md's design map does not name {', '.join(missing)}: add a row for each"
+    assert not missing, f"docs/architecture.md's design map does not name {', '.join(missing)}: add a row for each"

@@ -14,9 +14,10 @@ home whole on that step, whatever its tier. So a row reuses its own slots (no ne
 restart at 0 in slot 0: a cache that never evicts keeps token i in slot i per row, as the decode's
 in-order path assumes. Policies keep no state outside the block, so the row's state is all reset.
 
-A row left without a request (the queue is empty) idles: it is fed its last token again at the same position, so
-it stays inside its slots and changes nothing another row reads. The run ends after the step where no row has a
-request left (schedule/until.py); the schedule is sized for the longest run the queue can take.
+A row left without a request (the queue is empty) idles: it is fed its last token again at the same position, so it
+stays inside its slots and changes nothing another row reads; it asks the queue again at every step, so a request
+that joins the queue while the run goes on (flexh2o-serve's) starts at the next step. The run ends after the step
+where no row has a request left (schedule/until.py); the schedule is sized for the longest run the queue can take.
 """
 from __future__ import annotations
 
@@ -24,16 +25,16 @@ from typing import Optional
 
 import torch
 
-from flexh2o.engine import Engine, _Run
+from flexh2o.generation.run import Run
 from flexh2o.generation.sequences import Sequences
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.layout import FIELDS, CacheLayout
 
 
-def generate_refill(eng: Engine, feed, on_step=None) -> int:
-    """Run `feed`'s requests on `eng` with refill; returns the steps run. feed: batch/feed.py's RequestFeed (take,
-    live, all_done, and the sampler call)."""
+def generate_refill(eng, feed, on_step=None) -> int:
+    """Run `feed`'s requests on `eng` (an Engine) with refill; returns the steps run. feed: batch/feed.py's
+    RequestFeed (take, live, all_done, and the sampler call)."""
     run = _RefillRun(eng, feed, on_step)
     run.execute(False)
     return len(run.times)
@@ -91,7 +92,6 @@ class RefillRows:
         self.last_logits[batch] = logits
         b = self.b
         rows = range(batch * b, (batch + 1) * b)
-        before = [self.feed.live(row) for row in rows]
         fresh = self.running.pop(batch, None)
         start = torch.full((b,), -1, dtype=torch.long)  # per row: the position its prefill ended at (-1: none)
         if step == 0:
@@ -106,7 +106,7 @@ class RefillRows:
         self.cur[batch] = torch.where(live, tokens, self.cur[batch])
         refill = []
         for i, row in enumerate(rows):
-            if before[i] and not alive[i]:  # finished now: the row takes the next request, if any
+            if not alive[i]:  # finished now, or idle: the row takes the next request, if any (a live queue grows)
                 prompt = self.feed.take(row)
                 if prompt is not None:
                     refill.append((i, prompt))
@@ -129,10 +129,10 @@ def _padded(refill: list, pad: int) -> tuple:
     return rows, ids, pos, torch.tensor([len(p) for _, p in refill])
 
 
-class _RefillRun(_Run):
-    """_Run whose compute ops also prefill the rows being refilled (module docstring)."""
+class _RefillRun(Run):
+    """A Run whose compute ops also prefill the rows being refilled (module docstring)."""
 
-    def __init__(self, eng: Engine, feed, on_step):
+    def __init__(self, eng, feed, on_step):
         self.feed = feed
         super().__init__(eng, None, feed.longest_gen, feed, False, on_step, None, None)
         self.pre: dict = {}  # batch -> hidden states (r, t', h) of the rows prefilled in this step (separate passes)
