@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -72,6 +71,7 @@ class LLM:
         parser = build_parser()
         self.args = parser.parse_args(option_argv(parser, options))
         check_run_flags(self.args)
+        _budget_warning(self.args.kv_budget)
         self.opts = flexgen_options(self.args)
         self.cfg = _model_config(self.args)
         self.tokenizer = load_tokenizer(self.args.tokenizer)
@@ -190,19 +190,21 @@ def serves(kept, rc) -> bool:
 
 
 def _model_source(model: str) -> tuple:
-    """(converted checkpoint path, tokenizer) for 'smollm2', a .gguf file or a checkpoint folder; (None, None) for
-    a model name (seeded dummy weights)."""
-    if model == "smollm2" or model.endswith(".gguf"):
-        from flexh2o.eval.common import _converted, smollm2_gguf
-        import torch
-        src = smollm2_gguf() if model == "smollm2" else model
-        if not os.path.isfile(src):
-            raise ValueError(f"model {src} does not exist")
-        return _converted(src, torch.float32, None), src
-    if os.path.isdir(model):
-        has_tok = os.path.isfile(os.path.join(model, "tokenizer.json"))
-        return model, model if has_tok else None
-    return None, None
+    """(converted checkpoint path, tokenizer) of `model` by the one resolver (weights/source.py): smollm2, a .gguf
+    file, a Hugging Face folder or a checkpoint folder; (None, None) for a built-in name (seeded dummy weights)."""
+    from flexh2o.planning.machine import models_dir
+    from flexh2o.weights.source import resolve
+    src = resolve(model, models_dir(), what="model")
+    return src.path, src.tokenizer
+
+
+def _budget_warning(kv_budget) -> None:
+    """A token budget under the floor is obeyed as given, with one warning (cli/kv_flags.py's, in the API's name)."""
+    from flexh2o.cli.kv_flags import budget_warning
+    text = budget_warning(kv_budget, "kv_budget")
+    if text:
+        import warnings
+        warnings.warn(text[len("warning: "):], stacklevel=3)
 
 
 def _model_config(args):

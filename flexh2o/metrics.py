@@ -68,7 +68,7 @@ class RunReport:
         peaks = "  ".join(f"{t} {fmt_bytes(b)}" for t, b in self.peak_bytes.items())
         moved = "  ".join(f"{t} {fmt_bytes(b)}" for t, b in self.moved_bytes_per_step.items())
         lines = [f"model {self.model}  seqs {self.num_seqs}  prompt {self.prompt_len}  gen {self.gen_len}",
-                 f"policy {self.policy['kv_policy']}  percent {self.policy['percent']}  "
+                 f"policy {self.policy['kv_policy']}{_budget(self.policy)}  percent {self.policy['percent']}  "
                  f"batch {self.policy['gpu_batch_size']}x{self.policy['num_gpu_batches']}",
                  f"prefill  {self.prefill_s:8.3f} s  {self.prefill_throughput:10.1f} tok/s",
                  f"decode   {self.decode_s:8.3f} s  {self.decode_throughput:10.1f} tok/s" + self._projected(),
@@ -165,3 +165,11 @@ def thread_settings() -> dict:
 def append_json_line(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _budget(policy: dict) -> str:
+    """' (budget N tokens: heavy H, recent R)' of a run's policy flags; '' for an unbounded cache."""
+    if policy.get("heavy") is None:
+        return ""
+    h, r = policy["heavy"], policy["recent"]
+    return f" (budget {h + r} tokens: heavy {h}, recent {r})"

@@ -64,7 +64,8 @@ def from_tokenizer_json(path: str) -> Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise ValueError(f"{path} is not a readable tokenizer.json: {str(e).splitlines()[0]}") from None
     cfg = _sibling_config(path)
-    return Tokenizer(backend, cfg.get("bos_token_id"), _first(cfg.get("eos_token_id")), False)
+    return Tokenizer(backend, cfg.get("bos_token_id"), _first(cfg.get("eos_token_id")),
+                     bool(cfg.get("add_bos_token", False)))
 
 
 def from_gguf(path: str) -> Tokenizer:
@@ -137,7 +138,8 @@ def _tokenizers():
 
 
 def _sibling_config(path: str) -> dict:
-    """bos/eos ids from a config.json or generation_config.json beside tokenizer.json, if any."""
+    """bos/eos ids from a config.json or generation_config.json beside tokenizer.json, if any, and add_bos_token
+    (which flexh2o-convert writes there for a checkpoint converted from a GGUF: weights/run_files.py)."""
     import json
     out: dict = {}
     for name in ("config.json", "generation_config.json"):
@@ -147,7 +149,7 @@ def _sibling_config(path: str) -> dict:
                 d = json.load(fh)
         except (OSError, ValueError):
             continue
-        out.update({k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None})
+        out.update({k: d[k] for k in ("bos_token_id", "eos_token_id", "add_bos_token") if d.get(k) is not None})
     return out
 
 

@@ -127,7 +127,7 @@ def test_bad_compress_group_size_refused(capsys):
 
 @pytest.mark.parametrize("argv", [["--hh-all"], ["--hh-all", "true"], []])
 def test_hh_ratio_and_hh_all(argv):
-    rc, _ = _rc(["--hh-ratio", "0.25"] + argv)
+    rc, _ = _rc(["--hh-ratio", "0.25", "--exact-ratio"] + argv)  # the ratio itself, under the floor of a short prompt
     assert rc.kv.policy == "h2o" and (rc.kv.budget.heavy, rc.kv.budget.recent) == (2, 2)
 
 

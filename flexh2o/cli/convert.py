@@ -1,4 +1,4 @@
-"""`flexh2o-convert SRC DST`: Hugging Face folder or llama .gguf -> flexh2o checkpoint. No logic beyond argv."""
+"""`flexh2o-convert SRC DST`: Hugging Face folder or .gguf file -> flexh2o checkpoint. No logic beyond argv."""
 from __future__ import annotations
 
 import argparse
@@ -6,21 +6,26 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.console import Parser, run_main
-from flexh2o.cli.model_source import ConvertBar
-from flexh2o.weights.convert import convert
-from flexh2o.weights.format import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flexh2o.weights.gguf_arch import READ
+    from flexh2o.weights.hf_fields import USED
     p = Parser(prog="flexh2o-convert",
-               description="Convert a Hugging Face checkpoint folder (OPT or Llama; safetensors or "
-                           ".bin, sharded or not) or a llama .gguf file into flexh2o's format.")
+               description="Convert a Hugging Face checkpoint folder (model_type opt, "
+                           f"{', '.join(USED)}; safetensors or .bin, sharded or not) or a .gguf file (architecture "
+                           f"{', '.join(READ)}) into flexh2o's format, with its tokenizer, EOS id and chat "
+                           "template, so that flexh2o-run --path DST needs nothing else.")
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder (with config.json) or a .gguf file")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float16", help="stored dtype (default float16)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="stored dtype: auto keeps the "
+                   "source's own (a folder's config.json dtype, float32 when none; a GGUF's unquantized tensors "
+                   "without loss); a narrower one only when named (default auto)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing flexh2o checkpoint at DST")
-    p.add_argument("--keep-blocks", action="store_true", help="a .gguf's Q4_0/Q4_1/Q8_0/Q4_K tensors stay in their "
-                   "own quantized blocks (runs use them compressed), not expanded into --dtype")
+    p.add_argument("--expand-blocks", action="store_true", help="a .gguf's Q4_0/Q4_1/Q8_0/Q4_K tensors are "
+                   "expanded into --dtype (float32 with auto) instead of kept in their own quantized blocks, as "
+                   "llama.cpp keeps them (the default)")
+    p.add_argument("--keep-blocks", action="store_true", help=argparse.SUPPRESS)  # the default now; still taken
     return p
 
 
@@ -30,15 +35,22 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def _convert(args) -> int:
+    from flexh2o.cli.model_source import ConvertBar
+    from flexh2o.weights.convert import convert
+    if args.keep_blocks and args.expand_blocks:
+        raise ValueError("--keep-blocks and --expand-blocks contradict each other: give one (keeping is the default)")
     bar = ConvertBar(sys.stderr.isatty())
     try:
         result = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=bar,
-                         keep_blocks=args.keep_blocks)
+                         keep_blocks=not args.expand_blocks)
     finally:
         bar.close()
+    why = "the source's own" if args.dtype == "auto" else "as --dtype asked"
+    kept = ", ".join(result.kept) or "no tokenizer or chat template (the source holds none)"
     print(f"converted {result.config.name} ({result.config.family}): {result.num_tensors} tensors, "
-          f"{result.num_bytes / 2**20:.1f} MiB ({result.num_bytes} bytes) as {args.dtype} in "
-          f"{result.seconds:.1f} s -> {args.dst}")
+          f"{result.num_bytes / 2**20:.1f} MiB ({result.num_bytes} bytes) as {result.dtype} ({why}"
+          f"{'; quantized blocks kept' if args.src.endswith('.gguf') and not args.expand_blocks else ''}), "
+          f"with {kept}, in {result.seconds:.1f} s -> {args.dst}")
     return 0
 
 

@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random policy and the recall "
                         f"samples (default {DEFAULT_SEED})")
     common.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    common.add_argument("--cache-dir", help="where a .gguf model is converted once (default: $TMPDIR/flexh2o-eval)")
-    common.add_argument("--out", help="JSON result file (default: eval-<task>.json)")
+    common.add_argument("--cache-dir", help="where a .gguf model is converted once "
+                        "(default: ~/.cache/flexh2o/models, as flexh2o-run's)")
+    common.add_argument("--out", help="JSON result file (default: none; the tables go to stdout)")
     common.add_argument("--no-progress", action="store_true", help="no progress bar")
     ppl = sub.add_parser("ppl", parents=[common], help="streaming perplexity over text windows")
     ppl.add_argument("--texts", type=_csv, default=("hamlet", "macbeth"),
@@ -107,13 +108,13 @@ def _run(args, argv: list) -> int:
                compress_group_size=args.compress_group_size, cache_group_size=args.cache_group_size,
                weight_kernel=args.weight_kernel,
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
-    path = args.out or f"eval-{args.task}.json"
-    write_json(path, out, indent=1)  # never half-written
+    if args.out:
+        write_json(args.out, out, indent=1)  # never half-written
     print(text)
     procs = result.machine.get("procs", 1)  # the processes that ran (at most one per lane)
     how = f"{procs} processes x {max(1, torch.get_num_threads() // procs)}" if procs > 1 else \
         f"{torch.get_num_threads()}"
-    print(f"{args.task}: {seconds:.0f} s with {how} torch threads; wrote {path}")
+    print(f"{args.task}: {seconds:.0f} s with {how} torch threads" + (f"; wrote {args.out}" if args.out else ""))
     if args.task == "ppl" and args.plot:
         done = plot_ppl(result, args.plot)
         print(f"plot: {done}" if done else "plot skipped: matplotlib is not installed")
@@ -128,7 +129,7 @@ def set_run_options(model, args) -> None:
 
 
 def _settings(args):
-    check_output_path(args.out or f"eval-{args.task}.json", "--out")  # before minutes of evaluation
+    check_output_path(args.out, "--out")  # before minutes of evaluation
     check_output_path(getattr(args, "plot", None), "--plot")
     if args.context < 2:
         raise ValueError("--context must be at least 2 tokens")

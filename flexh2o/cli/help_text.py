@@ -34,9 +34,10 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def model_help(default: Optional[str], extra: str = "") -> str:
-    """--model's help: the built-in names (the size table's), the default (None: the flag is required) and what else
-    is accepted."""
-    from flexh2o.config import MODEL_SIZES  # in the table's order: by family, then size
+    """--model's help: the bundled real model, the built-in names with seeded random weights (the size table's),
+    the default (None: the flag is required) and what else is accepted."""
+    from flexh2o.config import BUNDLED, MODEL_SIZES  # in the table's order: by family, then size
     given = f"default {default}" if default else "required"
-    return (f"a built-in model: {', '.join(MODEL_SIZES)} (facebook/ prefix accepted; {given})"
-            + (f"; {extra}" if extra else ""))
+    real = ", ".join(f"{k} ({v})" for k, v in BUNDLED.items())
+    return (f"{real}; or a built-in name with seeded random weights: {', '.join(MODEL_SIZES)} (facebook/ prefix "
+            f"accepted; {given})" + (f"; {extra}" if extra else ""))

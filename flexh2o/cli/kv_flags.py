@@ -4,10 +4,12 @@ parameters' flags (--num-sinks, --hh-decay, --pyramid-ratio, --head-cap, ...) co
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Optional
 
 from flexh2o.cli.checks import check_kv_flags
 from flexh2o.kv.policies import POLICIES, policy_class, policy_params
-from flexh2o.kv.spec import KVSpec
+from flexh2o.kv.spec import RATIO_FLOOR, KVSpec, ratio_tokens
 
 
 class PolicyNames:
@@ -32,9 +34,13 @@ def add_kv_flags(p: argparse.ArgumentParser, budgets: bool = True) -> None:
     if budgets:
         a("--kv-policy", choices=PolicyNames(), default=None, help="default: h2o with --hh-ratio/--kv-budget, "
           "else full")
-        a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same")
+        a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same; together at "
+          f"least {RATIO_FLOOR} tokens unless --exact-ratio")
         a("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)")
-        a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head")
+        a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head, obeyed exactly "
+          f"(one warning line under {RATIO_FLOOR})")
+        a("--exact-ratio", action="store_true", help="keep exactly --hh-ratio/--recent-ratio of the prompt, even "
+          f"below the {RATIO_FLOOR} tokens a budget from ratios otherwise keeps at least (for reproductions)")
     for param in policy_params():
         a(param.flag, type=param.type, default=param.default, help=param.help)
 
@@ -45,7 +51,26 @@ def policy_values(args: argparse.Namespace) -> dict:
 
 
 def kv_spec(args: argparse.Namespace, prompt_len: int) -> KVSpec:
-    """The run's KVSpec from parsed flags (the only place where --hh-ratio becomes token counts)."""
+    """The run's KVSpec from parsed flags (kv/spec.py turns --hh-ratio into token counts); a note on stderr when
+    the floor raised a budget from ratios."""
     check_kv_flags(args, args.kv_policy)
-    return KVSpec.from_flags(args.kv_policy, prompt_len, args.hh_ratio, getattr(args, "recent_ratio", None),
-                             args.kv_budget, seed=args.seed, **policy_values(args))
+    exact = getattr(args, "exact_ratio", False)
+    if exact and args.hh_ratio is None:
+        raise ValueError("--exact-ratio keeps --hh-ratio's share of the prompt exactly: give --hh-ratio too")
+    flags = (args.kv_policy, prompt_len, args.hh_ratio, getattr(args, "recent_ratio", None), args.kv_budget)
+    spec = KVSpec.from_flags(*flags, seed=args.seed, exact_ratio=exact, **policy_values(args))
+    if args.hh_ratio is not None and not exact and spec.budget is not None:
+        given = sum(ratio_tokens(*flags[1:4]))
+        if given != spec.budget.total:
+            print(f"kv budget: ratio {args.hh_ratio:g} of a {prompt_len}-token prompt keeps {given} tokens; kept "
+                  f"{spec.budget.total} (the floor of a budget from ratios; --exact-ratio / exact_ratio=True keeps "
+                  "the ratio)", file=sys.stderr)
+    return spec
+
+
+def budget_warning(kv_budget: Optional[int], name: str = "--kv-budget") -> Optional[str]:
+    """One warning line for a token budget under RATIO_FLOOR (it is obeyed as given), else None."""
+    if kv_budget is None or kv_budget >= RATIO_FLOOR or kv_budget < 1:
+        return None
+    return (f"warning: {name} {kv_budget} is under {RATIO_FLOOR} tokens, below which perplexity leaves the full "
+            "cache's neighbourhood on a real model (benchmarks/ACCURACY.md); kept as given")

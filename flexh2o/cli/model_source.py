@@ -1,44 +1,38 @@
-"""--model / --path given a Hugging Face folder or a .gguf file: the cached conversion (weights/source_cache.py)
-that the run loads, converted with a progress bar on stderr the first time."""
+"""--model / --path: the one model-source resolver (weights/source.py) with a progress bar on stderr while a
+Hugging Face folder or .gguf file is converted the first time."""
 from __future__ import annotations
 
 import os
 import sys
 
-from flexh2o.config import CONFIG_FILE
-from flexh2o.planning.machine import cache_dir
+from flexh2o.planning.machine import models_dir
 
 
 def resolve_source(args, prog: str) -> None:
-    """Point args.path at the checkpoint to load: a converted checkpoint given to --model is taken as --path, and
-    a Hugging Face folder or .gguf given to --model or --path is converted once into the cache (args.model then
-    None), and is the tokenizer unless --tokenizer names one (a .gguf holds its vocabulary; a folder, when it has
-    tokenizer.json), as the Python API does. Built-in names (opt-125m, facebook/opt-30b, ...) are left as they
-    are."""
-    from flexh2o.weights.source_cache import converted, is_source
-    model = args.model
-    if model is not None and os.path.isdir(model) and os.path.isfile(os.path.join(model, CONFIG_FILE)):
-        args.path, args.model = model, None
+    """Point args.path at the checkpoint to load and args.tokenizer at its tokenizer (unless --tokenizer names one):
+    --model NAME|FOLDER|FILE as weights/source.py resolves it (a built-in name stays in args.model, seeded random
+    weights), --path a checkpoint (as given) or a Hugging Face folder or .gguf file (converted once, as --model)."""
+    from flexh2o.weights.source import resolve
+    from flexh2o.weights.source_cache import is_source
+    if args.model is None and args.path == "_DUMMY_":
         return
-    given = model if model is not None and (is_source(model) or model.endswith(".gguf")) else args.path
-    if given.endswith(".gguf") and not os.path.isfile(given):
-        raise ValueError(f"{given} does not exist: give an existing .gguf file")
-    if not is_source(given):
-        if model is not None and os.path.isdir(model):
-            raise ValueError(f"--model {model}: the folder has no config.json: give a Hugging Face model folder, "
-                             "a .gguf file or a flexh2o checkpoint")
+    given, what = (args.model, "--model") if args.model is not None else (args.path, "--path")
+    if what == "--path" and not (is_source(given) or given.endswith(".gguf")):  # a checkpoint (checked when read)
+        if getattr(args, "tokenizer", "") is None and os.path.isfile(os.path.join(given, "tokenizer.json")):
+            args.tokenizer = given
         return
-    if getattr(args, "tokenizer", "") is None and (given.endswith(".gguf")
-                                                   or os.path.isfile(os.path.join(given, "tokenizer.json"))):
-        args.tokenizer = given
     bar = ConvertBar(sys.stderr.isatty())
     try:
-        path, fresh = converted(given, os.path.join(cache_dir(), "models"), progress=bar)
+        src = resolve(given, models_dir(), getattr(args, "tokenizer", None), what, progress=bar)
     finally:
         bar.close()
-    how = "converted once into" if fresh else "already converted:"
-    print(f"{prog}: {given} {how} {path}", file=sys.stderr)
-    args.path, args.model = path, None
+    if src.origin is not None:
+        how = "converted once into" if src.fresh else "already converted:"
+        print(f"{prog}: {src.origin} {how} {src.path}", file=sys.stderr)
+    if hasattr(args, "tokenizer"):
+        args.tokenizer = src.tokenizer
+    if src.path is not None:
+        args.path, args.model = src.path, None
 
 
 class ConvertBar:

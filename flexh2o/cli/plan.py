@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -12,7 +13,7 @@ from flexh2o.cli.compress_flags import add_compression_flags, compression_specs,
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.help_text import model_help
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
-from flexh2o.dtypes import parse_dtype
+from flexh2o.dtypes import dtype_name, parse_dtype
 from flexh2o.placement import TIERS
 from flexh2o.tuning.hardware import load_profile
 from flexh2o.tuning.search import command_line, search
@@ -25,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                "throughput on a hardware profile, without running anything.")
     a = p.add_argument
     a("--model", required=True, help=model_help(None))
-    a("--hardware", required=True, help="hardware profile JSON (flexh2o-profile), a shipped name (t4_paper, "
-      "a100_80gb, cpu_measured), or auto: this machine's cached profile (measured once, under a minute)")
+    a("--hardware", default="auto", help="hardware profile JSON (flexh2o-profile), a shipped name (t4_paper, "
+      "a100_80gb, cpu_measured), or auto: this machine's cached profile (measured once, under a minute; default)")
     a("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
     a("--gen-len", type=int, default=32, help="tokens generated per sequence")
     add_kv_flags(p)
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gpu-mem", help="gpu tier capacity (default: the profile's)")
     a("--cpu-mem", help="cpu tier capacity (default: the profile's)")
     a("--disk-mem", help="disk tier capacity (default: the profile's)")
-    a("--dtype", default="float16", help="storage dtype of weights and cache (float16, bfloat16 or float32)")
+    a("--dtype", default="auto", help="storage dtype of weights and cache (float16, bfloat16 or float32), or auto: "
+      "flexh2o-run's choice (planning/dtype_choice.py; float16 on a CUDA profile)")
     a("--device", choices=["cpu", "cuda"], help="default: the profile's device")
     a("--overlap", default="true", choices=["true", "false"], help="plans overlap I/O with compute")
     a("--step", type=int, default=10, help="percent step of the placement search")
@@ -44,8 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _capacity(arg: Optional[str], hw: dict, tier: str) -> int:
+def _capacity(arg: Optional[str], hw: dict, tier: str, args, device: str) -> int:
+    """--TIER-mem, else the profile's, else (--hardware auto) this machine's default, as flexh2o-run's."""
     value = arg if arg is not None else hw.get(f"{tier}_mem")
+    if value is None and args.hardware == "auto":
+        from types import SimpleNamespace
+        from flexh2o.cli.capacities import capacities
+        here = SimpleNamespace(gpu_mem=None, cpu_mem=None, disk_mem=None, dry_run=True,
+                               offload_dir=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
+        return capacities(here, device)[("gpu", "cpu", "disk").index(tier)]
     if value is None:
         raise ValueError(f"give --{tier}-mem (the hardware profile has no {tier}_mem)")
     return parse_bytes(value) if isinstance(value, str) else int(value)
@@ -57,20 +66,32 @@ def plan_from_args(args) -> tuple:
     cfg = model_configs.from_name(args.model)
     if args.top < 1 or args.max_num_gpu_batches < 1:
         raise ValueError("--top and --max-num-gpu-batches must be at least 1")
-    kv, dtype = kv_spec(args, args.prompt_len), parse_dtype(args.dtype)
-    if args.hardware == "auto":
-        from flexh2o.tuning.profile_cache import auto_profile
-        hw = auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, None, True)
-    else:
-        hw = load_profile(args.hardware)
+    kv = kv_spec(args, args.prompt_len)
+    dtype = parse_dtype("float16" if args.dtype == "auto" else args.dtype)  # auto: chosen below
+    hw = _profile(args, None)
     device = args.device or ("cuda" if hw.get("device") == "cuda" else "cpu")
     weights, cache = compression_specs(args, device)
     rc = RunConfig(model=cfg, prompt_len=args.prompt_len, gen_len=args.gen_len, dtype=dtype,
                    device=device, overlap=args.overlap == "true", kv=kv,
-                   gpu_mem=_capacity(args.gpu_mem, hw, "gpu"), cpu_mem=_capacity(args.cpu_mem, hw, "cpu"),
-                   disk_mem=_capacity(args.disk_mem, hw, "disk"), compress_weight=weights, compress_cache=cache,
-                   weight_kernel=weight_kernel_mode(args))
+                   gpu_mem=_capacity(args.gpu_mem, hw, "gpu", args, device),
+                   cpu_mem=_capacity(args.cpu_mem, hw, "cpu", args, device),
+                   disk_mem=_capacity(args.disk_mem, hw, "disk", args, device), compress_weight=weights,
+                   compress_cache=cache, weight_kernel=weight_kernel_mode(args))
+    if args.dtype == "auto" and device == "cpu":  # flexh2o-run's choice (its default placement), and its rates
+        from flexh2o.planning.dtype_choice import choose_dtypes
+        choice = choose_dtypes(rc, "auto", "auto")
+        rc = rc.with_(dtype=choice.dtype, compute_dtype=choice.compute, decode_dtype=choice.decode)
+        hw = _profile(args, [rc.compute, rc.decode_compute])
     return rc, hw
+
+
+def _profile(args, compute) -> dict:
+    """--hardware's profile; auto: this machine's, measured once (with the rates of `compute`, a list of dtypes)."""
+    if args.hardware != "auto":
+        return load_profile(args.hardware)
+    from flexh2o.tuning.profile_cache import auto_profile
+    names = None if compute is None else list(dict.fromkeys(dtype_name(c) for c in compute))
+    return auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), names, None, True)
 
 
 def describe(results: list) -> str:

@@ -19,19 +19,18 @@ def hardware_profile(args, rc: RunConfig) -> tuple:
     hw, label, warning = resolve(args.hardware, rc.device, compute, args.offload_dir, may_measure=need)
     if warning:
         print(f"flexh2o-run: {warning}", file=sys.stderr)
-    if hw is None and not need:
-        print("flexh2o-run: no prediction: no cached profile of this machine for this compute dtype yet "
-              "(--dry-run or --policy auto measures one once, under a minute)", file=sys.stderr)
-    return hw, label
+    return hw, label  # no profile yet on a plain run: no prediction, and nothing said (it is advisory)
 
 
-def predict_run(rc: RunConfig, hw: Optional[dict]) -> Optional[dict]:
-    """The cost model's headline figures for rc on profile hw (None without a profile or a figure it needs)."""
+def predict_run(rc: RunConfig, hw: Optional[dict], quiet: bool = False) -> Optional[dict]:
+    """The cost model's headline figures for rc on profile hw (None without a profile or a figure it needs; a
+    missing figure warns unless `quiet`: a plain run, where the prediction is advisory and goes to the record)."""
     if hw is None:
         return None
     from flexh2o.tuning.cost_model import predict
     try:
         return predict(rc, hw).as_dict()
     except (ValueError, KeyError) as e:  # predictions are advisory: a profile without this dtype only warns
-        print(f"flexh2o-run: warning: no prediction ({' '.join(str(e).split())})", file=sys.stderr)
+        if not quiet:
+            print(f"flexh2o-run: warning: no prediction ({' '.join(str(e).split())})", file=sys.stderr)
         return None

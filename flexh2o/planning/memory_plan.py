@@ -66,6 +66,10 @@ class MemoryPlan:
         over = self.overflow()
         if over:
             t, need, have = over
+            if t == "gpu" and not self.rc.device.startswith("cuda"):  # say what the tier is on a CPU-only run
+                raise ValueError(f"gpu tier needs {fmt_bytes(need)} but --gpu-mem allows {fmt_bytes(have)} (no GPU "
+                                 "here: that tier is the share of host memory computed in): lower --gpu-batch-size, "
+                                 "move more of --percent to the cpu or disk tier, or raise --gpu-mem")
             raise ValueError(f"{t} tier needs {fmt_bytes(need)} but --{t}-mem allows {fmt_bytes(have)}: raise "
                              f"--{t}-mem, lower --gpu-batch-size, or move more of --percent to another tier")
 

@@ -32,7 +32,7 @@ def suggestion(rc, hw: Optional[dict], progress: bool = False) -> str:
         ranking = load_profile("cpu_measured" if rc.device == "cpu" else "t4_paper")  # ranking only
     bar = _SearchBar() if progress else None
     try:
-        found = search(rc, ranking, limit=1, progress=bar)
+        found = search(rc, ranking, step=REFUSAL_STEP, limit=1, progress=bar)
     except ValueError:  # the profile has no rates for this compute dtype
         found = []
     finally:
@@ -48,6 +48,10 @@ def suggestion(rc, hw: Optional[dict], progress: bool = False) -> str:
             f"{best.num_gpu_batches}" + (" --cpu-cache-compute" if best.cpu_cache_compute else "")
             + f" ({predicted_time(pred) if hw is not None else NO_PROFILE}; policy search, --policy auto picks it)")
 
+
+# a refusal answers within a second or two: its search tries placements in steps of 25% (1/9 of the placements of
+# --policy auto's steps of 10, which searches for the best one)
+REFUSAL_STEP = 25
 
 NO_PROFILE = ("no predicted time: no profile of this machine yet (flexh2o-run --dry-run measures one once, under a "
               "minute)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ import torch
 from flexh2o.config import ModelConfig
 from flexh2o.weights.hf_config import from_hf_config
 from flexh2o.jsonfile import read_json
-from flexh2o.dtypes import parse_dtype
-from flexh2o.weights.gguf_source import gguf_source, unpermute_rope  # noqa: F401  (importable here)
+from flexh2o.dtypes import dtype_name, parse_dtype
+from flexh2o.weights.gguf_source import gguf_source, stored_dtype, unpermute_rope  # noqa: F401  (importable here)
+from flexh2o.weights.run_files import write_run_files
 from flexh2o.weights.format import CheckpointWriter
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -34,21 +36,24 @@ class ConvertResult:
     num_tensors: int
     num_bytes: int
     seconds: float
+    dtype: str = "float32"  # the stored dtype of the tensors not kept in blocks
+    kept: tuple = ()  # what weights/run_files.py kept beside the weights
 
 
-def convert(src: str, dst: str, dtype: str = "float16", overwrite: bool = False,
+def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False,
             progress: Optional[Progress] = None, keep_blocks: bool = False) -> ConvertResult:
-    """Convert SRC (HF folder or .gguf file) into a flexh2o checkpoint at DST; nothing is left at DST on error.
+    """Convert SRC (HF folder or .gguf file) into a flexh2o checkpoint at DST, with what a run needs beside the
+    weights (weights/run_files.py); nothing is left at DST on error. dtype auto: the source's own (source_dtype).
     keep_blocks: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K tensors are kept in their own blocks (weights/blocks.py), not
-    expanded into `dtype`."""
+    expanded into `dtype` (flexh2o-convert and weights/source.py keep them unless asked to expand)."""
     start = time.perf_counter()
-    parse_dtype(dtype)
     if os.path.isfile(src) and src.endswith(".gguf"):
         cfg, source = gguf_source(src, keep_blocks)
     elif os.path.isdir(src):
         cfg, source = _hf_source(src)
     else:
         raise ValueError(f"{src} is neither a Hugging Face model folder nor a .gguf file")
+    dtype = source_dtype(src, keep_blocks) if dtype == "auto" else dtype_name(parse_dtype(dtype))
     with CheckpointWriter(dst, cfg, dtype, overwrite) as w, contextlib.closing(source):
         total = len(w.specs)
         for path, key, name, tensor in source:
@@ -62,11 +67,31 @@ def convert(src: str, dst: str, dtype: str = "float16", overwrite: bool = False,
                 raise ValueError(f"{path}: {e}") from None
             if progress is not None:
                 progress(name, len(w.entries), total)
+        kept = write_run_files(src, w.stage)
         try:
             w.finish()
         except ValueError as e:
             raise ValueError(f"{src}: {e}") from None
-    return ConvertResult(cfg, len(w.entries), w.num_bytes, time.perf_counter() - start)
+    return ConvertResult(cfg, len(w.entries), w.num_bytes, time.perf_counter() - start, dtype, tuple(kept))
+
+
+def source_dtype(src: str, keep_blocks: bool = True) -> str:
+    """The dtype `auto` stores: a Hugging Face folder's (its config.json's dtype or torch_dtype, float32 when none);
+    a GGUF's tensors that are not kept in blocks, without loss (gguf_source.stored_dtype)."""
+    if src.endswith(".gguf"):
+        return stored_dtype(src, keep_blocks)
+    d = _hf_config_dict(src)
+    named = d.get("dtype") or d.get("torch_dtype")
+    return named if named in ("float32", "float16", "bfloat16") else "float32"
+
+
+def _hf_config_dict(src: str) -> dict:
+    try:
+        with open(os.path.join(src, "config.json")) as fh:
+            d = json.load(fh)
+    except (OSError, ValueError):
+        return {}  # _hf_source reports the unreadable config
+    return d if isinstance(d, dict) else {}
 
 
 # ---------------------------------------------------------------- Hugging Face folders

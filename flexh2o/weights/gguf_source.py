@@ -3,6 +3,7 @@ the families' Hugging Face names, with llama.cpp's converter changes undone (q/k
 and quantized blocks either kept (weights/blocks.py) or expanded to float32."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Iterator, Optional, Tuple
 
@@ -39,13 +40,32 @@ def gguf_source(path: str, keep_blocks: bool = False) -> Tuple[ModelConfig, Sour
         import gguf
     except ImportError:
         raise ValueError("converting .gguf files needs the gguf package: pip install gguf") from None
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on bad files
-        raise ValueError(f"{path} is not a readable GGUF file: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    reader = open_reader(gguf, path)
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     cfg = gguf_config(path, _Fields(reader), shapes)
     return cfg, _tensors(path, reader, cfg, str(reader.fields["general.architecture"].contents()), keep_blocks)
+
+
+def open_reader(gguf, path: str):
+    """gguf.GGUFReader(path); a file it cannot read is one ValueError line (a truncated one says so)."""
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on bad files
+        text = str(e).splitlines()[0] if str(e) else repr(e)
+        if "cannot reshape" in text or "buffer is smaller" in text or "mmap length" in text:
+            raise ValueError(f"{path} is truncated: its tensors need more than its {os.path.getsize(path)} bytes; "
+                             "copy or download the whole file again") from None
+        raise ValueError(f"{path} is not a readable GGUF file: {text}") from None
+
+
+def stored_dtype(path: str, keep_blocks: bool) -> str:
+    """The dtype that holds every tensor of the GGUF at `path` that is not kept in its blocks without loss:
+    float16 or bfloat16 when all of them are, else float32 (quantized types expand to float32)."""
+    import gguf
+    types = {t.tensor_type.name for t in open_reader(gguf, path).tensors
+             if not (keep_blocks and blocks.keeps(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape))))}
+    names = {"F16": "float16", "BF16": "bfloat16"}
+    return names[next(iter(types))] if len(types) == 1 and next(iter(types)) in names else "float32"
 
 
 def _tensors(path: str, reader, cfg: ModelConfig, arch: str, keep_blocks: bool) -> Source:

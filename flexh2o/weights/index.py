@@ -40,3 +40,12 @@ def load_index(index: str) -> dict:
         if not ok:
             raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
     return d["tensors"]
+
+
+def checkpoint_dtype(path: str) -> torch.dtype:
+    """The dtype a converted checkpoint folder stores its tensors in (those not kept in blocks): index.json's."""
+    d = read_json(os.path.join(path, INDEX_FILE), FIX)
+    name = d.get("dtype") if isinstance(d, dict) else None
+    if name not in DTYPES:
+        raise ValueError(f"{os.path.join(path, INDEX_FILE)} names no dtype; {FIX}")
+    return DTYPES[name]

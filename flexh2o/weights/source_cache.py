@@ -6,8 +6,8 @@ reused by every later run.
 Where: <root>/<source name>-<key>, with <...>.lock beside it (held while converting, so runs started together
 convert once); flexh2o-run's root is <planning.machine.cache_dir()>/models ($FLEXH2O_CACHE_DIR, else
 $XDG_CACHE_HOME/flexh2o, else ~/.cache/flexh2o). A .gguf keeps its Q4_0/Q4_1/Q8_0/Q4_K blocks (weights/blocks.py)
-and stores everything else in float32 (lossless); a Hugging Face folder is stored in the dtype its config.json
-names (float32 when none)."""
+and stores everything else without loss (float32, or the one 16-bit type all the rest is in); a Hugging Face folder
+is stored in the dtype its config.json names (float32 when none): weights/convert.py's source_dtype."""
 from __future__ import annotations
 
 import fcntl
@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from flexh2o.config import CONFIG_FILE
 from flexh2o.weights.index import FORMAT_VERSION
 
-HF_DTYPES = ("float32", "float16", "bfloat16")
+RUN_FILES = 1  # what a conversion keeps beside the weights (weights/run_files.py); a new version converts again
 
 
 def is_source(path: str) -> bool:
@@ -37,7 +37,7 @@ def converted(src: str, root: str, dtype: Optional[str] = None, keep_blocks: Opt
     when one exists, else a new one. dtype / keep_blocks: None for the defaults in the module docstring."""
     from flexh2o.weights.convert import convert
     gguf = src.endswith(".gguf")
-    dtype = dtype or ("float32" if gguf else _hf_dtype(src))
+    dtype = dtype or "auto"  # the source's own dtype (weights/convert.py: source_dtype)
     keep = gguf if keep_blocks is None else keep_blocks and gguf
     dst = os.path.join(root, f"{_stem(src)}-{_key(src, dtype, keep)}")
     if os.path.isfile(os.path.join(dst, CONFIG_FILE)):
@@ -62,16 +62,6 @@ def _key(src: str, dtype: str, keep: bool) -> str:
     files = [src] if os.path.isfile(src) else sorted(os.path.join(src, f) for f in os.listdir(src)
                                                      if os.path.isfile(os.path.join(src, f)))
     stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    text = json.dumps([src, stats, dtype, keep, FORMAT_VERSION])
+    text = json.dumps([src, stats, dtype, keep, FORMAT_VERSION, RUN_FILES])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-
-def _hf_dtype(src: str) -> str:
-    """The dtype a Hugging Face folder's config.json names (dtype or torch_dtype), else float32."""
-    try:
-        with open(os.path.join(src, "config.json")) as fh:
-            d = json.load(fh)
-    except (OSError, ValueError):
-        return "float32"  # convert() reports the unreadable config
-    named = d.get("dtype") or d.get("torch_dtype") if isinstance(d, dict) else None
-    return named if named in HF_DTYPES else "float32"
