@@ -1,4 +1,4 @@
-"""Property-based fuzz of flexh2o-run's argument space (issue 13): whatever the flags, the run ends in exit 0, or in
+"""Property-based fuzz of flexh2o-run's argument space: whatever the flags, the run ends in exit 0, or in
 exactly one line on stderr with exit status 2; never a traceback or another exception, never a file left behind.
 Mostly dry runs of opt-125m (fast), some real runs of a tiny converted model. Deterministic (derandomize) in CI."""
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_mission_dry_run_reports_the_larger_batch(capsys):
     # auto keeps room to expand a block at either phase: 35 -> 93, 14 -> 41
     assert packed["h2o"] > 2 * plain["h2o"] and packed["full"] > 2 * plain["full"], (plain, packed)
     # int4 runs every block matmul by the kernel, no expanded copy (weights/forms.py): 35 -> 125, 14 -> 55 (the
-    # cache without issue 26's exact window, whose 16 fp16 tokens of K and V a row take 104 and 50)
+    # cache without its exact window (--cache-recent), whose 16 fp16 tokens of K and V a row take 104 and 50)
     _, kernel = batches(["--compress-weight", "--compress-cache", "--weight-kernel", "int4", "--cache-recent", "0"])
     assert kernel["h2o"] > 3 * plain["h2o"] and kernel["full"] > 3 * plain["full"], (plain, kernel)
 

@@ -123,7 +123,7 @@ def test_stale_run_dirs_removed_live_kept(tmp_path, capsys):
     alive = tmp_path / f"flexh2o-run-{os.getpid()}-z"
     alive.mkdir()
     (alive / "owner.pid").write_text(f"{os.getpid()}\n")
-    for d in (dead, corrupt, alive):  # each made by flexh2o (issue 23: only marked dirs are ever deleted)
+    for d in (dead, corrupt, alive):  # each made by flexh2o (only marked dirs are ever deleted)
         (d / MARKER[0]).write_text(MARKER[1])
     other = tmp_path / "not-ours"
     other.mkdir()

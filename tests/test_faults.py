@@ -1,4 +1,4 @@
-"""Fault injection (issue 13): full disks, signals in every phase, kill -9 then restart, a run dir locked by a live
+"""Fault injection: full disks, signals in every phase, kill -9 then restart, a run dir locked by a live
 run in another process. Each case ends in exit 0, or in one line and exit 2 (128 + signal for SIGTERM/SIGHUP), and
 nothing is left under --offload-dir. Corrupted checkpoints and convert's staging dirs:
 tests/test_faults_checkpoints.py."""
@@ -222,7 +222,7 @@ def test_stale_sweep_before_free_space_is_measured(capsys, monkeypatch, ckpt, tm
     stale = off / f"{od.RUN_PREFIX}12345-old"
     stale.mkdir()
     (stale / ".lock").write_text("")  # its owner died: nobody holds the lock
-    (stale / od.MARKER[0]).write_text(od.MARKER[1])  # made by flexh2o (issue 23: only marked dirs are deleted)
+    (stale / od.MARKER[0]).write_text(od.MARKER[1])  # made by flexh2o (only marked dirs are deleted)
     (stale / "t000000.bin").write_bytes(b"\0" * 4096)
     seen = []
     real = od.free_disk_bytes

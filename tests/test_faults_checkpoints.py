@@ -1,4 +1,4 @@
-"""Fault injection (issue 13) in checkpoints: a corrupted tensor file refused naming it, NaN/Inf weights and an
+"""Fault injection in checkpoints: a corrupted tensor file refused naming it, NaN/Inf weights and an
 all-0xFF safetensors refused at conversion, and convert's staging dirs after SIGTERM and kill -9. Each case ends in
 exit 0, or in one line and exit 2 (128 + signal for SIGTERM), and nothing is left under --offload-dir or beside a
 convert's DST. Full disks, signals and run-dir locks: tests/test_faults.py."""

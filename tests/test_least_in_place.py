@@ -1,6 +1,6 @@
-"""Issue 28 item 3: the policy search inside a gpu-tier cap finds a placement whenever the engine can run one, and
-when none fits it states the least the gpu tier needs, made of two layers of weights in flight and the working
-buffers.
+"""The policy search inside a gpu-tier cap (since 2026-12-03, ea36e03) finds a placement whenever the engine can run
+one, and when none fits it states the least the gpu tier needs, made of two layers of weights in flight and the
+working buffers.
 
 On a CPU-only run the cpu tier is host memory like the gpu tier, and a weight homed there in the compute dtype is
 used where it lives (the engine's load copies and charges nothing), so the plan reserves nothing for it."""

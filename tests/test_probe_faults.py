@@ -1,6 +1,6 @@
-"""Issue 23's fault-probe cases: --dry-run's exit status, the offload-dir sweep's proof of ownership, the memory
-cgroup's limit as the default capacities, Ctrl-C at start-up and twice during decode, stdout on a full device, the
-profiler's disk measurement on a full filesystem."""
+"""Fault-probe cases (2026-12-02, 5d976f9): --dry-run's exit status, the offload-dir sweep's proof of ownership, the
+memory cgroup's limit as the default capacities, Ctrl-C at start-up and twice during decode, stdout on a full device,
+the profiler's disk measurement on a full filesystem."""
 from __future__ import annotations
 
 import os
@@ -105,7 +105,7 @@ def test_cgroup_v1_limit_and_no_limit(tmp_path):
 
 
 def test_default_capacities_come_from_the_cgroup(capsys, monkeypatch, tmp_path):
-    """The issue's command in a 1 GiB group holding 400 MB (this process): refused by the plan, not OOM-killed."""
+    """A reported command in a 1 GiB group holding 400 MB (this process): refused by the plan, not OOM-killed."""
     group = memory_limit.CgroupMemory(1 << 30, 400 << 20, "/sys/fs/cgroup/test")
     monkeypatch.setattr(memory_limit, "cgroup_memory", lambda *a: group)
     argv = ["--model", "opt-1.3b", "--percent", "0", "100", "100", "0", "--prompt-len", "32", "--gen-len", "4",

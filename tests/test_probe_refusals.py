@@ -1,4 +1,4 @@
-"""Issue 23's probe: values accepted silently before, and messages that did not name the flag. Each is one line
+"""Values accepted silently before 2026-12-02 (d9d5840), and messages that did not name the flag. Each is one line
 naming the flag, exit status 2, before anything is loaded or written."""
 from __future__ import annotations
 

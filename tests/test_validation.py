@@ -1,4 +1,4 @@
-"""Issue 13: every size and flag is checked before anything is built from it; each bad value or combination is one
+"""Every size and flag is checked before anything is built from it; each bad value or combination is one
 line on stderr with exit status 2 (never a traceback, never the kernel's OOM killer), and the plan counts the
 host buffers that grow with the batch (the logits kept per sequence)."""
 from __future__ import annotations
@@ -93,13 +93,13 @@ def test_huge_batch_refused_by_the_plan_not_the_oom_killer(tmp_path, dry):
     argv += ["--dry-run"] if dry else []
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if dry:  # the plan is printed, then the run's refusal (issue 23: a dry run that does not fit exits 2)
+    if dry:  # the plan is printed, then the run's refusal (since 2026-12-02, 5d976f9: exit 2)
         assert "does NOT fit" in r.stdout and "predicted" not in r.stdout, r.stderr
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "tier needs" in r.stderr, r.stderr
 
 
 def test_plan_counts_the_logits_kept_per_sequence(capsys, tmp_path):
-    """The issue's case: a tiny converted OPT, 64 x 64 sequences, 100 MB gpu and 1 MB cpu planned 90 MiB and peaked
+    """A reported case: a tiny converted OPT, 64 x 64 sequences, 100 MB gpu and 1 MB cpu planned 90 MiB and peaked
     at 1.1 GiB; the per-sequence logits (num_seqs x vocab x 4 bytes) are now in the cpu tier's plan."""
     cfg = tiny_opt(vocab=50272)
     ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"), cfg)

@@ -1,5 +1,6 @@
-"""A sliding window is a fact of the model (issue 25): a windowed layer's cache blocks hold min(window, context)
-slots, or min(window, budget + 1) under a KV policy, and a full layer's the policy's (ModelConfig.layer_slots).
+"""A sliding window is a fact of the model (since 2026-12-02, 0a131b6): a windowed layer's cache blocks hold
+min(window, context) slots, or min(window, budget + 1) under a KV policy, and a full layer's the policy's
+(ModelConfig.layer_slots).
 The KV cache allocates that per layer in every tier, the memory plan and --dry-run count it (a Gemma-like config's
 cache bytes are the sum over layers by hand), and the largest batch grows. The models still compute exactly:
 the tiny Gemma 2/3 and Mistral checkpoints (tests/family_models.py) decode transformers' own tokens with the cache
@@ -129,7 +130,7 @@ def caches(monkeypatch):
 
 
 def _full_length_blocks(monkeypatch):
-    """The engine as before issue 25's change: every layer allocates the policy's slots, window or not."""
+    """The engine as before 2026-12-02 (0a131b6): every layer allocates the policy's slots, window or not."""
     monkeypatch.setattr(ModelConfig, "layer_slots", lambda self, slots: (slots,) * self.num_layers)
 
 

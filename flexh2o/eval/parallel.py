@@ -56,8 +56,8 @@ def run_split(model: EvalModel, s, procs: int, progress: bool = True) -> EvalRes
     return _merged(s, [parts[i] for i in range(len(groups))], groups)
 
 
-# lane_split's cost model, in units of one cached slot of one row read by decode attention (per layer, KV head and
-# head dim), fitted to a py-spy profile of the SmolLM2-135M table of issue 11 (session 7: matmuls and the rest of the
+# lane_split's cost model, in units of one cached slot of one row read by decode attention (per layer, KV head and head
+# dim), fitted to a py-spy profile of the SmolLM2-135M policy table (2026-12-01, 2b48b61: matmuls and the rest of the
 # model 49% of the samples, attention 24%, the policies 22% before the work on them that followed, counted at 70%):
 SLOT_WEIGHT = 110.0  # weight FLOPs per token that cost as much as one slot of attention
 POLICY_WEIGHT = 0.75  # a slot in the policy's work at a step where its lane evicts, in attention slots

@@ -2,9 +2,10 @@
 
 A fresh buffer for every direct-I/O read is mapped and page-faulted by the read itself (the kernel pins and zeroes
 each 4 KiB page first): on a decode step that streams every weight from disk that took a third of the reading time
-(opt-125m / opt-350m, issue 28). The block schedule holds at most two layers of weights at once (schedule/run.py),
-so two arenas of the largest layer's disk bytes (the memory plan's two layers in flight) serve every load, in turn;
-a load that finds both still lent (a caller holding more than two layers) reads into fresh buffers instead.
+(opt-125m / opt-350m, 2026-12-03, eeec47e). The block schedule holds at most two layers of weights at once
+(schedule/run.py), so two arenas of the largest layer's disk bytes (the memory plan's two layers in flight) serve every
+load, in turn; a load that finds both still lent (a caller holding more than two layers) reads into fresh buffers
+instead.
 """
 from __future__ import annotations
 
