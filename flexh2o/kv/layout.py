@@ -27,8 +27,8 @@ from flexh2o.compress.recent import Recent, check_ring_bits, ring_spec
 from flexh2o.compress.rotation import Rotated
 
 KEY_SCHEMES = ("channel", "fitted", "token")
-DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (benchmarks/ACCURACY.md, issue 26)
-DEFAULT_OUTLIERS = 8  # key values per token kept exact (1/8 of SmolLM2's head_dim of 64: ACCURACY.md, issue 26)
+DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (ACCURACY.md, 2026-12-02, 564b508)
+DEFAULT_OUTLIERS = 8  # key values per token kept exact (1/8 of SmolLM2's head_dim of 64; ACCURACY.md, 2026-12-03)
 DEFAULT_RECENT = 16  # newest tokens of a row kept exact: of 8, 16, 32, the best 4-bit full cache on SmolLM2
 # (ACCURACY.md)
 DEFAULT_SINKS = 4  # first tokens of a row kept exact (attention sinks): macbeth 4-bit full cache +1.2% -> +0.4%

@@ -66,7 +66,7 @@ def is_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether x @ w.T runs faster as (w @ x.T).T: an fp32 weight of at least SKINNY_ELEMENTS on a CPU times at
     most SKINNY_ROWS rows (a decode step). MKL's sgemm on an AVX2 Zen 3, 2 threads, 8 / 64 rows: 3072 x 768
     1.6 / 1.5x, 768 x 3072 1.6 / 1.4x, 50272 x 768 2.9 / 1.8x faster; one thread 1.65 / 1.2x, 0.91 / 0.93x,
-    1.7 / 1.4x (benchmarks/RESULTS.md, session of issue 28). Smaller weights gained nothing reliable."""
+    1.7 / 1.4x (benchmarks/RESULTS.md, 2026-12-02, 8160d9d). Smaller weights gained nothing reliable."""
     return (w.dtype == torch.float32 and w.device.type == "cpu" and x.dtype == w.dtype
             and x.numel() <= SKINNY_ROWS * x.shape[-1] and w.numel() >= SKINNY_ELEMENTS)
 
