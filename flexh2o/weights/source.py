@@ -44,7 +44,9 @@ def bundled_gguf(name: str = "smollm2") -> str:
 
 
 def is_builtin(name: str) -> bool:
-    return name.split("/")[-1].lower() in MODEL_SIZES
+    """A built-in name (seeded random weights): opt-125m, or with FlexGen's facebook/ prefix; another hub id such as
+    HuggingFaceTB/SmolLM2-135M is not one (its real weights are nowhere here)."""
+    return ("/" not in name or name.lower().startswith("facebook/")) and name.split("/")[-1].lower() in MODEL_SIZES
 
 
 def resolve(model: Optional[str], root: str, tokenizer: Optional[str] = None, what: str = "--model",
