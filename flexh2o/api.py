@@ -55,9 +55,37 @@ def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:
     return argv
 
 
+def _api_names(method):
+    """A ValueError from `method` in the API's own names: flexh2o-run's flags become the keywords that set them
+    (--hh-ratio -> hh_ratio, --tokenizer -> tokenizer) and a request line's max_new_tokens becomes max_tokens."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except ValueError as e:
+            raise ValueError(api_message(str(e))) from None
+    return wrapped
+
+
+def api_message(text: str) -> str:
+    """`text` (a CLI or request-file message) in the API's names."""
+    import re
+    from flexh2o.cli.run import build_parser
+    flags = sorted({s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}, key=len,
+                   reverse=True)
+    for flag in flags:
+        name = flag[2:].replace("-", "_")
+        text = re.sub(re.escape(flag) + r" (?=[A-Z0-9.-])", name + "=", text)  # --hh-ratio 1.5 -> hh_ratio=1.5
+        text = re.sub(re.escape(flag) + r"(?![\w-])", name, text)
+    return re.sub(r"\bmax_new_tokens\b", "max_tokens", text)
+
+
 class LLM:
     """A model and its run options; generate() answers a list of prompts (text or token-id lists)."""
 
+    @_api_names
     def __init__(self, model: str = "opt-125m", **options):
         from flexh2o.cli.checks import check_run_flags
         from flexh2o.cli.flexgen_flags import flexgen_options
@@ -92,6 +120,7 @@ class LLM:
     def __del__(self):
         self.close()
 
+    @_api_names
     def generate(self, prompts: Sequence, params=None) -> list:
         """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order. params: a
         SamplingParams for every prompt, or a list of them, one per prompt (as vLLM takes them)."""
@@ -122,6 +151,7 @@ class LLM:
         order = {r.id: i for i, r in enumerate(reqs)}
         return sorted(stats.results, key=lambda res: order[res.id])
 
+    @_api_names
     def requests(self, prompts: Sequence, params) -> list:
         """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are; params: one SamplingParams
         for all, or a list of them, one per prompt."""
@@ -204,7 +234,7 @@ def _budget_warning(kv_budget) -> None:
     text = budget_warning(kv_budget, "kv_budget")
     if text:
         import warnings
-        warnings.warn(text[len("warning: "):], stacklevel=3)
+        warnings.warn(text[len("warning: "):], stacklevel=4)
 
 
 def _model_config(args):

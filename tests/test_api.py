@@ -42,7 +42,7 @@ def test_a_two_way_flag_takes_the_form_its_value_names():
     assert args.compress_cache and args.cache_rotate is False
 
 
-@pytest.mark.parametrize("options,says", [({"hh_ratio": 1.5}, "--hh-ratio"), ({"colour": 1}, "'colour'"),
+@pytest.mark.parametrize("options,says", [({"hh_ratio": 1.5}, "hh_ratio=1.5"), ({"colour": 1}, "'colour'"),
                                          ({"prompt_file": "x"}, "'prompt_file'"),
                                          ({"hh_ratio": 0.2, "kv_budget": 8}, "give one of them")])
 def test_bad_options_are_refused_like_the_cli(ckpt, options, says):
@@ -52,7 +52,7 @@ def test_bad_options_are_refused_like_the_cli(ckpt, options, says):
 
 def test_bad_prompts_and_params_are_refused(ckpt):
     llm = LLM(ckpt, verbose=0)
-    with pytest.raises(ValueError, match="prompt 0: max_new_tokens 0"):
+    with pytest.raises(ValueError, match="prompt 0: max_tokens 0"):
         llm.generate([[5, 6], [7]], SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="prompt 0: prompt: text needs"):
         llm.generate(["hello"])
@@ -68,7 +68,7 @@ def test_prompts_past_the_models_positions_name_the_prompt(ckpt):
     """The refusal said 'shorten --prompt-len/--gen-len', flags the API's requests do not set."""
     llm = LLM(ckpt, verbose=0)
     n = llm.cfg.max_positions
-    with pytest.raises(ValueError, match=f"prompt 1: max_new_tokens {n - 1}: .* lower max_new_tokens"):
+    with pytest.raises(ValueError, match=f"prompt 1: max_tokens {n - 1}: .* lower max_tokens"):
         llm.generate([[5], [6, 7]], SamplingParams(max_tokens=n - 1))  # not --prompt-len/--gen-len, not API options
     with pytest.raises(ValueError, match=r"prompts: the longest prompt \(4 tokens, prompt 1\) \+ the largest"):
         llm.generate([[5], [6, 7, 8, 9]], [SamplingParams(max_tokens=n - 2), SamplingParams(max_tokens=2)])

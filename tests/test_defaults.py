@@ -217,3 +217,17 @@ def test_smollm2_converted_with_no_flags_runs_from_path_alone(tmp_path, offload_
                      "--hh-ratio", "0.2", "--output-file", str(out), "--offload-dir", offload_dir, "--no-warmup",
                      "--verbose", "0"]) == 0
     assert "return" in json.loads(out.read_text())[0]["text"] or "if n" in json.loads(out.read_text())[0]["text"]
+
+
+def test_api_errors_speak_the_apis_names(tmp_path):
+    from flexh2o.api import LLM, SamplingParams
+    ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"))  # no tokenizer kept beside it
+    with pytest.raises(ValueError) as e:
+        LLM(ckpt, hh_ratio=1.5)
+    assert "hh_ratio=1.5" in str(e.value) and "--" not in str(e.value)
+    llm = LLM(ckpt, verbose=0)
+    for prompts, params in ((["hello"], None), ([[5, 6]], SamplingParams(max_tokens=0))):
+        with pytest.raises(ValueError) as e:
+            llm.generate(prompts, params)
+        assert "--" not in str(e.value) and "max_new_tokens" not in str(e.value), str(e.value)
+    llm.close()
