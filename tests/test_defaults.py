@@ -192,11 +192,13 @@ def test_plan_defaults_match_run():
     assert (args.hardware, args.dtype) == ("auto", cli.build_parser().parse_args([]).dtype) == ("auto", "auto")
 
 
-def test_help_and_an_argparse_error_load_no_engine():
-    """--help and a bad flag need only the parser: the engine, the models and the planner stay unimported."""
-    code = ("import sys\nfrom flexh2o.cli import convert\ntry:\n    convert.main(['--help'])\nexcept SystemExit:\n"
-            "    pass\nprint(sorted(m for m in sys.modules if m.startswith(('flexh2o.engine', 'flexh2o.weights.convert',"
-            " 'flexh2o.models'))))")
+@pytest.mark.parametrize("argv", [["--help"], ["--no-such-flag"]])
+def test_convert_help_and_an_argparse_error_import_no_torch(argv):
+    """flexh2o-convert's --help and a bad flag need only the parser: torch (over a second to import), the engine and
+    the models stay unimported."""
+    code = (f"import sys\nfrom flexh2o.cli import convert\ntry:\n    convert.main({argv!r})\nexcept SystemExit:\n"
+            "    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(("
+            "'flexh2o.engine', 'flexh2o.weights.convert', 'flexh2o.models'))))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
 

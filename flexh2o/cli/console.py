@@ -11,7 +11,6 @@ import threading
 from typing import Callable
 
 from flexh2o.errors import one_line
-from flexh2o.storage.base import TierError
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
@@ -47,7 +46,7 @@ def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted
     try:
         with stop_signals_as_interrupts():
             return body()
-    except (ValueError, OSError, TierError) as e:
+    except _user_errors() as e:  # evaluated when something is raised
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except Terminated as e:
@@ -56,6 +55,12 @@ def run_main(prog: str, body: Callable[[], int], interrupted: str = "interrupted
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
+
+
+def _user_errors() -> tuple:
+    """ValueError, OSError and storage's TierError (only once storage is imported: a --help never loads torch)."""
+    base = sys.modules.get("flexh2o.storage.base")
+    return (ValueError, OSError) + ((base.TierError,) if base is not None else ())
 
 
 @contextlib.contextmanager
