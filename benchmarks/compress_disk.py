@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload-dir", default="/tmp/flexh2o-cmp-bench")
     p.add_argument("--out", default=None, help="append one JSON line per run")
     p.add_argument("--compress", choices=sorted(COMPRESS), default="weights+cache",
-                   help="what the compressed runs compress (cache: --compress-cache alone, issue 26's pair)")
+                   help="what the compressed runs compress (cache: --compress-cache alone)")
     args = p.parse_args()
     args.policies = [x for x in args.policies.split(",") if x]
     if not args.policies or set(args.policies) - {"full", "h2o"}:

@@ -1,4 +1,4 @@
-"""Disk-streamed decode against the link (issue 28 item 4): with every weight on disk and nothing else to wait for
+"""Disk-streamed decode against the link: with every weight on disk and nothing else to wait for
 (cache and activations on the gpu tier, one small batch), a decode step reads the whole model once; its time is
 compared with the time to read those bytes at the disk tier's measured direct-I/O rate.
 

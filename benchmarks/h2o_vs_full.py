@@ -1,4 +1,4 @@
-"""H2O vs full KV cache at the same memory: a scaled-down version of the paper's setting on this CPU (issue 3).
+"""H2O vs full KV cache at the same memory: a scaled-down version of the paper's setting on this CPU.
 
 The paper's regime: weights streamed to the compute device over a slow link every step (T4: PCIe from DRAM), the
 KV cache on the fast tier with a fixed capacity (16 GB), so the batch is limited by the cache and decode by the

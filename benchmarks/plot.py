@@ -110,7 +110,7 @@ def plot_predicted(plt, recs: list, path: str) -> bool:
     hi = max(max(p, m) for p, m, _, _ in pts) * 1.1
     ax.plot([0, hi], [0, hi], "k-", lw=0.8, label="measured = predicted")
     ax.fill_between([0, hi], [0, 0.7 * hi], [0, 1.3 * hi], color="gray", alpha=0.15, label="within 30%")
-    ax.plot([0, hi], [0, 0.8 * hi], "k--", lw=0.6, label="80% of the model (issue 4 decode target)")
+    ax.plot([0, hi], [0, 0.8 * hi], "k--", lw=0.6, label="80% of the model (the decode target)")
     ax.set(xlabel="predicted (tok/s)", ylabel="measured (tok/s)", title="Measured vs predicted", xlim=(0, hi),
            ylim=(0, hi))
     _finish(fig, ax, path)

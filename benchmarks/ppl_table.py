@@ -1,5 +1,5 @@
 """Markdown perplexity tables for benchmarks/ACCURACY.md from `flexh2o-eval ppl` result files (parts of one table,
-e.g. one file per text and budget group), with the best policy per text and budget and issue 11's targets.
+e.g. one file per text and budget group), with the best policy per text and budget and the targets it was measured against.
 
     python benchmarks/ppl_table.py benchmarks/results/ppl1024_*.json [--key ppl_late]
 

@@ -1,4 +1,4 @@
-"""Issue 26's accuracy runs of the quantized KV cache: one `flexh2o-eval ppl` per (text, scheme, bits), run one
+"""The accuracy runs of the quantized KV cache: one `flexh2o-eval ppl` per (text, scheme, bits), run one
 after another (nice 19: the evals are not timed), each writing benchmarks/results/<prefix>_<text>_<scheme><bits>.json.
 
     python benchmarks/quant_runs.py --texts hamlet,macbeth --bits 4,3,2,8 --schemes new,flexgen [--dry]

@@ -1,4 +1,4 @@
-"""Markdown tables for issue 26's quantized-cache runs (benchmarks/quant_runs.py's result files), against the plain
+"""Markdown tables for the quantized-cache runs (benchmarks/quant_runs.py's result files), against the plain
 cache of a 1024-token policy table (same model, dtype, windows and prefix). Nothing is typed in by hand.
 
     python benchmarks/quant_table.py [--prefix acc26r] [--plain benchmarks/results/issue11_table_s9.json]

@@ -1,4 +1,4 @@
-"""Refill against FlexGen's fixed batches (issue 27): N requests whose answers end at seeded lengths spread evenly
+"""Refill against FlexGen's fixed batches: N requests whose answers end at seeded lengths spread evenly
 from --min-len to --max-len tokens (each request's max_new_tokens, no EOS), answered with refill (finished rows take
 the next request inside the block schedule) or in fixed rounds of num_seqs requests (a round ends once all its rows
 have finished). The batch is the largest that fits --gpu-mem for the policy (planning's one search) unless given.

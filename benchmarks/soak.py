@@ -1,4 +1,4 @@
-"""Soak benchmark (issue 13; not a test): one long H2O decode on a tiny seeded model with weights on all three tiers
+"""Soak benchmark (not a test): one long H2O decode on a tiny seeded model with weights on all three tiers
 and the KV cache in the cpu tier. Samples the process RSS and every tier's bytes in use every --every steps, fits a
 least-squares line to each (after the first --skip samples: allocator warm-up), writes a JSON record and a PNG.
 

@@ -1,4 +1,4 @@
-"""--dry-run's largest batch for models with sliding windows, with and without the window (issue 25).
+"""--dry-run's largest batch for models with sliding windows, with and without the window.
 
 For each case, flexh2o-run's own parser and RunConfig (cli/run.py) build the run of
 `flexh2o-run --model M --percent 0 100 100 0 --gpu-mem 16GB --cpu-mem 200GB --dtype float16 --prompt-len P
