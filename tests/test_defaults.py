@@ -233,3 +233,14 @@ def test_api_errors_speak_the_apis_names(tmp_path):
             llm.generate(prompts, params)
         assert "--" not in str(e.value) and "max_new_tokens" not in str(e.value), str(e.value)
     llm.close()
+
+
+def test_eval_writes_json_only_when_asked(gguf_ckpt, tmp_path, monkeypatch, capsys):
+    from flexh2o.cli import eval as eval_cli
+    monkeypatch.chdir(tmp_path)
+    argv = ["ppl", "--model", gguf_ckpt[1], "--context", "24", "--windows", "1", "--texts", "hamlet", "--prefix", "4",
+            "--budgets", "8", "--policies", "h2o", "--no-progress", "--threads", "1"]
+    assert eval_cli.main(argv) == 0
+    assert os.listdir(tmp_path) == [] and "wrote" not in capsys.readouterr().out
+    assert eval_cli.main(argv + ["--out", "r.json"]) == 0
+    assert os.listdir(tmp_path) == ["r.json"] and "wrote r.json" in capsys.readouterr().out
