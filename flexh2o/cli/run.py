@@ -240,13 +240,13 @@ def _auto_batch(rc: RunConfig, cap: Optional[int] = None) -> tuple:
     return rc.with_(gpu_batch_size=min(best, cap or best)), best
 
 
-def _choose_dtypes(args, rc: RunConfig, fits=None) -> RunConfig:
+def _choose_dtypes(args, rc: RunConfig, fits=None, score=None) -> RunConfig:
     """Storage and compute dtypes from --dtype/--compute-dtype (planning/dtype_choice.py decides); the choice is
     kept on args for the run's report and its note (_note, once every flag is validated)."""
     from flexh2o.planning.dtype_choice import choose_dtypes
     from flexh2o.weights.index import checkpoint_dtype
     stored = checkpoint_dtype(rc.path) if rc.path != "_DUMMY_" else None  # --dtype auto keeps it
-    args.dtype_choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits, stored=stored)
+    args.dtype_choice = choose_dtypes(rc, args.dtype, args.compute_dtype, fits=fits, score=score, stored=stored)
     return rc.with_(dtype=args.dtype_choice.dtype, compute_dtype=args.dtype_choice.compute,
                     decode_dtype=args.dtype_choice.decode)
 
@@ -269,20 +269,20 @@ def _converted_config(path: str):
 
 
 def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list]) -> RunConfig:
-    """The searched placement and batch; the dtypes are the fastest pair for which the search finds a fit."""
+    """The searched placement and batch; the dtypes are the option whose searched best plan is predicted fastest."""
     from flexh2o.tuning.search import command_line, search
     if hw is None:
         raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")
     tried = {}
     cap = args.max_seqs or (len(prompts) if prompts else None)
 
-    def fits(r: RunConfig) -> bool:
+    def score(r: RunConfig) -> Optional[float]:  # seconds a generated token of r's best plan; None: none fits
         try:
             tried[r] = search(r, hw, max_seqs=cap)
         except ValueError:  # the profile has no rates for this compute dtype
-            return False
-        return bool(tried[r])
-    rc = _choose_dtypes(args, rc, fits=fits)
+            return None
+        return 1.0 / tried[r][0][1].total_throughput if tried[r] else None
+    rc = _choose_dtypes(args, rc, score=score)
     found = tried[rc] if rc in tried else search(rc, hw, max_seqs=cap)
     if not found:
         from flexh2o.tuning.least import least_message

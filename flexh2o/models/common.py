@@ -51,9 +51,9 @@ def rowwise(fn, x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    """F.linear for a weight that is a plain tensor, or a PackedWeight run by the int4 kernel; a few rows times a
-    large fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
-    if isinstance(w, PackedWeight):
+    """F.linear for a weight that is a plain tensor, a PackedWeight run by the int4 kernel, or a StoredWeight
+    converted in chunks; a few rows times a large fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
+    if isinstance(w, (PackedWeight, StoredWeight)):
         return w.linear(x, bias)
     return skinny_linear(x, w, bias) if is_skinny(x, w) else F.linear(x, w, bias)
 
@@ -89,7 +89,8 @@ def head_linear(x: torch.Tensor, w) -> torch.Tensor:
     order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding (bit-equal at the row
     counts measured but 1, 2, 3 and 7). A PackedWeight, a weight off the CPU, or a skinny product (`is_skinny`:
     up to SKINNY_ROWS rows, where the transposed product beat the slices at 2 threads) is one call."""
-    if isinstance(w, PackedWeight) or w.device.type != "cpu" or w.dtype != torch.float32 or is_skinny(x, w):
+    if isinstance(w, (PackedWeight, StoredWeight)) or w.device.type != "cpu" or w.dtype != torch.float32 \
+            or is_skinny(x, w):
         return linear(x, w)
     rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))
     if w.shape[0] <= rows:
@@ -98,5 +99,42 @@ def head_linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
-    """F.embedding for a plain table, or a PackedWeight (only the rows looked up are expanded)."""
-    return w.rows(ids) if isinstance(w, PackedWeight) else F.embedding(ids, w)
+    """F.embedding for a plain table, or a PackedWeight or StoredWeight (only the rows looked up are expanded or
+    converted)."""
+    return w.rows(ids) if isinstance(w, (PackedWeight, StoredWeight)) else F.embedding(ids, w)
+
+
+STORED_CHUNK_BYTES = 1 << 23  # a StoredWeight's matmul converts this many bytes of rows (compute dtype) at a time
+
+
+def stored_chunk_rows(width: int, dtype: torch.dtype) -> int:
+    """Rows of a (N, width) StoredWeight converted at a time into `dtype` (at least one)."""
+    return max(1, STORED_CHUNK_BYTES // (width * dtype.itemsize))
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """A large weight handed to the compute side in its stored dtype (weights/stored_form.py says which): a lookup
+    converts only the rows it gathers, a matmul converts stored_chunk_rows rows at a time into one reused buffer,
+    so the compute side never holds the whole table in the compute dtype."""
+
+    stored: torch.Tensor  # (N, K) in the storage dtype
+    dtype: torch.dtype  # the compute dtype
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(*ids.shape, K) in the compute dtype: the rows gathered, then converted (equal to converting first)."""
+        return F.embedding(ids, self.stored).to(self.dtype)
+
+    def linear(self, x: torch.Tensor, bias=None) -> torch.Tensor:
+        """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, each chunk of W's rows converted into the buffer and
+        multiplied as `linear` multiplies a plain weight of that chunk's shape."""
+        n, k = self.stored.shape
+        flat = x.reshape(-1, k)  # (r, K)
+        out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)  # (r, N)
+        step = stored_chunk_rows(k, x.dtype)
+        buf = torch.empty(min(n, step), k, dtype=x.dtype, device=x.device)  # (rows of a chunk, K)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            w = buf[:stop - start].copy_(self.stored[start:stop])  # (chunk, K)
+            out[:, start:stop] = linear(flat, w, None if bias is None else bias[start:stop])  # (r, chunk)
+        return out.view(*x.shape[:-1], n)

@@ -144,12 +144,15 @@ def decode_options(storage: torch.dtype, compute: torch.dtype, explicit_compute:
 
 def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
                   probe: Optional[Callable[[], tuple]] = None, fits: Optional[Callable] = None,
-                  stored: Optional[torch.dtype] = None) -> DtypeChoice:
+                  score: Optional[Callable] = None, stored: Optional[torch.dtype] = None) -> DtypeChoice:
     """Storage and compute dtypes for `rc` (its placement, batch, lengths and capacities) from the two flags
     ('auto' or None = choose; else a dtype name). The fastest allowed pair by the probe whose `fits(rc with the
     pair)` holds (default: the memory plan at rc's placement fits; a converting pair needs compute-side buffers),
-    else the fastest. `stored`: the checkpoint's dtype, which --dtype auto keeps (computed in it or wider:
-    computes_for), as transformers and vLLM do. The CLI's one call; RunConfig then holds both explicitly."""
+    else the fastest. With `score` (rc with the dtypes -> predicted seconds a generated token, None where nothing
+    fits: the policy search's best plan), the option it predicts fastest wins instead: a probe's rank of the
+    linears alone cannot see that a dtype's fit forces a plan ten times slower. `stored`: the checkpoint's dtype,
+    which --dtype auto keeps (computed in it or wider: computes_for), as transformers and vLLM do. The CLI's one
+    call; RunConfig then holds both explicitly."""
     storage = None if dtype_arg in (None, "auto") else parse_dtype(dtype_arg)
     kept = storage is None and stored is not None  # --dtype auto on a checkpoint: its own dtype, never narrower
     storage = stored if kept else storage
@@ -159,7 +162,10 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
     timings, cached = (probe or cached_probe)()
     fits = fits or (lambda r: _plan_fits(r))
     ranked = sorted(options(rc, storage, compute), key=lambda t: estimate(timings, rc, *t))
-    s, c, d = next((t for t in ranked if fits(rc.with_(dtype=t[0], compute_dtype=t[1]))), ranked[0])
+    if score is not None:
+        s, c, d = _best_scored(rc, ranked, score) or ranked[0]
+    else:
+        s, c, d = next((t for t in ranked if fits(rc.with_(dtype=t[0], compute_dtype=t[1]))), ranked[0])
     mine = estimate(timings, rc, s, c, d)
     others = {}
     for s2, c2, d2 in options(rc, storage, None):
@@ -182,6 +188,15 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
                     f"on this CPU than --dtype {dtype_name(best[0])} --compute-dtype {dtype_name(best[1])} (dtype "
                     "probe); leave both at auto to get the faster one")
     return DtypeChoice(s, c, reason, note, d if d != c else None)
+
+
+def _best_scored(rc, ranked: list, score: Callable) -> Optional[tuple]:
+    """The (storage, compute, decode) option of `ranked` whose rc `score` predicts fastest (ties to the earlier),
+    None when none fits."""
+    scored = [(score(rc.with_(dtype=s, compute_dtype=c, decode_dtype=d if d != c else None)), i, (s, c, d))
+              for i, (s, c, d) in enumerate(ranked)]
+    fitting = [x for x in scored if x[0] is not None]
+    return min(fitting)[2] if fitting else None
 
 
 def estimate_step(timings: dict, storage: torch.dtype, dtype: torch.dtype) -> float:

@@ -1,7 +1,8 @@
 """This machine: its fingerprint (what decides the speed of a profile or a dtype probe) and the per-user cache dir.
 
 The fingerprint holds the CPU model name and the flags that decide low-precision speed (avx512f, avx512_bf16, amx,
-f16c), the core count, torch's version and intra-op threads, and the GPU's name and memory when CUDA is present.
+f16c), the core count, torch's version and intra-op threads, the GPU's name and memory when CUDA is present, and
+the instruction-set caps set in the environment (ISA_LIMITS), where any is.
 Measurements taken here (hardware profile, dtype probe) are cached under cache_dir(), keyed by the fingerprint,
 with the load average they were taken at: one taken on a busy machine (other processes on every core make every rate
 look slower, 5x was seen) is measured again once the machine is much quieter (stale_by_load).
@@ -17,7 +18,10 @@ from typing import Optional
 import torch
 
 FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "f16c", "avx2")
-COMPARED = ("cpu_model", "cpu_flags", "cores", "torch", "threads", "gpu", "gpu_mem")  # keys a mismatch names
+COMPARED = ("cpu_model", "cpu_flags", "cores", "torch", "threads", "gpu", "gpu_mem", "isa_limits")  # a mismatch names
+# environment variables that cap the instruction set torch's kernels use: ATen's own (elementwise, conversions),
+# oneDNN's (bf16/fp16 matmuls) and MKL's (fp32 matmuls); on an AVX-512 CPU all three give the AVX2 path's speeds
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def cache_dir() -> str:
@@ -69,6 +73,9 @@ def fingerprint(device: str = "cpu") -> dict:
     model, flags = _cpuinfo(_cpuinfo_fields())
     fp = {"cpu_model": model, "cpu_flags": flags, "cores": os.cpu_count(),
           "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(), "gpu": None, "gpu_mem": None}
+    isa = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}
+    if isa:  # the instruction set capped below the CPU's (the AVX2 path of an AVX-512 CPU): its own measurements
+        fp["isa_limits"] = isa
     if device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(device)
         fp["gpu"] = torch.cuda.get_device_name(dev)

@@ -51,6 +51,8 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
     if not 1 <= step <= 100:
         raise ValueError(f"search step must be 1..100 percent (got {step})")
     rates = Rates.from_profile(hw, base_rc.compute)
+    if base_rc.decode_compute != base_rc.compute:  # decode steps in their own dtype take its rates
+        rates = (rates, Rates.from_profile(hw, base_rc.decode_compute))
     memo: dict = {}
     specs = layer_specs(base_rc.model)
     cuda = base_rc.device.startswith("cuda")
@@ -78,8 +80,10 @@ def search(base_rc: RunConfig, hw: dict, step: int = 10, max_num_gpu_batches: in
 
 
 def _scored(rc: RunConfig, rates, memo: dict) -> tuple:
-    """(prediction, rc) with the prediction's bytes from the memory plan."""
-    return predict_with(rc, rates, plan_memory(rc).bytes, memo), rc
+    """(prediction, rc) with the prediction's bytes from the memory plan. rates: one Rates, or (prefill's,
+    decode's) where decode computes in its own dtype."""
+    prefill, decode = rates if isinstance(rates, tuple) else (rates, rates)
+    return predict_with(rc, prefill, plan_memory(rc).bytes, memo, decode_rates=decode), rc
 
 
 def command_line(rc: RunConfig, with_caps: bool = True) -> str:

@@ -30,6 +30,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import GRAIN, Rates
 from flexh2o.tuning.kernel_cost import EXPAND_PASSES
 from flexh2o.units import padded
+from flexh2o.weights.stored_form import stored_of_run
 
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
 ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
@@ -85,6 +86,7 @@ class StepCost:
         self.cuda = torch.device(rc.device).type == "cuda"
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
         self.weights, self.params2d, self.packed, self.kernel_parts = layout_of(rc, memo)
+        self.stored = stored_of_run(rc, memo)  # weights/stored_form.py
         self.kernel = kernel or dict.fromkeys(PHASES, False)  # phase -> the blocks' matmuls run the int4 kernel
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
@@ -152,7 +154,7 @@ class StepCost:
     def weight_io(self, st: _Terms, layer: int, prefill: bool, t: int) -> None:
         """Weights of one layer, loaded once for all GPU batches, converted or expanded to the compute dtype where
         the int4 kernel does not run them (weights/forms.py): lookups expand the row blocks they read and the head
-        its blocks, per GPU batch."""
+        its blocks, per GPU batch; plain tables kept stored likewise (their rows; the head per GPU batch)."""
         r = self.r
         for tier, nbytes, on_disk, files in self.weights[layer]:
             if tier == "disk":
@@ -162,6 +164,10 @@ class StepCost:
             if self.w != self.c and not self.packed[layer]:  # a memory pass: host (CPU run) or device
                 rate = r.gpu_mem if self.cuda else r.convert
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
+        looked, chunked = self.stored[layer]  # tables kept stored: rows gathered, the head's chunks per GPU batch
+        if (looked or chunked) and not self.packed[layer]:
+            st.add("compute.convert_weights", _div((self.rc.num_gpu_batches - 1) * chunked - looked,
+                                                   r.gpu_mem if self.cuda else r.convert, "convert_bw"))
         if self.packed[layer]:  # compressed weights are expanded into the compute dtype where they are used
             kern, lookups = self.kernel_parts[layer]
             rows = self.rc.gpu_batch_size * t * row_block()  # at most a row block a token looked up

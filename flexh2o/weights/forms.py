@@ -28,6 +28,7 @@ import torch
 from flexh2o.compress.choice import PHASES
 from flexh2o.compress.codec import stored_bytes, weight_spec
 from flexh2o.compress.kernels import kernel_shape_ok, kernel_spec_ok, packed_bytes, rows_buffer_bytes, scales_bytes
+from flexh2o.weights.stored_form import stays_stored, stored_weight_bytes
 
 
 def kernel_layout(rc) -> bool:
@@ -92,6 +93,8 @@ def compute_side_bytes(rc, homes, kernel: dict, phase: str) -> tuple:
 def _weight_bytes(rc, layer: int, num_layers: int, s, home: str, compute: torch.dtype, kernel: dict,
                   phase: str) -> int:
     spec = weight_spec(s.shape, rc.compress_weight, s.name)
+    if spec is None and stays_stored(layer, num_layers, s, rc.dtype, compute, False):  # weights/stored_form.py
+        return stored_weight_bytes(layer, s, rc.dtype, compute, home in in_place_homes(rc))
     if spec is None:
         return 0 if home in in_place_homes(rc) and rc.dtype == compute else s.numel * compute.itemsize
     form = packed_form(layer, num_layers, s, kernel, phase)

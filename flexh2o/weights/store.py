@@ -16,11 +16,12 @@ from flexh2o.compress import CompressedTensor, CompressionSpec, weight_spec
 from flexh2o.compress.codec import dequantize
 from flexh2o.compress.kernels import PackedWeight, kernel_scales
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
-from flexh2o.models.common import WeightSpec
+from flexh2o.models.common import StoredWeight, WeightSpec
 from flexh2o.placement import WeightHomes
 from flexh2o.storage.disk import DiskTier
 from flexh2o.storage.read_buffers import ReadArenas
 from flexh2o.weights.forms import in_kernel_order, packed_form
+from flexh2o.weights.stored_form import stays_stored
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 READS_IN_FLIGHT = 8  # a layer's disk reads issued at once (queue depth; the link is not filled by one read at a time)
@@ -108,7 +109,8 @@ class WeightStore:
         are expanded (into reused buffers on the CPU), or, those in the kernel's order, come as PackedWeights where
         weights/forms.py says so for `kernel` (phase -> the blocks' matmuls run the int4 kernel) at `phase`.
         Plain weights homed on disk are read READS_IN_FLIGHT at once into one of two read arenas (ReadArenas),
-        lent until release(). Seconds spent reading and expanding add up in seconds[phase]."""
+        lent until release(). Large embedding and head tables in another dtype than `dtype` come as StoredWeights
+        (weights/stored_form.py). Seconds spent reading and expanding add up in seconds[phase]."""
         out, copied, last = {}, 0, len(self.specs) - 2
         on_cpu = torch.device(device).type == "cpu"
         read_s = expand_s = 0.0
@@ -118,14 +120,15 @@ class WeightStore:
         for s in self.specs[layer]:
             tier, h = self.tiers[s.name], self.handles[s.name]
             start = time.perf_counter()
+            kept = stays_stored(layer, last, s, self.dtype, dtype, isinstance(tier, CompressedTier))
             if s.name in streamed:
                 t = streamed[s.name].result()
                 mid = time.perf_counter()
-                t = self._own(t, device, dtype)
+                t = self._own(t, device, self.dtype if kept else dtype)
             elif not isinstance(tier, CompressedTier):
                 t = tier.load(h, device)
                 mid = time.perf_counter()
-                if t.dtype != dtype:
+                if t.dtype != dtype and not kept:
                     t = self.buffers.convert(t, dtype) if on_cpu else t.to(dtype)
             else:
                 ct = tier.load_compressed(h, device)
@@ -134,7 +137,7 @@ class WeightStore:
                 t = self._expanded(tier, ct, s, dtype, form, on_cpu)
             read_s, expand_s = read_s + mid - start, expand_s + time.perf_counter() - mid
             copied += _copied_bytes(t, h)  # kept scales too, as the plan's layers in flight count them
-            out[s.name] = t
+            out[s.name] = StoredWeight(t, dtype) if kept else t  # converted by rows or chunks (stored_form.py)
         with self.buffers.lock:
             self._lent[id(out)] = token
             got = self.seconds.setdefault(phase, {"read": 0.0, "expand": 0.0})

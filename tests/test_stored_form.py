@@ -1,0 +1,124 @@
+"""Large embedding and head tables reach the compute side in their stored dtype (weights/stored_form.py): a lookup
+converts the rows it gathers (exactly what converting the whole table gives), the head converts a chunk of rows
+at a time (each output the same dot product as one call, up to the order of its sum), the engine's weight loads
+copy what the memory plan reserves, and opt-1.3b's compute-side buffers under a tight cap stop being sized by its
+vocabulary table in fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexh2o.config import ModelConfig, from_name
+from flexh2o.engine import Engine
+from flexh2o.models import common, opt
+from flexh2o.models.common import StoredWeight
+from flexh2o.placement import Percent
+from flexh2o.planning.memory_plan import largest_batch, plan_memory
+from flexh2o.run_config import RunConfig
+from flexh2o.weights.forms import compute_side_bytes
+
+TINY = ModelConfig("tiny", "opt", hidden=64, num_layers=2, num_heads=4, ffn=256, vocab=512, max_positions=64)
+SMALL_CHUNK = 40 * 64 * 4  # 40 rows of a 64-wide fp32 table: TINY's tables (512 x 64, 66 x 64) span chunks
+U32 = 2.0 ** -24  # fp32 unit roundoff
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per output, twice the bound on one fp32 K-term dot product's rounding (gamma_K = K u / (1 - K u) times
+    sum |x_i w_i|, whatever the order of the sum), so two computations of it differ by at most this."""
+    k = x.shape[-1]
+    gamma = k * U32 / (1 - k * U32)
+    return 2 * gamma * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
+def test_a_gathered_lookup_equals_the_converted_table(storage):
+    """Gathering then converting is the same elementwise conversion of the same values: bit-equal."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1000, 48, generator=g) * 0.02).to(storage)
+    ids = torch.randint(0, 1000, (3, 7), generator=g)
+    got = StoredWeight(w, torch.float32).rows(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, F.embedding(ids, w.float()))  # (3, 7, 48)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 130])
+@pytest.mark.parametrize("chunk", [SMALL_CHUNK, 1 << 23])
+def test_a_chunked_head_equals_one_call_up_to_the_sum_order(monkeypatch, rows, chunk):
+    """x (rows, K) fp32 against a bf16 (N, K) table converted chunk by chunk: within _dot_bound of one F.linear on
+    the whole converted table (the chunks change only which BLAS kernel sums each dot product); with a bias too."""
+    monkeypatch.setattr(common, "STORED_CHUNK_BYTES", chunk)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1001, 64, generator=g).to(torch.bfloat16)  # 1001: the last chunk is shorter
+    x, bias = torch.randn(rows, 64, generator=g), torch.randn(1001, generator=g)
+    ref = F.linear(x, w.float())
+    got = StoredWeight(w, torch.float32).linear(x)
+    assert got.shape == (rows, 1001) and got.dtype == torch.float32
+    assert ((got - ref).double().abs() <= _dot_bound(x, w.float())).all()
+    with_bias = StoredWeight(w, torch.float32).linear(x.view(1, rows, 64), bias)  # (1, rows, N)
+    # the bias adds one rounding of the sum: |s + b| u more, on top of the dot products' bound
+    slack = _dot_bound(x, w.float()) + (ref.double() + bias.double()).abs() * U32 * 2
+    assert ((with_bias[0] - F.linear(x, w.float(), bias)).double().abs() <= slack).all()
+
+
+def test_opt_embed_and_head_through_stored_weights(monkeypatch):
+    """TINY's embedding layer and tied head as the family computes them: the embedding bit-equal, the logits within
+    the dot products' bound, against the same functions handed the tables converted whole."""
+    monkeypatch.setattr(common, "STORED_CHUNK_BYTES", SMALL_CHUNK)
+    g = torch.Generator().manual_seed(2)
+    tok, pos = (torch.randn(s, generator=g).mul(0.02).to(torch.bfloat16) for s in ((512, 64), (66, 64)))
+    ln = {f"{opt.P}final_layer_norm.{n}": torch.full((64,), v) for n, v in (("weight", 1.0), ("bias", 0.0))}
+    plain = {f"{opt.P}embed_tokens.weight": tok.float(), f"{opt.P}embed_positions.weight": pos.float(), **ln}
+    stored = {**plain, f"{opt.P}embed_tokens.weight": StoredWeight(tok, torch.float32),
+              f"{opt.P}embed_positions.weight": StoredWeight(pos, torch.float32)}
+    ids, positions = torch.randint(0, 512, (3, 5), generator=g), torch.arange(5).expand(3, 5)
+    x = opt.embed(TINY, stored, ids, positions)
+    assert torch.equal(x, opt.embed(TINY, plain, ids, positions))  # (3, 5, 64)
+    y = F.layer_norm(x, (64,), ln[f"{opt.P}final_layer_norm.weight"], ln[f"{opt.P}final_layer_norm.bias"], 1e-5)
+    got, ref = opt.head(TINY, stored, x), opt.head(TINY, plain, x)  # (3, 5, 512)
+    assert ((got - ref).double().abs() <= _dot_bound(y.reshape(-1, 64), tok.float()).view(3, 5, 512)).all()
+
+
+@pytest.mark.parametrize("percent", ["0 100 100 0", "100 0 100 0", "0 0 100 0", "30 30 30 30"])
+def test_the_plan_reserves_what_the_loads_copy(monkeypatch, offload_dir, percent):
+    """bf16 storage, fp32 compute: per layer and phase, the bytes a weight load charges plus the head's chunk
+    buffer (transient, taken while it multiplies) are the plan's figure; the tables come as StoredWeights, stored
+    bytes only where they do not live on the compute side (disk), and every other weight converted as before."""
+    monkeypatch.setattr(common, "STORED_CHUNK_BYTES", SMALL_CHUNK)
+    rc = RunConfig(model=TINY, percent=Percent.parse(percent.split()), gpu_batch_size=2, prompt_len=8, gen_len=2,
+                   dtype=torch.bfloat16, compute_dtype=torch.float32, offload_dir=offload_dir)
+    chunk = 40 * 64 * 4  # SMALL_CHUNK's 40 rows of the 64-wide head table in fp32
+    with Engine(rc) as eng:
+        for phase in ("prefill", "decode"):
+            want = compute_side_bytes(rc, rc.placement.weights, {}, phase)
+            for layer, specs in enumerate(rc.placement.weights.layer_specs):
+                tensors, copied = eng.weights.load_layer(layer, torch.device("cpu"), torch.float32, {}, phase)
+                kept = {s.name for s in specs if isinstance(tensors[s.name], StoredWeight)}
+                big = {s.name for s in specs if len(s.shape) == 2 and layer in (0, TINY.num_layers + 1)}
+                assert kept == big, layer
+                assert copied + (chunk if layer > TINY.num_layers else 0) == want[layer], (phase, layer)
+                disk = sum(s.numel * 2 for s in specs if s.name in kept and rc.placement.weights[s.name] == "disk")
+                assert copied == disk + sum(s.numel * 4 for s in specs if s.name not in kept), layer
+                eng.weights.release(tensors)
+
+
+CAP = dict(gpu_mem=503514729, cpu_mem=55946082, disk_mem=100 << 30)
+
+
+def test_opt13b_in_fp32_under_the_tight_cap_fits():
+    """opt-1.3b streamed from disk in bf16 under ~480 MiB of gpu tier: in fp32 a layer in flight is a decoder
+    block at fp32 (12 h^2 + 13 h elements) or the tables read from disk in bf16, not a 50272 x 2048 table converted
+    to fp32 (393 MiB, twice in flight), and a batch fits at fp32 compute."""
+    cfg = from_name("opt-1.3b")
+    rc = RunConfig(model=cfg, percent=Percent.parse([0, 0, 0, 0, 0, 100]), gpu_batch_size=1, prompt_len=128,
+                   gen_len=32, dtype=torch.bfloat16, compute_dtype=torch.float32, **CAP)
+    h, f = cfg.hidden, cfg.ffn
+    block = (4 * h * h + 2 * h * f + 4 * h + f + h + 4 * h) * 4  # a decoder layer in fp32
+    sizes = compute_side_bytes(rc, rc.placement.weights, {}, "prefill")
+    assert max(sizes[1:-1]) == block == sizes[1]
+    assert sizes[0] == (cfg.vocab + cfg.max_positions + 2) * h * 2  # both tables read from disk, kept in bf16
+    assert sizes[-1] == cfg.vocab * h * 2 + 2 * h * 4 + common.STORED_CHUNK_BYTES  # head: bf16 table + fp32 chunk
+    assert largest_batch(rc) >= 1
+    assert plan_memory(rc.with_(compute_dtype=torch.bfloat16)).bytes["gpu"]["buffers"] < plan_memory(rc).bytes[
+        "gpu"]["buffers"]  # in bf16 nothing is converted: still less
