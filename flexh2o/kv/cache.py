@@ -14,7 +14,7 @@ import torch
 
 from flexh2o.compress.codec import assign, expand, first_slots
 from flexh2o.kv.layout import FIELDS, CacheLayout, CacheQuant
-from flexh2o.tensors import flat_slots
+from flexh2o.tensors import flat_slots, row_extents
 
 
 @dataclass
@@ -180,17 +180,6 @@ class KVBlock:
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""
         return (self.pos >= 0).sum(-1)
-
-
-def row_extents(pos: torch.Tensor) -> list:
-    """pos (b, h, s) -> per row, its slots up to the last one any of its heads uses (the whole width off the CPU:
-    reading it would make the host wait for the device)."""
-    b, s = pos.shape[0], pos.shape[-1]
-    if pos.device.type != "cpu":
-        return [s] * b
-    used = (pos >= 0).any(1)  # (b, s)
-    last = s - used.flip(-1).to(torch.int8).argmax(-1)  # one past the last used slot (s when none is used)
-    return torch.where(used.any(-1), last, 0).tolist()
 
 
 def merged_values(v: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> tuple:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 import torch
 
-from flexh2o.kv.cache import row_extents
 from flexh2o.kv.policies.base import KVPolicy, Observed, lowest_unprotected, protected_rows
+from flexh2o.tensors import row_extents
 
 UNBOUNDED = torch.iinfo(torch.int64).max  # the total of a lane without a budget: it never evicts
 
