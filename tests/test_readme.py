@@ -1,6 +1,6 @@
-"""The README's examples print what the README shows: each `flexh2o-run ... --dry-run` line followed by a
-`# -> TEXT` line prints TEXT (dummy weights: nothing is allocated); a dry run whose largest batch is 0 says why and
-what capacity holds one sequence; the SmolLM2 example (real weights: marked eval) writes the texts of its
+"""The README's examples (and those of docs/*.md) print what they show: each `flexh2o-run ... --dry-run` line
+followed by a `# -> TEXT` line prints TEXT (dummy weights: nothing is allocated); a dry run whose largest batch is 0
+says why and what capacity holds one sequence; the SmolLM2 example (real weights: marked eval) writes the texts of its
 `# out.json:` line."""
 from __future__ import annotations
 
@@ -19,8 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _readme() -> list:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        return f.read().splitlines()
+    """The lines of README.md, then of each docs/*.md page (the README's long forms moved there)."""
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    lines = []
+    for page in pages:
+        with open(page) as f:
+            lines += f.read().splitlines()
+    return lines
 
 
 def _shown_dry_runs() -> list:
