@@ -54,12 +54,12 @@ def logits(q: torch.Tensor, form) -> torch.Tensor:
     if isinstance(form, torch.Tensor):
         return torch.einsum("bhgd,bhsd->bhgs", q, form).float()
     if isinstance(form, Recent):
-        return _ring_logits(q, form)
+        return ring_logits(q, form, logits)
     if isinstance(form, Rotated):
         return logits(q, form.inner)
     if isinstance(form, ChannelKeys) and not form.spec.fitted:
         return _channel_logits(q, form)
-    if _whole_groups(form):
+    if whole_groups(form):
         return _group_logits(q, form)
     return logits(q, expand_stored(form, q.dtype)[0])
 
@@ -75,10 +75,10 @@ def mix(p: torch.Tensor, form, dtype: torch.dtype) -> torch.Tensor:
 
 def _mix32(p: torch.Tensor, form) -> torch.Tensor:
     if isinstance(form, Recent):
-        return _ring_mix(p, form)
+        return ring_mix(p, form, _mix32)
     if isinstance(form, Rotated):
         return _mix32(p, form.inner)
-    if _whole_groups(form):
+    if whole_groups(form):
         return _group_mix(p, form)
     return torch.einsum("bhgs,bhsd->bhgd", p, expand_stored(form, torch.float32)[0])
 
@@ -133,7 +133,8 @@ def _channel_logits(q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
     return out
 
 
-def _whole_groups(form) -> bool:
+def whole_groups(form) -> bool:
+    """Whether `form` is a CompressedTensor of whole groups along head_dim (no ragged tail): the levels read's."""
     return (isinstance(form, CompressedTensor) and form.data.dim() == 5 and form.spec.dim(4) == 3
             and form.data.shape[3] * form.spec.group_size == form.length)
 
@@ -177,8 +178,10 @@ def _ring(r: Recent, slots: int) -> torch.Tensor:
     return torch.where(ok, r.rslot, slots).long()
 
 
-def _ring_logits(q: torch.Tensor, r: Recent) -> torch.Tensor:
-    inner = logits(q, r.inner)  # (b, h, g, s)
+def ring_logits(q: torch.Tensor, r: Recent, inner_logits) -> torch.Tensor:
+    """logits over a form with its exact ring: `inner_logits(q, r.inner)` (this module's or a fused reader's) with
+    the ring's slots' logits replaced by the exact keys'."""
+    inner = inner_logits(q, r.inner)  # (b, h, g, s)
     b, h, g, s = inner.shape
     slot = _ring(r, s)
     qm = unrotate(q.float()).to(q.dtype) if is_rotated(r.inner) else q  # qH . kH = q . k: the ring in its own basis
@@ -188,7 +191,9 @@ def _ring_logits(q: torch.Tensor, r: Recent) -> torch.Tensor:
     return out[..., :s]
 
 
-def _ring_mix(p: torch.Tensor, r: Recent) -> torch.Tensor:
+def ring_mix(p: torch.Tensor, r: Recent, inner_mix32) -> torch.Tensor:
+    """The fp32 value mix over a form with its exact ring: the ring's slots' probabilities moved onto its exact
+    values, `inner_mix32(p, r.inner)` (this module's or a fused reader's) over the rest."""
     b, h, g, s = p.shape
     slot = _ring(r, s)
     idx = slot[:, :, None].expand(b, h, g, slot.shape[-1])
@@ -196,4 +201,4 @@ def _ring_mix(p: torch.Tensor, r: Recent) -> torch.Tensor:
     held = rest.gather(-1, idx)  # (b, h, g, E): the probability of each entry's slot (0: none)
     rest.scatter_(-1, idx, 0.0)
     exact = torch.matmul(held, r.ring(torch.float32))  # (b, h, g, d), in the model's basis
-    return _mix32(rest[..., :s], r.inner) + (rotate(exact) if is_rotated(r.inner) else exact)
+    return inner_mix32(rest[..., :s], r.inner) + (rotate(exact) if is_rotated(r.inner) else exact)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flexh2o.compress import attend
+from flexh2o.compress import attend, fused_attend
 from flexh2o.compress.codec import assign, expand, expand_stored
 from flexh2o.compress.rotation import rotated_if, unrotated_if
 from flexh2o.kv.cache import KVBlock, merged_values, row_extents
@@ -183,7 +183,8 @@ def decode(q, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int, window:
     if not policy.needs_scores and softcap is None and not quantized:  # one fused kernel per segment
         out = _fused(rotated_if(qg, rk), keys, values, front.pos, segments, None)
     else:
-        out = _scored(rotated_if(qg, rk), keys, values, front, policy, segments, softcap)
+        read = fused_attend.reader() if quantized else fused_attend.PLAIN  # chosen once a process
+        out = _scored(rotated_if(qg, rk), keys, values, front, policy, segments, softcap, read)
     out = unrotated_if(out, rv)
     if window is not None:
         front.evict((front.pos >= 0) & (front.pos <= (cur_pos + 1 - window).view(-1, 1, 1)))
@@ -223,18 +224,20 @@ def _extent_mask(step: StepRows, r0: int, r1: int, used: int, device) -> torch.T
     return (torch.arange(used, device=device) < ext)[:, None, None]
 
 
-def _scored(qg, keys, values, front: KVBlock, policy: KVPolicy, segments: list, softcap) -> torch.Tensor:
+def _scored(qg, keys, values, front: KVBlock, policy: KVPolicy, segments: list, softcap,
+            read: fused_attend.Reader) -> torch.Tensor:
     """Attention with its probabilities materialised (fp32), per segment: qg (b, kv, g, d) -> (b, kv, g, d); the
-    policy accumulates them (summed over each KV head's query heads) into front.score, 0 past a segment's slots."""
+    policy accumulates them (summed over each KV head's query heads) into front.score, 0 past a segment's slots.
+    `read` takes the logits and the value mix (a quantized block's: fused kernels or compress/attend.py)."""
     b, kv, g, d = qg.shape
     top = front.pos.shape[-1]
     out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
     att_sum = None if len(segments) == 1 or not policy.needs_scores else torch.zeros(b, kv, top, device=qg.device)
     for r0, r1, used in segments:
-        att = attend.logits(qg[r0:r1], attend.cut(keys, r0, r1, used))
+        att = read.logits(qg[r0:r1], attend.cut(keys, r0, r1, used))
         att = _capped(att * d ** -0.5, softcap)
         att = att.masked_fill((front.pos[r0:r1, :, :used] < 0)[:, :, None], float("-inf")).softmax(-1)
-        out[r0:r1] = attend.mix(att, attend.cut(values, r0, r1, used), qg.dtype)  # (r, kv, g, d)
+        out[r0:r1] = read.mix(att, attend.cut(values, r0, r1, used), qg.dtype)  # (r, kv, g, d)
         if att_sum is not None:
             att_sum[r0:r1, :, :used] = att.sum(2)
         elif policy.needs_scores:

@@ -1,0 +1,177 @@
+"""Decode attention over a quantized cache block, fused: the logits and the value mix taken straight from the
+packed levels, slot by slot, by compiled kernels (compress/fused_kernels.py, numba), no block of levels or of
+expanded values ever materialised. compress/attend.py's levels read casts every kept slot's levels to the compute
+dtype (one block the size of the plain cache, a dozen passes) before its matmuls; here each slot's levels are
+unpacked into a buffer of head_dim floats that the products read at once. The algebra is attend.py's:
+  keys per channel     q.k[t] = (q * scale) . lev[t] + q . lo, plus each outlier's (exact - middle) q[c]
+  per-token groups     q.k[t] = sum_G scale[t, G] (q_G . lev[t, G]) + lo[t, G] sum(q_G)
+                       sum_t p[t] v[t, G] = sum_t (p[t] scale[t, G]) lev[t, G] + p[t] lo[t, G]
+The exact ring (compress/recent.py) and the rotation are read as attend.py reads them, around the fused inner read;
+fitted key levels, ragged groups and blocks off the CPU go to attend.py.
+
+The reader is chosen once a process (`reader`): the fused one where numba imports, its kernels compile for this CPU
+and a self-check on a small block agrees with attend.py's read; else attend.py's, with the reason. The environment
+variable FLEXH2O_CACHE_KERNEL forces one: auto (the default), fused (an error when it cannot run) or torch.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flexh2o.compress import attend
+from flexh2o.compress.channel import ChannelKeys
+from flexh2o.compress.recent import Recent
+from flexh2o.compress.rotation import Rotated
+
+ENV = "FLEXH2O_CACHE_KERNEL"
+MODES = ("auto", "fused", "torch")
+
+
+@dataclass(frozen=True)
+class Reader:
+    """How decode reads a quantized block: `name` fused or torch, `why` the reason, `kernels` the compiled module."""
+
+    name: str
+    why: str
+    kernels: Optional[object] = None
+
+    def logits(self, q: torch.Tensor, form) -> torch.Tensor:
+        """q (b, h, g, d) in the form's stored basis -> q . k of every slot (b, h, g, slots) fp32 (attend.logits)."""
+        return attend.logits(q, form) if self.kernels is None else _logits(self.kernels, q, form)
+
+    def mix(self, p: torch.Tensor, form, dtype: torch.dtype) -> torch.Tensor:
+        """p (b, h, g, slots) fp32 -> sum over slots of p v (b, h, g, d) in `dtype` (attend.mix)."""
+        if self.kernels is None or isinstance(form, torch.Tensor):
+            return attend.mix(p, form, dtype)
+        return _mix32(self.kernels, p, form).to(dtype)
+
+
+PLAIN = Reader("torch", "a plain cache")  # what decode reads a plain block with (no kernels loaded)
+
+
+def reader() -> Reader:
+    """The reader of this process under FLEXH2O_CACHE_KERNEL (decided once for each value: `chosen`)."""
+    return chosen(os.environ.get(ENV, "auto"))
+
+
+@functools.lru_cache(maxsize=4)
+def chosen(mode: str) -> Reader:
+    """The reader for `mode` (MODES); ValueError for another mode, or for fused where the kernels cannot run."""
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode}: choose one of {', '.join(MODES)}")
+    if mode == "torch":
+        return Reader("torch", f"{ENV}=torch")
+    try:
+        from flexh2o.compress import fused_check
+        kernels, why = fused_check.load()
+    except Exception as e:  # numba missing or broken, no threading layer, a kernel that disagrees: attend.py
+        if mode == "fused":
+            raise ValueError(f"{ENV}=fused: the fused kernels cannot run here ({e}); unset it or use torch") from e
+        return Reader("torch", f"fused kernels unavailable ({type(e).__name__}: {e})")
+    return Reader("fused", why, kernels)
+
+
+def _cpu(*ts) -> bool:
+    return all(t.device.type == "cpu" for t in ts)
+
+
+def _logits(kn, q: torch.Tensor, form) -> torch.Tensor:
+    if isinstance(form, Recent):
+        return attend.ring_logits(q, form, functools.partial(_logits, kn))
+    if isinstance(form, Rotated):
+        return _logits(kn, q, form.inner)
+    if isinstance(form, ChannelKeys) and not form.spec.fitted and _cpu(q, form.data):
+        return _channel_logits(kn, q, form)
+    if attend.whole_groups(form) and _cpu(q, form.data):
+        return _group_logits(kn, q, form)
+    return attend.logits(q, form)
+
+
+def _mix32(kn, p: torch.Tensor, form) -> torch.Tensor:
+    if isinstance(form, Recent):
+        return attend.ring_mix(p, form, functools.partial(_mix32, kn))
+    if isinstance(form, Rotated):
+        return _mix32(kn, p, form.inner)
+    if attend.whole_groups(form) and _cpu(p, form.data):
+        return _group_mix(kn, p, form)
+    return attend.mix(p, form, torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def phase_order(n: int, bits: int) -> torch.Tensor:
+    """The channel at each position of phase order (compress/fused_kernels.py) of n values at `bits` (read only)."""
+    per = 8 if bits == 3 else 8 // bits  # values a unit
+    units = n // per
+    i = torch.arange(n)
+    return (i % units) * per + i // units
+
+
+def _in_groups(x: torch.Tensor, groups: int, bits: int) -> torch.Tensor:
+    """x (..., d) fp32 -> each of its `groups` groups along d in phase order (..., d), contiguous."""
+    size = x.shape[-1] // groups
+    return x.unflatten(-1, (groups, size))[..., phase_order(size, bits)].flatten(-2).contiguous()
+
+
+def _threads(kn) -> None:
+    kn.numba.set_num_threads(max(1, min(torch.get_num_threads(), kn.numba.config.NUMBA_NUM_THREADS)))
+
+
+def _flat(data: torch.Tensor) -> tuple:
+    """Packed data (b, h, s, [groups,] width) uint8 -> (its bytes as one flat array from its first, the element
+    strides of row, head and slot, the width of one group): each slot's groups contiguous, one after another."""
+    w = data.shape[-1]
+    if data.stride(-1) != 1 or (data.dim() == 5 and data.stride(3) != w):
+        data = data.contiguous()
+    span = 1 + sum((n - 1) * st for n, st in zip(data.shape, data.stride()))
+    return (data.as_strided((span,), (1,)).numpy(),) + tuple(data.stride()[:3]) + (w,)
+
+
+def _channel_logits(kn, q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
+    b, h, g, d = q.shape
+    bits = k.spec.bits
+    qf = q.float().contiguous()  # (b, h, g, d)
+    scale, lo = k.calib[..., 0].float()[:, :, None], k.calib[..., 1].float()[:, :, None]  # (b, h, 1, d)
+    qs = _in_groups(qf * scale, 1, bits)
+    c0 = (qf * lo).sum(-1, keepdim=True)  # (b, h, g, 1)
+    middle = (lo + (1 << (bits - 1)) * scale).contiguous()  # (b, h, 1, d): an outlier's stored level's value
+    out = torch.empty(b, h, g, k.data.shape[2])
+    _threads(kn)
+    kn.channel_logits(qs.numpy(), c0.numpy(), qf.numpy(), middle.numpy(), *_flat(k.data), k.index.numpy(),
+                      k.exact_values().numpy(), bits, out.numpy())
+    return out
+
+
+def _scales(x) -> tuple:
+    """A CompressedTensor's scales and minimums (b, h, s, groups), fp32 and contiguous."""
+    return tuple(x.meta[..., i].float().contiguous().numpy() for i in (0, 1))
+
+
+def _group_logits(kn, q: torch.Tensor, x) -> torch.Tensor:
+    b, h, g, d = q.shape
+    groups, bits = x.data.shape[3], x.spec.bits
+    qf = q.float()
+    qp = _in_groups(qf, groups, bits)
+    qsum = qf.unflatten(-1, (groups, d // groups)).sum(-1).contiguous()  # (b, h, g, groups)
+    out = torch.empty(b, h, g, x.data.shape[2])
+    _threads(kn)
+    kn.group_logits(qp.numpy(), qsum.numpy(), *_flat(x.data), *_scales(x), bits, out.numpy())
+    return out
+
+
+def _group_mix(kn, p: torch.Tensor, x) -> torch.Tensor:
+    b, h, g, _ = p.shape
+    groups, bits, size = x.data.shape[3], x.spec.bits, x.spec.group_size
+    out = torch.empty(b, h, g, groups, size)  # each group in phase order
+    _threads(kn)
+    kn.group_mix(p.float().numpy(), *_flat(x.data), *_scales(x), bits, out.view(b, h, g, groups * size).numpy())
+    return out[..., channel_order(size, bits)].flatten(-2)
+
+
+@functools.lru_cache(maxsize=64)
+def channel_order(n: int, bits: int) -> torch.Tensor:
+    """The position in phase order of each channel of n values at `bits` (phase_order's inverse; read only)."""
+    return torch.argsort(phase_order(n, bits))
