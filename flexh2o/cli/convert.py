@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expand-blocks", action="store_true", help="a .gguf's Q4_0/Q4_1/Q8_0/Q4_K tensors are "
                    "expanded into --dtype (float32 with auto) instead of kept in their own quantized blocks, as "
                    "llama.cpp keeps them (the default)")
-    p.add_argument("--keep-blocks", action="store_true", help=argparse.SUPPRESS)  # the default now; still taken
+    p.add_argument("--keep-blocks", action="store_true", help="keep a .gguf's quantized blocks: what happens "
+                   "anyway (taken for older command lines)")
     return p
 
 
