@@ -69,7 +69,7 @@ def resolve(model: Optional[str], root: str, tokenizer: Optional[str] = None, wh
         raise ValueError(unknown_model(model, what))
     from flexh2o.weights.source_cache import converted
     path, fresh = converted(model, root, dtype, keep_blocks, progress=progress)
-    return Source(path, tokenizer=tokenizer or _tokenizer_in(path) or _tokenizer_in(model), origin=model,
+    return Source(path, tokenizer=tokenizer or _tokenizer_in(model) or _tokenizer_in(path), origin=model,
                   fresh=fresh)
 
 
