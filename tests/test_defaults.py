@@ -244,3 +244,11 @@ def test_eval_writes_json_only_when_asked(gguf_ckpt, tmp_path, monkeypatch, caps
     assert os.listdir(tmp_path) == [] and "wrote" not in capsys.readouterr().out
     assert eval_cli.main(argv + ["--out", "r.json"]) == 0
     assert os.listdir(tmp_path) == ["r.json"] and "wrote r.json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eval_auto_runs_the_checkpoints_own_dtype(gguf_ckpt, tmp_path, dtype):
+    from flexh2o.eval.common import load_model
+    ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"), dtype=dtype)
+    assert load_model(ckpt, "auto", tokenizer=gguf_ckpt[0]).dtype == getattr(torch, dtype)
+    assert load_model(gguf_ckpt[1], "auto").dtype == torch.float32  # the GGUF's F32 tensors, its blocks kept

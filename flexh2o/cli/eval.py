@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a converted checkpoint folder (default smollm2)")
     common.add_argument("--tokenizer", help="tokenizer.json, .gguf or folder (default: from the model)")
     common.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                        help="storage and compute dtype (default auto: the fastest here by flexh2o's dtype probe)")
+                        help="storage and compute dtype (default auto: the checkpoint's own, never narrower)")
     common.add_argument("--context", type=int, default=384, help="tokens per window / recall context (default 384)")
     common.add_argument("--budgets", type=_csv, default=("10%", "20%", "50%"),
                         help="comma-separated KV budgets: tokens (64) or %% of the context (20%%); "
@@ -84,11 +84,9 @@ def _run(args, argv: list) -> int:
             raise ValueError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
     settings = _settings(args)  # validate before loading anything
-    if args.dtype == "auto":
-        from flexh2o.planning.dtype_choice import fastest_uniform
-        args.dtype = fastest_uniform(1, 512, 1)  # teacher-forced scoring: prefill-shaped
     model = load_model(args.model, args.dtype, args.tokenizer, args.cache_dir, args.seed,
                        keep_blocks=args.compress_weight)  # a GGUF's own blocks, not requantized
+    args.dtype = str(model.dtype).replace("torch.", "")  # auto: the checkpoint's own, as the result records it
     set_run_options(model, args)
     start = time.perf_counter()
     if args.task == "ppl":

@@ -89,16 +89,17 @@ def load_model(model: str, dtype: str = "bfloat16", tokenizer: Optional[str] = N
     """`smollm2`, a .gguf file or Hugging Face folder (converted once into cache_dir, default
     planning.machine.models_dir(), in the source's own dtype, by the one resolver, weights/source.py; keep_blocks:
     a GGUF's quantized blocks kept as they are, weights/blocks.py) or a converted checkpoint folder; run in
-    `dtype`."""
+    `dtype` (auto: the checkpoint's own)."""
     from flexh2o.planning.machine import models_dir
     from flexh2o.weights.source import is_builtin, resolve
-    torch_dtype = parse_dtype(dtype)
     if model is None or is_builtin(model):
         raise ValueError(f"--model {model}: the evaluations need real weights: give smollm2, a .gguf file, a Hugging "
                          "Face folder or a converted checkpoint folder")
     src = resolve(model, cache_dir or models_dir(), tokenizer, "--model", keep_blocks=keep_blocks)
     if src.tokenizer is None:
         raise ValueError(f"--model {model}: no tokenizer found beside it: pass --tokenizer")
+    from flexh2o.weights.index import checkpoint_dtype
+    torch_dtype = checkpoint_dtype(src.path) if dtype == "auto" else parse_dtype(dtype)
     return EvalModel(src.path, load_converted_config(src.path), load_tokenizer(src.tokenizer), torch_dtype,
                      seed=seed)
 
