@@ -62,7 +62,14 @@ class RunReport:
             d["decode_ratio_measured_to_predicted"] = self.decode_throughput / self.predicted["decode_throughput"]
         if self.predicted.get("total_throughput"):
             d["total_ratio_measured_to_predicted"] = self.total_throughput / self.predicted["total_throughput"]
+        if self.predicted.get("work"):
+            d["efficiency"] = self.efficiency()
         return d
+
+    def efficiency(self) -> dict:
+        """efficiency() of the predicted step work (tuning/efficiency.py) over one measured step of each phase."""
+        steps = {"prefill": self.prefill_s, "decode": self.decode_s / max(self.gen_len - 1, 1)}
+        return efficiency(self.predicted["work"], steps if self.gen_len > 1 else {"prefill": self.prefill_s})
 
     def summary(self) -> str:
         peaks = "  ".join(f"{t} {fmt_bytes(b)}" for t, b in self.peak_bytes.items())
@@ -88,6 +95,8 @@ class RunReport:
         if self.weight_kernel and any(self.weight_kernel.values()) or self.decode_busy_s:
             lines.append(self._decode_split())
         lines += [stage_line(s) for s in self.stages]
+        if self.predicted.get("work"):
+            lines.append(efficiency_line(self.efficiency(), self.predicted["work"]))
         if self.predicted:
             lines.append(f"predicted total {self.predicted.get('total_throughput', 0):.1f} tok/s, decode "
                          f"{self.predicted.get('decode_throughput', 0):.1f} tok/s")
@@ -109,6 +118,35 @@ class RunReport:
             return ""
         return (f"  PROJECTED from {self.measured_steps} of {self.gen_len} steps (measured decode "
                 f"{self.measured_decode_s:.3f} s over {self.measured_steps - 1} steps)")
+
+
+def efficiency(work: dict, seconds: dict) -> dict:
+    """phase -> one step's FLOPs, bytes per link, and their rates as % of the profile's peaks (work['peaks']), from
+    a step's work (tuning/efficiency.step_work) and `seconds`: phase -> the measured seconds of one step."""
+    peaks, out = work.get("peaks", {}), {}
+    for phase, sec in seconds.items():
+        w = work[phase]
+        if sec <= 0:
+            continue
+        got = {"step_s": sec, "flops": w["flops"], "flops_per_s": w["flops"] / sec, "bytes": w["bytes"]}
+        if peaks.get(phase):
+            got["matmul_peak_pct"] = 100.0 * w["flops"] / sec / peaks[phase]
+        for link, nbytes in w["bytes"].items():
+            if nbytes and peaks.get(link):
+                got[f"{link}_pct"] = 100.0 * nbytes / sec / peaks[link]
+        out[phase] = got
+    return out
+
+
+def efficiency_line(eff: dict, work: dict) -> str:
+    """One line: per phase, a step's FLOP rate and its % of the dtype's matmul peak, and each link's % of its rate."""
+    parts = []
+    for phase, e in eff.items():
+        pct = f" = {e['matmul_peak_pct']:.0f}% of {work[phase]['dtype']}'s matmul peak" if "matmul_peak_pct" in e \
+            else ""
+        links = "".join(f", {k[:-4]} {v:.0f}%" for k, v in e.items() if k.endswith("_pct") and k != "matmul_peak_pct")
+        parts.append(f"{phase} {e['flops'] / 1e9:.3g} GFLOP/step at {e['flops_per_s'] / 1e9:.3g} GFLOP/s{pct}{links}")
+    return "efficiency (one step; profile peaks)  " + "  |  ".join(parts)
 
 
 def stage_line(s: dict) -> str:

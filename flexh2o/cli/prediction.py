@@ -28,8 +28,9 @@ def predict_run(rc: RunConfig, hw: Optional[dict], quiet: bool = False) -> Optio
     if hw is None:
         return None
     from flexh2o.tuning.cost_model import predict
+    from flexh2o.tuning.efficiency import step_work
     try:
-        return predict(rc, hw).as_dict()
+        return {**predict(rc, hw).as_dict(), "work": step_work(rc, hw)}  # work: the summary's efficiency line
     except (ValueError, KeyError) as e:  # predictions are advisory: a profile without this dtype only warns
         if not quiet:
             print(f"flexh2o-run: warning: no prediction ({' '.join(str(e).split())})", file=sys.stderr)
