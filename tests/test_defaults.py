@@ -261,3 +261,26 @@ def test_plan_takes_every_name_its_help_lists():
                                            "--gpu-mem", "1GB", "--cpu-mem", "1GB", "--disk-mem", "1GB"])
     rc, _ = plan.plan_from_args(args)
     assert rc.model == config.from_name("smollm2-135m")
+
+
+@pytest.mark.parametrize("form", ["string", "named list", "jinja file"])
+def test_a_folders_tokenizer_ids_and_chat_template_are_kept(tmp_path, form):
+    """A Hugging Face folder's tokenizer.json is copied, its bos/eos ids (generation_config.json over config.json)
+    kept, and its chat template taken from chat_template.jinja or tokenizer_config.json (a string, or the one named
+    'default' of a list)."""
+    from flexh2o.weights.run_files import write_run_files
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    (src / "tokenizer.json").write_text('{"x": 1}')
+    (src / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    template = {"string": TEMPLATE, "named list": [{"name": "tool_use", "template": "x"},
+                                                   {"name": "default", "template": TEMPLATE}]}.get(form)
+    if template is None:
+        (src / "chat_template.jinja").write_text(TEMPLATE)
+    else:
+        (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert write_run_files(str(src), str(dst)) == ["tokenizer.json", "eos id [7, 8]", TEMPLATE_FILE]
+    assert (dst / "tokenizer.json").read_text() == '{"x": 1}' and (dst / TEMPLATE_FILE).read_text() == TEMPLATE
+    assert json.loads((dst / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": [7, 8]}
