@@ -284,3 +284,18 @@ def test_a_folders_tokenizer_ids_and_chat_template_are_kept(tmp_path, form):
     assert write_run_files(str(src), str(dst)) == ["tokenizer.json", "eos id [7, 8]", TEMPLATE_FILE]
     assert (dst / "tokenizer.json").read_text() == '{"x": 1}' and (dst / TEMPLATE_FILE).read_text() == TEMPLATE
     assert json.loads((dst / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": [7, 8]}
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_built_still_converts(gguf_ckpt, tmp_path, monkeypatch):
+    """(e.g. a SentencePiece vocabulary without transformers installed): the weights, the EOS id and the chat
+    template are kept, no tokenizer.json."""
+    import flexh2o.tokenizer
+    from flexh2o.weights.convert import convert
+
+    def refuse(path):
+        raise ValueError("no")
+    monkeypatch.setattr(flexh2o.tokenizer, "from_gguf", refuse)
+    result = convert(gguf_ckpt[0], str(tmp_path / "c"), keep_blocks=True)
+    assert result.kept == ("eos id 261", TEMPLATE_FILE)
+    assert sorted(os.listdir(tmp_path / "c")) == sorted(["chat_template.jinja", "flexh2o_config.json",
+                                                         "generation_config.json", "index.json", "tensors"])

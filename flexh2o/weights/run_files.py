@@ -38,11 +38,17 @@ def _from_gguf(src: str) -> tuple:
     import gguf
     from flexh2o.tokenizer import from_gguf
     fields = gguf.GGUFReader(src).fields
-    template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+
+    def get(key: str):
+        return fields[key].contents() if key in fields else None
+    template = get("tokenizer.chat_template")
+    ids = {k: int(get(f"tokenizer.ggml.{k}")) for k in IDS if get(f"tokenizer.ggml.{k}") is not None}
     if "tokenizer.ggml.model" not in fields:
-        return None, {}, template
-    tok = from_gguf(src)
-    ids = {k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)) if v is not None}
+        return None, ids, template
+    try:
+        tok = from_gguf(src)
+    except ValueError:  # a vocabulary flexh2o cannot build here (transformers missing): the weights still convert
+        return None, ids, template
     return (lambda path: tok.backend.save(path)), {**ids, "add_bos_token": tok.add_bos}, template
 
 
