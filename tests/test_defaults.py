@@ -284,6 +284,7 @@ def test_a_folders_tokenizer_ids_and_chat_template_are_kept(tmp_path, form):
     assert write_run_files(str(src), str(dst)) == ["tokenizer.json", "eos id [7, 8]", TEMPLATE_FILE]
     assert (dst / "tokenizer.json").read_text() == '{"x": 1}' and (dst / TEMPLATE_FILE).read_text() == TEMPLATE
     assert json.loads((dst / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": [7, 8]}
+    assert (dst / "tokenizer_config.json").exists() == (form != "jinja file")  # copied where the folder has one
 
 
 def test_a_gguf_whose_tokenizer_cannot_be_built_still_converts(gguf_ckpt, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """What a run needs beside the weights, kept in the converted checkpoint so that `--path CKPT` alone is enough:
 tokenizer.json (copied from a Hugging Face folder, or built from a GGUF's tokenizer metadata by flexh2o.tokenizer),
 generation_config.json (bos/eos ids and whether a BOS is added, which flexh2o.tokenizer reads beside
-tokenizer.json) and the chat template as chat_template.jinja (a GGUF's `tokenizer.chat_template`, a folder's
+tokenizer.json), a folder's tokenizer_config.json (the special tokens' texts) and the chat template as
+chat_template.jinja (a GGUF's `tokenizer.chat_template`, a folder's
 chat_template.jinja or its tokenizer_config.json `chat_template`)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_FILE = "generation_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+CONFIG_FILE = "tokenizer_config.json"
 IDS = ("bos_token_id", "eos_token_id")
 
 
@@ -30,6 +32,9 @@ def write_run_files(src: str, dst: str) -> list:
     if template:
         _write(os.path.join(dst, TEMPLATE_FILE), template)
         kept.append(TEMPLATE_FILE)
+    config = os.path.join(src, CONFIG_FILE)
+    if os.path.isdir(src) and os.path.isfile(config):  # the special tokens' texts a chat template names (chat.py)
+        shutil.copyfile(config, os.path.join(dst, CONFIG_FILE))
     return kept
 
 
@@ -70,7 +75,7 @@ def _folder_template(src: str) -> Optional[str]:
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as fh:
             return fh.read()
-    t = _json(os.path.join(src, "tokenizer_config.json")).get("chat_template")
+    t = _json(os.path.join(src, CONFIG_FILE)).get("chat_template")
     if isinstance(t, list):
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
     return t if isinstance(t, str) and t else None
