@@ -33,19 +33,27 @@ MODES = ("auto", "fused", "torch")
 
 @dataclass(frozen=True)
 class Reader:
-    """How decode reads a quantized block: `name` fused or torch, `why` the reason, `kernels` the compiled module."""
+    """How decode reads a quantized block: `name` fused or torch, `why` the reason, `kernels` the compiled CPU
+    module; `gpu`: a block on a CUDA device is read by the Triton kernels where they run (compress/fused_triton.py)."""
 
     name: str
     why: str
     kernels: Optional[object] = None
+    gpu: bool = False
 
     def logits(self, q: torch.Tensor, form) -> torch.Tensor:
         """q (b, h, g, d) in the form's stored basis -> q . k of every slot (b, h, g, slots) fp32 (attend.logits)."""
+        if q.is_cuda and self.gpu and _triton(str(q.device)) is not None:
+            return _triton(str(q.device)).logits(q, form)
         return attend.logits(q, form) if self.kernels is None else _logits(self.kernels, q, form)
 
     def mix(self, p: torch.Tensor, form, dtype: torch.dtype) -> torch.Tensor:
         """p (b, h, g, slots) fp32 -> sum over slots of p v (b, h, g, d) in `dtype` (attend.mix)."""
-        if self.kernels is None or isinstance(form, torch.Tensor):
+        if isinstance(form, torch.Tensor):
+            return attend.mix(p, form, dtype)
+        if p.is_cuda and self.gpu and _triton(str(p.device)) is not None:
+            return _triton(str(p.device)).mix32(p, form).to(dtype)
+        if self.kernels is None:
             return attend.mix(p, form, dtype)
         return _mix32(self.kernels, p, form).to(dtype)
 
@@ -71,8 +79,19 @@ def chosen(mode: str) -> Reader:
     except Exception as e:  # numba missing or broken, no threading layer, a kernel that disagrees: attend.py
         if mode == "fused":
             raise ValueError(f"{ENV}=fused: the fused kernels cannot run here ({e}); unset it or use torch") from e
-        return Reader("torch", f"fused kernels unavailable ({type(e).__name__}: {e})")
-    return Reader("fused", why, kernels)
+        return Reader("torch", f"fused kernels unavailable ({type(e).__name__}: {e})", gpu=True)
+    return Reader("fused", why, kernels, gpu=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _triton(device: str):
+    """compress/fused_triton.py where Triton imports and its kernels agree with attend.py on `device`, else None
+    (decided once a process and device; never asked on the CPU path)."""
+    try:
+        from flexh2o.compress import fused_triton
+        return fused_triton if fused_triton.available(device) else None
+    except Exception:  # no Triton, no compiler for it, a kernel that fails: attend.py's read on the device
+        return None
 
 
 def _cpu(*ts) -> bool:

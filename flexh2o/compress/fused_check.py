@@ -48,7 +48,7 @@ def _self_check(kn) -> None:
     b, h, s, d = 2, 2, 5, 32
     for bits, keys in ((4, "channel"), (3, "token"), (2, "channel"), (8, "token")):
         x = torch.randn(b, h, s, d, generator=gen)
-        k, v = _form(keys, bits, x), _form("token", bits, x)
+        k, v = small_form(keys, bits, x), small_form("token", bits, x)
         q = torch.randn(b, h, 3, d, generator=gen)
         p = torch.softmax(torch.randn(b, h, 3, s, generator=gen), -1)
         pairs = ((fused_attend._logits(kn, q, k), attend.logits(q, k)),
@@ -58,7 +58,7 @@ def _self_check(kn) -> None:
                 raise RuntimeError(f"the fused kernels disagree with the levels read ({bits}-bit {keys})")
 
 
-def _form(keys: str, bits: int, x: torch.Tensor):
+def small_form(keys: str, bits: int, x: torch.Tensor):
     """x (b, h, s, d) stored per channel with 4 outliers ("channel") or per token in groups of d / 2."""
     from flexh2o.compress.channel import ChannelKeys, ChannelSpec
     from flexh2o.compress.codec import CacheGroupSpec, assign, empty_like_layout
