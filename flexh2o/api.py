@@ -77,7 +77,7 @@ def api_message(text: str) -> str:
                    reverse=True)
     for flag in flags:
         name = flag[2:].replace("-", "_")
-        text = re.sub(re.escape(flag) + r" (?=[A-Z0-9.-])", name + "=", text)  # --hh-ratio 1.5 -> hh_ratio=1.5
+        text = re.sub(re.escape(flag) + r"(?: (?=[A-Z0-9.-])|(?=\)))", name + "=", text)  # hh_ratio=1.5, (tokenizer=)
         text = re.sub(re.escape(flag) + r"(?![\w-])", name, text)
     return re.sub(r"\bmax_new_tokens\b", "max_tokens", text)
 
