@@ -178,7 +178,9 @@ def choose_dtypes(rc, dtype_arg: Optional[str], compute_arg: Optional[str],
                    f"{estimate_step(timings, s, c) / estimate_step(timings, s, d):.2f}x faster than converting "
                    f"to {dtype_name(c)})")
     if (s, c, d) != ranked[0]:
-        reason += f"; {dtype_name(ranked[0][0])}/{dtype_name(ranked[0][1])} would not fit"
+        first = f"{dtype_name(ranked[0][0])}/{dtype_name(ranked[0][1])}"
+        reason += (f"; {first} would not fit" if score is None else
+                   f"; chosen by the policy search's predicted time (the probe ranks {first} first)")
     note = None
     if (storage is not None and not kept) or compute is not None:
         best = min(options(rc, None, None), key=lambda t: estimate(timings, rc, *t))
