@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 NOT_OPTIONS = ("prompt_file", "output_file", "resume", "dry_run", "policy", "max_seqs", "stage_layers",
-               "stage_timeout", "cut_gen_len", "debug_mode")  # what a file-based or one-off CLI run needs
+               "stage_timeout", "cut_gen_len", "debug_mode", "prompt", "chat")  # a file-based or one-off run's
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class SamplingParams:
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
+    top_k: Optional[int] = None  # sample from the k most likely tokens (0: all), with temperature > 0
     stop: Sequence[str] = ()  # a string alone is one stop string (as vLLM takes it), not its characters
     ignore_eos: Optional[bool] = None
 
@@ -120,17 +121,26 @@ class LLM:
     def __del__(self):
         self.close()
 
-    @_api_names
     def generate(self, prompts: Sequence, params=None) -> list:
         """One Result (batch/stopping.py: text, token_ids, finish_reason, ...) per prompt, in order. params: a
         SamplingParams for every prompt, or a list of them, one per prompt (as vLLM takes them)."""
+        return self._generate(prompts, params)
+
+    def chat(self, conversations: Sequence, params=None) -> list:
+        """One Result per conversation, in order: each a list of {"role", "content"} messages (or one conversation
+        alone) rendered with the model's chat template and answered as the assistant's next turn. params: as
+        generate() takes them, one per conversation."""
+        return self._generate(_conversations(conversations), params, chat=True)
+
+    @_api_names
+    def _generate(self, prompts: Sequence, params, chat: bool = False) -> list:
         from flexh2o.batch.progress import Progress
         from flexh2o.batch.run import run_requests
         from flexh2o.cli.request_job import stop_rule
         from flexh2o.cli.run import build_run_config
         prompts = _prompt_list(prompts)
         per = _per_prompt(params, len(prompts))
-        reqs = self.requests(prompts, per)
+        reqs = self.requests(prompts, per, chat)
         args = copy.copy(self.args)
         args.gen_len = max(r.max_new_tokens for r in reqs)
         ignore = {self.args.ignore_eos if p.ignore_eos is None else p.ignore_eos for p in per}  # None: the LLM's
@@ -145,35 +155,47 @@ class LLM:
             from flexh2o.engine import Engine
             self.engine = Engine(rc)
         with Progress(len(reqs), enabled=self.opts.verbose >= 1) as bar:
-            stats = run_requests(self.engine.rc, reqs, stop_rule(args, self.cfg, self.tokenizer), progress=bar,
+            rule = stop_rule(args, self.cfg, self.tokenizer, self.chat_template)
+            stats = run_requests(self.engine.rc, reqs, rule, progress=bar,
                                  warmup=warm and not args.no_warmup, refill=not args.no_refill,
                                  engine=self.engine)
         order = {r.id: i for i, r in enumerate(reqs)}
         return sorted(stats.results, key=lambda res: order[res.id])
 
+    @property
+    def chat_template(self):
+        """The model's ChatTemplate (chat.py), or None when it keeps none."""
+        if not hasattr(self, "_chat_template"):
+            from flexh2o.cli.request_job import chat_template_of
+            self._chat_template = chat_template_of(self.args, self.tokenizer)
+        return self._chat_template
+
     @_api_names
-    def requests(self, prompts: Sequence, params) -> list:
-        """The prompts as requests '0', '1', ..., checked as a .jsonl file's lines are; params: one SamplingParams
-        for all, or a list of them, one per prompt."""
-        from flexh2o.requests import Defaults, check_top_p, fit_positions, request_from
+    def requests(self, prompts: Sequence, params, chat: bool = False) -> list:
+        """The prompts (chat: conversations) as requests '0', '1', ..., checked as a .jsonl file's lines are;
+        params: one SamplingParams for all, or a list of them, one per prompt."""
+        from flexh2o.requests import Defaults, check_top_k, check_top_p, fit_positions, request_from
         prompts = _prompt_list(prompts)
         a = self.args
-        defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed)
+        what = "conversation" if chat else "prompt"
+        defaults = Defaults(a.gen_len, a.temperature, a.top_p, a.seed, a.top_k)
         out = []
         for i, (p, sp) in enumerate(zip(prompts, _per_prompt(params, len(prompts)))):
             given = {"max_new_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-                     "seed": sp.seed, "stop": list(sp.stop) if sp.stop else None}
+                     "top_k": sp.top_k, "seed": sp.seed, "stop": list(sp.stop) if sp.stop else None}
             fields = {k: v for k, v in given.items() if v is not None}
             try:
-                out.append(request_from({"id": str(i), **_prompt_field(p), **fields}, defaults, self.cfg.vocab,
-                                        self.tokenizer, self.cfg.max_positions))
+                prompt = {"messages": p} if chat else _prompt_field(p)
+                out.append(request_from({"id": str(i), **prompt, **fields}, defaults, self.cfg.vocab,
+                                        self.tokenizer, self.cfg.max_positions, self.chat_template if chat else None))
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+                raise ValueError(f"{what} {i}: {e}") from None
         try:
-            fit_positions(out, self.cfg.max_positions, lambda r: f"prompt {r.id}")
+            fit_positions(out, self.cfg.max_positions, lambda r: f"{what} {r.id}")
         except ValueError as e:
-            raise ValueError(f"prompts: {e}") from None
+            raise ValueError(f"{what}s: {e}") from None
         check_top_p(a.top_p, [r.temperature for r in out], "top_p")
+        check_top_k(a.top_k, [r.temperature for r in out], "top_k")
         return out
 
 
@@ -182,6 +204,16 @@ def _prompt_list(prompts) -> list:
     if not listed:
         raise ValueError("prompts: give a non-empty list of prompts (strings or token-id lists)")
     return listed
+
+
+def _conversations(conversations) -> list:
+    """A list of conversations; one conversation alone (a list of message dicts) becomes a list of one."""
+    if isinstance(conversations, (list, tuple)) and conversations and all(isinstance(m, dict) for m in conversations):
+        return [list(conversations)]
+    if not isinstance(conversations, (list, tuple)) or not conversations:
+        raise ValueError("conversations: give a list of messages ({\"role\": ..., \"content\": ...}), or a list "
+                         "of such lists")
+    return list(conversations)
 
 
 def _per_prompt(params, n: int) -> list:

@@ -1,8 +1,9 @@
 """Requests of a batch job: one per line of a `.jsonl` prompt file (or one per prompt of the older formats).
 
-A line is a JSON object: `id` (a unique string), `prompt` (text, encoded with the model's tokenizer) or
-`prompt_ids` (token ids), and optional `max_new_tokens`, `stop` (strings), `temperature`, `top_p`, `seed`. Fields
-left out take the run's values (--gen-len, --temperature, --top-p, --seed). Every line is checked before anything
+A line is a JSON object: `id` (a unique string), `prompt` (text, encoded with the model's tokenizer), `prompt_ids`
+(token ids) or `messages` (a chat, rendered with the model's chat template: chat.py), and optional `max_new_tokens`,
+`stop` (strings), `temperature`, `top_p`, `top_k`, `seed`. Fields left out take the run's values (--gen-len,
+--temperature, --top-p, --top-k, --seed). Every line is checked before anything
 runs; a bad one is one ValueError naming the file, the line number and the field.
 """
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "stop", "temperature", "top_p", "seed")
+FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "seed")
+PROMPTS = ("prompt", "prompt_ids", "messages")
 MAX_SEED = (1 << 63) - 1  # torch.Generator.manual_seed takes a 64-bit value
 
 
@@ -24,11 +26,13 @@ class Defaults:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
 
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to answer. prompt_ids: its tokens; text: the prompt as given (None for token ids)."""
+    """One prompt to answer. prompt_ids: its tokens; text: the prompt as given (None for token ids; a chat's
+    rendered prompt); top_k: sample from the k most likely tokens (0: all)."""
 
     id: str
     prompt_ids: tuple
@@ -38,6 +42,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     text: Optional[str] = field(default=None, compare=False)
+    top_k: int = 0
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not self.id:
@@ -54,6 +59,8 @@ class Request:
             raise ValueError(f"top_p {self.top_p!r}: give a number in (0, 1]")
         if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed {self.seed!r}: give an integer in 0..{MAX_SEED}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k {self.top_k!r}: give an integer >= 0 (0: every token)")
 
 
 def _is_int(x) -> bool:
@@ -64,10 +71,12 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def request_from(obj: dict, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None) -> Request:
+def request_from(obj: dict, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None,
+                 chat=None) -> Request:
     """A Request from one JSON object; ValueError('FIELD: what is wrong') when it cannot be one (positions: the
-    model's, which its prompt and max_new_tokens may not exceed together)."""
-    req = _request(obj, defaults, vocab, tokenizer)
+    model's, which its prompt and max_new_tokens may not exceed together; chat: the model's ChatTemplate, which
+    `messages` needs)."""
+    req = _request(obj, defaults, vocab, tokenizer, chat)
     if positions is not None and len(req.prompt_ids) + req.max_new_tokens > positions:
         raise ValueError(f"max_new_tokens {req.max_new_tokens}: with the prompt's {len(req.prompt_ids)} tokens it "
                          f"exceeds the model's {positions} positions: shorten the prompt or lower max_new_tokens")
@@ -85,7 +94,7 @@ def fit_positions(reqs: list, positions: int, name=lambda r: f"id {r.id!r}") -> 
                          "positions, and every row is planned for both: run such requests in separate jobs")
 
 
-def _request(obj: dict, defaults: Defaults, vocab: int, tokenizer) -> Request:
+def _request(obj: dict, defaults: Defaults, vocab: int, tokenizer, chat=None) -> Request:
     if not isinstance(obj, dict):
         raise ValueError("the line is not a JSON object: give {\"id\": ..., \"prompt\": ...}")
     unknown = sorted(set(obj) - set(FIELDS))
@@ -93,7 +102,7 @@ def _request(obj: dict, defaults: Defaults, vocab: int, tokenizer) -> Request:
         raise ValueError(f"{unknown[0]}: unknown field (fields: {', '.join(FIELDS)})")
     if "id" not in obj:
         raise ValueError("id: missing (every request needs a unique string id)")
-    ids, text = _prompt_ids(obj, vocab, tokenizer)
+    ids, text = _prompt_ids(obj, vocab, tokenizer, chat)
     stop = obj.get("stop", [])
     if isinstance(stop, str) or not isinstance(stop, list):
         raise ValueError("stop: give a list of strings")
@@ -102,12 +111,13 @@ def _request(obj: dict, defaults: Defaults, vocab: int, tokenizer) -> Request:
     try:
         req = Request(obj["id"], tuple(ids), obj.get("max_new_tokens", defaults.max_new_tokens), tuple(stop),
                       obj.get("temperature", defaults.temperature), obj.get("top_p", defaults.top_p),
-                      obj.get("seed", defaults.seed), text)
+                      obj.get("seed", defaults.seed), text, obj.get("top_k", defaults.top_k))
     except TypeError:
         raise ValueError("stop: give a list of strings") from None
-    if "top_p" in obj and req.top_p < 1 and req.temperature == 0:
-        raise ValueError(f"top_p {req.top_p}: this request decodes greedily (temperature 0), which reads no top_p: "
-                         "give it a temperature > 0, or drop top_p")
+    for name, unused in (("top_p", req.top_p < 1), ("top_k", req.top_k > 0)):
+        if name in obj and unused and req.temperature == 0:
+            raise ValueError(f"{name} {obj[name]}: this request decodes greedily (temperature 0), which reads no "
+                             f"{name}: give it a temperature > 0, or drop {name}")
     return req
 
 
@@ -119,10 +129,25 @@ def check_top_p(top_p: float, temperatures, flag: str = "--top-p") -> None:
                          f"top-p: give a temperature > 0 (the run's or a request's), or drop {flag}")
 
 
-def _prompt_ids(obj: dict, vocab: int, tokenizer) -> tuple:
+def check_sampling(top_p: float, top_k: int, temperatures, names=("--top-p", "--top-k")) -> None:
+    """check_top_p and check_top_k of a run's values (names: their flags, or the API's keywords)."""
+    check_top_p(top_p, temperatures, names[0])
+    check_top_k(top_k, temperatures, names[1])
+
+
+def check_top_k(top_k: int, temperatures, flag: str = "--top-k") -> None:
+    """A run's top_k when every row decodes greedily would be ignored: ValueError naming the flag and the fix."""
+    if top_k > 0 and all(t == 0 for t in temperatures):
+        raise ValueError(f"{flag} {top_k} is unused: every row decodes greedily (temperature 0), which reads no "
+                         f"top-k: give a temperature > 0 (the run's or a request's), or drop {flag}")
+
+
+def _prompt_ids(obj: dict, vocab: int, tokenizer, chat=None) -> tuple:
     """(token ids, text or None) of a request's prompt."""
-    if ("prompt" in obj) == ("prompt_ids" in obj):
-        raise ValueError("prompt: give exactly one of prompt (text) and prompt_ids (token ids)")
+    if sum(k in obj for k in PROMPTS) != 1:
+        raise ValueError("prompt: give exactly one of prompt (text), prompt_ids (token ids) and messages (a chat)")
+    if "messages" in obj:
+        return _chat_ids(obj["messages"], vocab, tokenizer, chat)
     if "prompt_ids" in obj:
         ids = obj["prompt_ids"]
         if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
@@ -146,7 +171,24 @@ def _prompt_ids(obj: dict, vocab: int, tokenizer) -> tuple:
     return ids, text
 
 
-def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None) -> list:
+def _chat_ids(messages, vocab: int, tokenizer, chat) -> tuple:
+    """(token ids, rendered prompt) of a chat: the template writes any BOS itself, so none is added."""
+    if chat is None:
+        raise ValueError("messages: this model has no chat template (none in its .gguf, tokenizer_config.json or "
+                         "chat_template.jinja): give prompt text instead")
+    if tokenizer is None:
+        raise ValueError("messages: a chat needs the model's tokenizer (--tokenizer)")
+    text = chat.render(messages, add_generation_prompt=True)
+    ids = tokenizer.encode(text, bos=False)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if not ids or bad:
+        raise ValueError(f"messages: the chat encodes to {'no tokens' if not ids else f'token id {bad[0]}'}, "
+                         f"outside the model's vocabulary (0..{vocab - 1}): pass the --tokenizer of this model")
+    return ids, text
+
+
+def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None,
+                  chat=None) -> list:
     """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line;
     positions: the model's (a request past them, or a job whose rows would be, is refused)."""
     try:
@@ -165,7 +207,7 @@ def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, pos
         except json.JSONDecodeError as e:
             raise ValueError(f"--prompt-file {path} line {num}: not valid JSON ({e.msg} at column {e.colno})") from None
         try:
-            req = request_from(obj, defaults, vocab, tokenizer, positions)
+            req = request_from(obj, defaults, vocab, tokenizer, positions, chat)
         except ValueError as e:
             raise ValueError(f"--prompt-file {path} line {num}: {e}") from None
         if req.id in seen:
@@ -186,4 +228,4 @@ def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, pos
 def requests_from_prompts(prompts: list, defaults: Defaults) -> list:
     """The older prompt formats (token-id lists): request ids are the prompts' indices ('0', '1', ...)."""
     return [Request(str(i), tuple(p), defaults.max_new_tokens, (), defaults.temperature, defaults.top_p,
-                    defaults.seed) for i, p in enumerate(prompts)]
+                    defaults.seed, top_k=defaults.top_k) for i, p in enumerate(prompts)]

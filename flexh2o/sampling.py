@@ -1,6 +1,7 @@
 """Next-token choice. The engine calls sampler(logits (b, vocab) fp32 on CPU, step, rows) -> ids (b,) once per
-step and GPU batch, `rows` being the slice of sequences the batch holds. Sampler: greedy by default, temperature
-and top-p with a seeded generator. TeacherForcer: feeds given tokens and scores the logits against them."""
+step and GPU batch, `rows` being the slice of sequences the batch holds. Sampler: greedy by default, temperature,
+top-k and top-p (applied in that order, as transformers' generate() does) with a seeded generator.
+TeacherForcer: feeds given tokens and scores the logits against them."""
 from __future__ import annotations
 
 import math
@@ -10,10 +11,12 @@ import torch
 
 
 class Sampler:
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0):
         if not (0 <= temperature < math.inf and 0 < top_p <= 1):
             raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {temperature}, {top_p})")
-        self.temperature, self.top_p = temperature, top_p
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"--top-k must be an integer >= 0, 0 = every token (got {top_k!r})")
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.gen = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
@@ -25,7 +28,11 @@ class Sampler:
                              "dtype; re-run flexh2o-convert on the source checkpoint or pass --compute-dtype float32")
         if self.temperature == 0:
             return logits.argmax(-1)
-        probs = (logits / self.temperature).softmax(-1)
+        scaled = logits / self.temperature  # (b, vocab)
+        if 0 < self.top_k < scaled.shape[-1]:  # keep the k most likely (ties at the k-th value kept, as HF does)
+            kth = scaled.topk(self.top_k, -1).values[:, -1:]  # (b, 1)
+            scaled = scaled.masked_fill(scaled < kth, -math.inf)
+        probs = scaled.softmax(-1)
         if self.top_p < 1:
             sorted_p, idx = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > self.top_p  # keep the smallest set reaching top_p

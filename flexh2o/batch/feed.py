@@ -31,7 +31,7 @@ class RequestFeed(PerRowSampler):
             self.req[row] = None
             return None
         r = self.queue.popleft()
-        self.req[row], self.samplers[row], self.tokens[row] = r, Sampler(r.temperature, r.top_p, r.seed), []
+        self.req[row], self.samplers[row], self.tokens[row] = r, Sampler(r.temperature, r.top_p, r.seed, r.top_k), []
         self.scans[row] = StopScan()
         return list(r.prompt_ids)
 

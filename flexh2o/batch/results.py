@@ -10,8 +10,9 @@ import json
 import os
 
 
-def done_ids(path: str) -> set:
-    """Ids already answered in `path` (none when it does not exist); a torn last line is cut off the file."""
+def done_ids(path: str, key: str = "id") -> set:
+    """Ids already answered in `path` (none when it does not exist); a torn last line is cut off the file. key: the
+    field holding a line's id ("custom_id" in the OpenAI batch format's output)."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb") as f:
@@ -20,13 +21,13 @@ def done_ids(path: str) -> set:
     tail = lines.pop()  # after the last newline: empty, or a torn line
     ids, keep = set(), 0
     for num, line in enumerate(lines, 1):
-        rec = _record(line)
+        rec = _record(line, key)
         if rec is None:
             if num == len(lines) and not tail:  # the last line, complete but unreadable: torn too
                 break
             raise ValueError(f"--output-file {path} line {num} is not a result line: the file is corrupt "
                              "(move it away to start over)")
-        ids.add(rec["id"])
+        ids.add(rec[key])
         keep += len(line) + 1
     if keep != len(data):
         with open(path, "r+b") as f:
@@ -35,12 +36,12 @@ def done_ids(path: str) -> set:
     return ids
 
 
-def _record(line: bytes):
+def _record(line: bytes, key: str):
     try:
         rec = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("id"), str) else None
+    return rec if isinstance(rec, dict) and isinstance(rec.get(key), str) else None
 
 
 class ResultWriter:

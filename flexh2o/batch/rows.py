@@ -67,7 +67,7 @@ class RowSampler(PerRowSampler):
     def __init__(self, requests: list, rule: StopRule, on_finish: Callable):
         super().__init__(rule, on_finish)
         self.requests = requests
-        self.samplers = [Sampler(r.temperature, r.top_p, r.seed) for r in requests]
+        self.samplers = [Sampler(r.temperature, r.top_p, r.seed, r.top_k) for r in requests]
         self.tokens = [[] for _ in requests]
         self.scans = [StopScan() for _ in requests]
         self.reasons: list = [None] * len(requests)

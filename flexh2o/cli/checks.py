@@ -96,6 +96,7 @@ def check_run_flags(args) -> None:
     check_int("--seed", args.seed, 0, MAX_SEED)
     check_real("--temperature", args.temperature, 0.0, fix="0 is greedy decoding")
     check_real("--top-p", args.top_p, 0.0, 1.0, lo_open=True)
+    check_int("--top-k", args.top_k, 0, fix="0 samples from every token")
     for flag in ("--gpu-mem", "--cpu-mem", "--disk-mem"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not value.strip():

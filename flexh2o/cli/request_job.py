@@ -1,8 +1,10 @@
 """flexh2o-run's batch jobs over requests (flexh2o/requests.py): flags, loading, resume and the run itself.
 
-A run is a request job when --prompt-file is .jsonl or --output-file is .jsonl. Such a job stops each row at the
-model's EOS token(s) (unless --ignore-eos), at its stop strings or at its max_new_tokens, and appends one JSON line
-per finished request to --output-file as it finishes (--resume skips the ids already there). The older formats with
+A run is a request job when --prompt-file is .jsonl (a request per line, or the OpenAI batch format:
+batch/openai_job.py), --prompt gives the prompts or --output-file is .jsonl. Such a job stops each row at the
+model's EOS token(s) and its chat template's end-of-turn token (unless --ignore-eos), at its stop strings or at its
+max_new_tokens, and appends one JSON line per finished request to --output-file as it finishes (--resume skips the
+ids already there); --prompt without --output-file prints each answer's text to stdout. The older formats with
 a .json or no output file keep FlexGen's fixed-length rows, so its benchmark commands keep their meaning.
 """
 from __future__ import annotations
@@ -12,11 +14,18 @@ import os
 import sys
 from typing import Optional
 
-from flexh2o.requests import Defaults, load_requests, requests_from_prompts
+from flexh2o.batch.openai_job import is_openai_batch, load_openai_batch
+from flexh2o.requests import Defaults, fit_positions, load_requests, request_from, requests_from_prompts
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
+    a("--top-k", type=int, default=0, help="with --temperature > 0: sample from the k likeliest tokens (before "
+      "--top-p); 0 = all")
+    a("--prompt", action="append", default=None, metavar="TEXT", help="a prompt as text (repeatable): answered as "
+      "a request job, each answer's text printed to stdout (with --output-file: its .jsonl result lines)")
+    a("--chat", action="store_true", help="with --prompt: each prompt is one user turn rendered with the model's "
+      "chat template (an instruct model's way of being asked)")
     a("--ignore-eos", action="store_true", help="request jobs (.jsonl): generate every row to its max_new_tokens "
       "(FlexGen's fixed length) instead of stopping at the model's EOS token")
     a("--eos-id", type=int, nargs="+", default=None, help="request jobs: the EOS token id(s) rows stop at "
@@ -29,17 +38,29 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
 
 
 def is_request_job(args) -> bool:
-    return any(str(getattr(args, f) or "").endswith(".jsonl") for f in ("prompt_file", "output_file"))
+    return bool(args.prompt) or any(str(getattr(args, f) or "").endswith(".jsonl")
+                                    for f in ("prompt_file", "output_file"))
 
 
 def reads_requests(args) -> bool:
     """The prompts come as requests (a .jsonl --prompt-file), each with its own settings; else every row takes the
     flags' (--temperature, --top-p, --gen-len)."""
-    return str(args.prompt_file or "").endswith(".jsonl")
+    return bool(args.prompt) or str(args.prompt_file or "").endswith(".jsonl")
 
 
 def defaults_of(args) -> Defaults:
-    return Defaults(args.gen_len, args.temperature, args.top_p, args.seed)
+    return Defaults(args.gen_len, args.temperature, args.top_p, args.seed, args.top_k)
+
+
+def chat_template_of(args, tokenizer):
+    """The model's ChatTemplate (chat.py): kept with its tokenizer (a .gguf, a Hugging Face folder) or its
+    converted checkpoint; None when neither holds one."""
+    from flexh2o.chat import ChatTemplate
+    for source in (args.tokenizer, None if args.path == "_DUMMY_" else args.path):
+        found = ChatTemplate.from_source(source, tokenizer)
+        if found is not None:
+            return found
+    return None
 
 
 def load_request_file(args, cfg, tokenizer) -> Optional[list]:
@@ -48,17 +69,47 @@ def load_request_file(args, cfg, tokenizer) -> Optional[list]:
     check_job_flags(args)
     if not reads_requests(args):
         return None
-    if not os.path.isfile(args.prompt_file):
+    chat = chat_template_of(args, tokenizer)
+    if args.prompt:
+        reqs = prompt_requests(args.prompt, args.chat, defaults_of(args), cfg, tokenizer, chat)
+    elif not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
-    reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer, cfg.max_positions)
-    args.gen_len = max(r.max_new_tokens for r in reqs)
+    elif is_openai_batch(args.prompt_file):  # kept on args for run_request_job, which writes its output lines
+        args.openai_batch = load_openai_batch(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer,
+                                              cfg.max_positions, chat, cfg.name)
+        reqs = args.openai_batch.requests
+    else:
+        reqs = load_requests(args.prompt_file, defaults_of(args), cfg.vocab, tokenizer, cfg.max_positions, chat)
+    args.gen_len = max((r.max_new_tokens for r in reqs), default=args.gen_len)
     return reqs
+
+
+def prompt_requests(texts: list, as_chat: bool, defaults: Defaults, cfg, tokenizer, chat) -> list:
+    """--prompt's texts as requests '0', '1', ... (--chat: each one user turn of the chat template)."""
+    out = []
+    for i, text in enumerate(texts):
+        field = {"messages": [{"role": "user", "content": text}]} if as_chat else {"prompt": text}
+        try:
+            out.append(request_from({"id": str(i), **field}, defaults, cfg.vocab, tokenizer, cfg.max_positions,
+                                    chat))
+        except ValueError as e:
+            raise ValueError(f"--prompt {i + 1}: {e}") from None
+    fit_positions(out, cfg.max_positions, lambda r: f"--prompt {int(r.id) + 1}")
+    return out
 
 
 def check_job_flags(args) -> None:
     """The flags that only a request job takes (--resume, --no-refill, --ignore-eos, --eos-id; --ignore-eos wins
     over --eos-id) and the output file a job would overwrite or continue: refused with the reason and the fix."""
     out = args.output_file
+    if args.prompt and args.prompt_file:
+        raise ValueError("--prompt and --prompt-file both give the prompts: keep one")
+    if args.prompt and out and not out.endswith(".jsonl"):
+        raise ValueError(f"--output-file {out}: --prompt's answers are written as .jsonl result lines: name a "
+                         ".jsonl file, or leave it out to see the texts on stdout")
+    if args.chat and not args.prompt:
+        raise ValueError("--chat renders --prompt's texts with the chat template: give --prompt TEXT (a .jsonl "
+                         "--prompt-file takes `messages` lines instead)")
     if args.resume and not is_request_job(args):
         raise ValueError("--resume continues a request job: give a .jsonl --output-file")
     for flag, why in (("no_refill", "fixed-length runs already use FlexGen's fixed batches"),
@@ -79,7 +130,9 @@ def check_job_flags(args) -> None:
                          "move the file away to start over")
 
 
-def stop_rule(args, cfg, tokenizer):
+def stop_rule(args, cfg, tokenizer, chat=None):
+    """EOS ids (the model's, its tokenizer's and the chat template's end-of-turn token) unless --ignore-eos or
+    --eos-id says otherwise."""
     from flexh2o.batch.stopping import StopRule
     if args.ignore_eos:
         return StopRule(frozenset(), tokenizer)
@@ -89,7 +142,7 @@ def stop_rule(args, cfg, tokenizer):
             raise ValueError(f"--eos-id {bad[0]} is outside the vocabulary (0..{cfg.vocab - 1})")
         return StopRule(frozenset(args.eos_id), tokenizer)
     ids = {cfg.eos_token_id} | ({tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None
-                                else set())
+                                else set()) | (chat.stop_token_ids(tokenizer) if chat is not None else set())
     return StopRule(frozenset(i for i in ids if i is not None), tokenizer)
 
 
@@ -116,17 +169,25 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
     from flexh2o.pipeline.group import launched_by_torchrun
     if launched_by_torchrun():
         raise ValueError("request jobs (.jsonl) run in one process: drop torchrun, or use the .json formats")
-    rule = stop_rule(args, cfg, tokenizer)
+    rule = stop_rule(args, cfg, tokenizer, chat_template_of(args, tokenizer))
     reqs = reqs if reqs is not None else requests_from_prompts(prompts, defaults_of(args))
-    done = done_ids(args.output_file) if args.resume else set()
-    todo = [r for r in reqs if r.id not in done]
+    batch = getattr(args, "openai_batch", None)  # an OpenAI batch file's lines (batch/openai_job.py)
+    done = done_ids(args.output_file, "custom_id" if batch else "id") if args.resume else set()
+    todo = batch.todo(done) if batch else [r for r in reqs if r.id not in done]
+    writer = ResultWriter(args.output_file) if args.output_file else None
+    sink = writer.write if writer else None if args.prompt else _print_result
+    if batch is not None:
+        _write_failed(batch.failed_lines(done), sink or _print_result, writer)
+        sink = batch.collector(sink or _print_result)
     if not todo:
-        print(f"flexh2o-run: every request is already answered in {args.output_file}", file=sys.stderr)
+        if writer is not None:
+            writer.close()
+        if done:
+            print(f"flexh2o-run: every request is already answered in {args.output_file}", file=sys.stderr)
         return 0
     if len(todo) > rc.num_seqs:  # a request job's own line: it counts the requests still to answer
         print(f"flexh2o-run: {schedule_line(len(todo), rc.num_seqs, refill=not args.no_refill)}", file=sys.stderr)
-    writer = ResultWriter(args.output_file) if args.output_file else None
-    on_result = writer.write if writer else _print_result
+    on_result = sink
     with Progress(len(reqs), len(reqs) - len(todo), enabled=opts.verbose >= 1) as bar:
         try:
             stats = run_requests(rc, todo, rule, on_result, writer.sync if writer else None, bar,
@@ -134,6 +195,9 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
         finally:
             if writer is not None:
                 writer.close()
+    if args.prompt and writer is None:  # each answer's text, in --prompt's order
+        for result in sorted(stats.results, key=lambda r: int(r.id)):
+            print(result.text, flush=True)
     if opts.verbose >= 1:
         print(stats.summary(), file=sys.stdout if writer else sys.stderr)
     if opts.log_file:
@@ -142,6 +206,17 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
                                          "requests": stats.requests, "generated_tokens": stats.generated_tokens,
                                          "seconds": stats.seconds, "useful_throughput": stats.tokens_per_s})
     return 0
+
+
+def _write_failed(records: list, sink, writer) -> None:
+    """The OpenAI batch lines this model cannot answer, written first (each names its error), and said once."""
+    for record in records:
+        sink(record)
+    if writer is not None:
+        writer.sync()
+    if records:
+        print(f"flexh2o-run: {len(records)} line(s) failed; each has its error in the output "
+              f"({records[0].line['error']['message']})", file=sys.stderr)
 
 
 def _print_result(result) -> None:

@@ -25,7 +25,7 @@ from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bo
 from flexh2o.cli.prediction import hardware_profile, predict_run
 from flexh2o.pipeline.group import launched_by_torchrun
 from flexh2o.pipeline.split import parse_stage_layers, split_stages
-from flexh2o.requests import check_top_p
+from flexh2o.requests import check_sampling
 from flexh2o.cli.kv_flags import add_kv_flags, budget_warning, kv_spec
 from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, reads_requests,
                                      rounds_line, run_request_job)
@@ -105,7 +105,7 @@ def _parse(argv: Optional[list]):
     if warning:
         print(f"flexh2o-run: {warning}", file=sys.stderr)
     if not reads_requests(args):  # every row at --temperature: refused before any work
-        check_top_p(args.top_p, [args.temperature])
+        check_sampling(args.top_p, args.top_k, [args.temperature])
     return args
 
 
@@ -122,7 +122,7 @@ def _run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
     if reqs is not None:  # a request's own temperature may read --top-p
-        check_top_p(args.top_p, [r.temperature for r in reqs])
+        check_sampling(args.top_p, args.top_k, [r.temperature for r in reqs])
     prompts = ([list(r.prompt_ids) for r in reqs] if reqs is not None
                else load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None)
     rc = build_run_config(args, cfg, prompts)
@@ -154,9 +154,9 @@ def _run(args) -> int:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     if is_request_job(args):
         return run_request_job(args, rc, cfg, reqs, prompts, tokenizer, opts)
-    job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed), args.output_file, opts.log_file,
-              tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(), predicted=predicted,
-              dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
+    job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed, args.top_k), args.output_file,
+              opts.log_file, tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(),
+              predicted=predicted, dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
     _note(args)
     if launched_by_torchrun():
         return _run_stages(args, rc, job)
