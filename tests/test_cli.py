@@ -125,6 +125,8 @@ def test_console_script_exit_status(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--percent" in r.stderr
 
 
+# slow: a policy search and a real opt-125m run in bf16; --policy auto's line and refusals: the tests below
+@pytest.mark.slow
 def test_policy_auto_and_predictions(capsys, tmp_path, offload_dir):
     log = tmp_path / "log.jsonl"
     argv = ["--model", "opt-125m", "--prompt-len", "16", "--gen-len", "3", "--dtype", "bfloat16", "--no-warmup",

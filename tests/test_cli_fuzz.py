@@ -65,9 +65,24 @@ def tiny(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("fuzz") / "tiny"), tiny_opt(vocab=128))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# the default run draws 60 command lines (about a fifth of the time); the slow run 300 others
+FUZZ = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=60, **FUZZ)
 @given(case=command_lines())
 def test_fuzz_exit_0_or_one_line_exit_2(tiny, case):
+    _exit_0_or_one_line_exit_2(tiny, case)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, **FUZZ)
+@given(case=command_lines())
+def test_fuzz_at_length_exit_0_or_one_line_exit_2(tiny, case):
+    _exit_0_or_one_line_exit_2(tiny, case)
+
+
+def _exit_0_or_one_line_exit_2(tiny, case):
     argv, real = case
     work = tempfile.mkdtemp(prefix="flexh2o-fuzz-")
     off = os.path.join(work, "off")

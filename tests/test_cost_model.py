@@ -264,6 +264,8 @@ def _named(name: str) -> ModelConfig:
     return from_name(name)
 
 
+# slow: measures this machine (a quick profile); the model's reading of a profile: the tests above
+@pytest.mark.slow
 def test_quick_profile_has_every_figure_the_model_reads(tmp_path, capsys):
     from flexh2o.cli.profile import main as profile_main
     out = tmp_path / "hw.json"

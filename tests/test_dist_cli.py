@@ -50,6 +50,9 @@ def _finish(proc: subprocess.Popen) -> tuple:
     return proc.returncode, out, err
 
 
+# slow (this and the torchrun tests below): each launches torchrun and two ranks; the stages' outputs in
+# one process: tests/test_dist_stages.py
+@pytest.mark.slow
 def test_one_summary_and_record_from_the_head_and_tokens_equal_transformers(tiny, tmp_path, offload_dir):
     d, model, prompts = tiny
     out, log = tmp_path / "out.json", tmp_path / "log.json"
@@ -68,6 +71,7 @@ def test_one_summary_and_record_from_the_head_and_tokens_equal_transformers(tiny
     assert got == [hf_greedy(model, p, 5)[0] for p in prompts]
 
 
+@pytest.mark.slow
 def test_a_refusal_on_one_rank_stops_both_with_one_line(tiny, offload_dir):
     """--stage-layers 1,3 with a gpu tier that holds one stage but not the other: that rank refuses, every rank
     exits 2 (every rank raises the agreed refusal: test_dist_stages), and the machine shows the refusal once."""
@@ -117,6 +121,7 @@ def _wait_for_both_stages(proc, offload_dir) -> list:
     return _run_dirs(offload_dir)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_with_a_clear_error_and_no_files(tiny, offload_dir):
     d, _, _ = tiny
     proc = _long_run(d, offload_dir)
@@ -131,6 +136,7 @@ def test_a_killed_rank_ends_the_job_with_a_clear_error_and_no_files(tiny, offloa
     assert not _run_dirs(offload_dir), f"offload files left behind: {_run_dirs(offload_dir)}, killed {victim}\n{stderr}"
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_launcher_cleans_up_every_rank(tiny, offload_dir):
     d, _, _ = tiny
     proc = _long_run(d, offload_dir)
@@ -161,6 +167,7 @@ def _stage_weight_bytes(d, counts: list) -> list:
     return [4 * sum(s.numel for layer in specs[cuts[i]:cuts[i + 1]] for s in layer) for i in range(2)]
 
 
+@pytest.mark.slow
 def test_a_dry_run_under_torchrun_prints_each_ranks_own_stage_plan(tiny, offload_dir):
     from flexh2o.units import fmt_bytes
     d, _, _ = tiny

@@ -92,6 +92,8 @@ def test_explicit_capacities_of_the_ranks_together_may_not_exceed_the_machine(ca
     assert len(err) == 1 and "x 2 ranks on this machine" in err[0] and "--cpu-mem" in err[0], err
 
 
+# slow: launches torchrun; each rank's share in one process: the tests above
+@pytest.mark.slow
 def test_torchrun_two_ranks_each_plan_half_the_disk(offload_dir, tmp_path):
     """The real launcher: each rank's disk tier capacity is half the offload disk's free space (which other
     processes change far less than the memory available)."""
