@@ -17,6 +17,8 @@ from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
+from flexh2o.weights.stored_form import stays_stored
+from flexh2o.compress import weight_spec
 
 CACHES = ((100, 0), (0, 100), (0, 0))
 ACTIVATIONS = ((100, 0), (0, 100))
@@ -83,7 +85,9 @@ def in_flight(rc: RunConfig) -> str:
         return "; no weights in flight: every weight is used where it lives"
     specs = layer_specs(rc.model)[layer]
     big = max(specs, key=lambda s: s.numel)
-    share = big.numel * rc.compute.itemsize
+    packed = weight_spec(big.shape, rc.compress_weight, big.name) is not None
+    kept = stays_stored(layer, len(sizes) - 2, big, rc.dtype, rc.compute, packed)
+    share = big.numel * (rc.dtype if kept else rc.compute).itemsize  # a table kept stored: weights/stored_form.py
     return (f"; the buffers hold two layers of weights in flight, 2 x {fmt_bytes(sizes[layer])} (layer {layer}; "
             f"its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})")
 
