@@ -59,7 +59,7 @@ BAD = [  # (path, body, a word the one message names)
     ("/v1/completions", [1, 2], "JSON object"),
     ("/v1/chat/completions", {"model": "ckpt"}, "messages"),
     ("/v1/chat/completions", {"model": "ckpt", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
-                              "max_completion_tokens": 2}, "one of them"),
+                              "max_completion_tokens": 2}, "not both"),
     ("/v1/chat/completions", {"model": "ckpt", "messages": [{"role": "robot", "content": "w1"}]}, "role"),
 ]
 

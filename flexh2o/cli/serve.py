@@ -12,10 +12,11 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.console import run_main
+from flexh2o.cli.request_job import chat_template_of, stop_rule
 from flexh2o.cli.run import build_parser as run_parser
 from flexh2o.cli.run import build_run_config
 
-NOT_SERVER = ("prompt_file", "output_file", "resume", "dry_run", "no_refill", "cut_gen_len", "debug_mode",
+NOT_SERVER = ("prompt", "chat", "prompt_file", "output_file", "resume", "dry_run", "no_refill", "cut_gen_len", "debug_mode",
               "stage_layers", "log_file")  # flexh2o-run's flags for jobs from files or one-off runs
 MAXIMA = {"--prompt-len": "the longest prompt (in tokens) a request may send: the plan holds it",
           "--gen-len": "the most tokens a request may ask for (max_tokens; also its default): the plan holds it"}
@@ -66,7 +67,6 @@ def parse(argv: Optional[list]):
 def prepare(argv: Optional[list]):
     """Parse and check everything, resolve the model and plan the run: (args, RunConfig, cfg, tokenizer,
     template), before anything is allocated."""
-    from flexh2o.chat import ChatTemplate
     from flexh2o.cli.flexgen_flags import flexgen_options
     from flexh2o.cli.model_source import resolve_source
     from flexh2o.prompts import load_tokenizer
@@ -78,8 +78,7 @@ def prepare(argv: Optional[list]):
     resolve_source(args, "flexh2o-serve")
     cfg = _model_config(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    template = ChatTemplate.from_source(args.tokenizer, tokenizer) or ChatTemplate.from_source(
-        args.path if args.path != "_DUMMY_" else None, tokenizer)
+    template = chat_template_of(args, tokenizer)
     rc = build_run_config(args, cfg, None)
     args.served_name = name if name != "_DUMMY_" else cfg.name
     return args, rc, cfg, tokenizer, template
@@ -105,12 +104,11 @@ def bind(host: str, port: int) -> socket.socket:
 @contextlib.contextmanager
 def opened(prepared):
     """The server of prepare()'s run: its engine built, warmed up and its thread started; freed on leaving."""
-    from flexh2o.cli.request_job import stop_rule
     from flexh2o.serve.server import ServeOptions, open_server
     args, rc, cfg, tokenizer, template = prepared
     opts = ServeOptions(args.served_name, args.api_key, args.max_queue, args.stats_interval, not args.no_warmup,
-                        args.temperature, args.top_p)
-    with open_server(opts, rc, cfg, tokenizer, template, stop_rule(args, cfg, tokenizer)) as server:
+                        args.temperature, args.top_p, args.top_k)
+    with open_server(opts, rc, cfg, tokenizer, template, stop_rule(args, cfg, tokenizer, template)) as server:
         yield server
 
 

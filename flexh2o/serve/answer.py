@@ -8,7 +8,8 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from flexh2o.serve.responses import DONE, FINISH, Shape, sse, usage
+from flexh2o.batch.openai_format import FINISH, chat_completion_object, completion_object
+from flexh2o.serve.responses import DONE, Shape, sse, usage
 from flexh2o.serve.schemas import ApiError, Parsed
 from flexh2o.serve.stream import Answer, TextDeltas
 
@@ -44,8 +45,7 @@ async def answer_whole(request: Request, ans: Answer, parsed: Parsed, shape: Sha
         done = [_ended(r) for r in results]
     except ApiError as e:
         return JSONResponse(e.body(), status_code=e.status)
-    choices = [(r.text or "", FINISH[r.finish_reason]) for r in done]
-    return shape.whole(choices, usage(prompt_tokens, sum(r.generated_tokens for r in done)))
+    return (chat_completion_object if shape.chat else completion_object)(shape.model, done, prompt_tokens)
 
 
 async def _disconnect(request: Request) -> None:
@@ -62,13 +62,13 @@ async def answer_stream(ans: Answer, parsed: Parsed, shape: Shape, tokenizer, pr
     try:
         if shape.chat:  # OpenAI's first chunk of a choice names the role
             for i in range(n):
-                yield shape.chunk(shape.choice(i, "", None, True, first=True), parsed.include_usage)
+                yield shape.chunk(shape.choice(i, "", None, first=True), parsed.include_usage)
         async for event in ans.events():
             i = event.index
             if not event.is_end:
                 piece = deltas[i].add(event.token)
                 if piece:
-                    yield shape.chunk(shape.choice(i, piece, None, True), parsed.include_usage)
+                    yield shape.chunk(shape.choice(i, piece, None), parsed.include_usage)
                 continue
             try:
                 result = _ended(event.end)
@@ -76,7 +76,7 @@ async def answer_stream(ans: Answer, parsed: Parsed, shape: Shape, tokenizer, pr
                 yield sse(e.body())
                 return
             generated += result.generated_tokens
-            yield shape.chunk(shape.choice(i, deltas[i].end(result.text), FINISH[result.finish_reason], True),
+            yield shape.chunk(shape.choice(i, deltas[i].end(result.text), FINISH[result.finish_reason]),
                               parsed.include_usage)
         if parsed.include_usage:
             yield shape.usage_chunk(usage(prompt_tokens, generated))

@@ -108,29 +108,19 @@ async def _answer(state: ServerState, request: Request, chat: bool):
         body = await request.json()
     except ValueError:
         raise schemas.bad("the request body is not valid JSON") from None
-    allowed = schemas.COMMON + (("messages", "max_completion_tokens") if chat else ("prompt",))
-    schemas.check_fields(body, allowed)
+    schemas.check_fields(body, chat)
     if "model" not in body:
         raise schemas.bad("model: missing (GET /v1/models lists it)", "model")
     _check_model(state, body["model"])
-    lim, tok = state.limits, state.tokenizer
-    if chat:
-        if "max_tokens" in body and "max_completion_tokens" in body:
-            raise schemas.bad("max_tokens, max_completion_tokens: give one of them", "max_tokens")
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        prompts = [schemas.chat_prompt(body, state.template, tok)]
-        parsed = schemas.make_requests(prompts, body, lim, tok, key, state.chat_stops)
-    else:
-        prompts = schemas.completion_prompts(body, tok, lim.vocab)
-        parsed = schemas.make_requests(prompts, body, lim, tok, "max_tokens")
+    parsed = schemas.make_requests(body, chat, state.limits, state.tokenizer, state.template, state.chat_stops)
     ans = Answer(parsed.requests)
     if not state.queue.put(ans.live):
         raise ApiError(429, f"the server's queue is full ({state.queue.max_queue} requests wait, its --max-queue): "
                        "retry later", code="rate_limit_exceeded", kind="rate_limit_error")
     shape = Shape(chat, state.model_name)
-    prompt_tokens = sum(len(p) for p in prompts)
+    prompt_tokens = sum(len(r.prompt_ids) for r in parsed.requests[::parsed.n])
     if parsed.stream:
-        return StreamingResponse(answer_stream(ans, parsed, shape, tok, prompt_tokens),
+        return StreamingResponse(answer_stream(ans, parsed, shape, state.tokenizer, prompt_tokens),
                                  media_type="text/event-stream")
     return await answer_whole(request, ans, parsed, shape, prompt_tokens)
 

@@ -53,7 +53,8 @@ class LiveFeed(PerRowSampler):
         if live is None:
             return None
         r = live.request
-        self.samplers[row], self.tokens[row], self.scans[row] = Sampler(r.temperature, r.top_p, r.seed), [], StopScan()
+        self.samplers[row] = Sampler(r.temperature, r.top_p, r.seed, r.top_k)
+        self.tokens[row], self.scans[row] = [], StopScan()
         self.stats.busy += 1
         self.stats.prompt_tokens += len(r.prompt_ids)
         return list(r.prompt_ids)

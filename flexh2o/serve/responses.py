@@ -1,4 +1,5 @@
-"""The OpenAI response objects: text_completion and chat.completion, whole or as server-sent-event chunks."""
+"""The chunks of a streamed answer: server-sent events of text_completion / chat.completion.chunk objects. A whole
+answer's object is batch/openai_format.py's, as in an OpenAI batch file's output."""
 from __future__ import annotations
 
 import json
@@ -6,12 +7,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # batch/stopping.py's reasons -> OpenAI's
+DONE = "data: [DONE]\n\n"
 
 
 @dataclass
 class Shape:
-    """What differs between the two endpoints' objects, and the id and time shared by all chunks of one answer."""
+    """What differs between the two endpoints' chunks, and the id and time all chunks of one answer share."""
 
     chat: bool
     model: str
@@ -21,32 +22,25 @@ class Shape:
     def __post_init__(self):
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
 
-    def _head(self, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def choice(self, index: int, text: str, finish, chunk: bool, first: bool = False) -> dict:
+    def choice(self, index: int, text: str, finish, first: bool = False) -> dict:
+        """One choice's piece of text (a chat's first chunk names the role; its last may carry no text)."""
         if not self.chat:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        if chunk:
-            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
-
-    def whole(self, choices: list, usage: dict) -> dict:
-        """choices: [(text, finish_reason)] in index order."""
-        return {**self._head(False), "choices": [self.choice(i, t, f, False) for i, (t, f) in enumerate(choices)],
-                "usage": usage}
+        delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def chunk(self, choice: dict, with_usage: bool) -> str:
-        obj = {**self._head(True), "choices": [choice]}
-        if with_usage:
+        obj = {**self._head(), "choices": [choice]}
+        if with_usage:  # OpenAI's chunks then carry "usage": null until the last one
             obj["usage"] = None
         return sse(obj)
 
     def usage_chunk(self, usage: dict) -> str:
-        return sse({**self._head(True), "choices": [], "usage": usage})
+        return sse({**self._head(), "choices": [], "usage": usage})
+
+    def _head(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -56,6 +50,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-DONE = "data: [DONE]\n\n"

@@ -1,17 +1,18 @@
-"""Request bodies of /v1/completions and /v1/chat/completions checked and turned into the engine's Requests, with
-the same sampling fields as a batch job's lines (requests.py): max_tokens (chat: or max_completion_tokens),
-temperature, top_p, stop, seed, n; plus model, stream and stream_options. Anything else is refused (400) unless
-it asks for what the server does anyway (e.g. presence_penalty 0). A request beyond the plan's lengths (its prompt
-over --prompt-len, or max_tokens over --gen-len) is refused too, so it can never break a running batch."""
+"""Request bodies of /v1/completions and /v1/chat/completions checked and turned into the engine's Requests as an
+OpenAI batch line's body is (batch/openai_format.py: the batch format's fields max_tokens or max_completion_tokens,
+temperature, top_p, top_k, stop, seed, n, model), plus stream and stream_options. Anything else is refused (400)
+unless it asks for what the server does anyway (e.g. presence_penalty 0). A request beyond the plan's lengths (its
+prompt over --prompt-len, or max_tokens over --gen-len) is refused too, so it can never break a running batch."""
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 
-from flexh2o.requests import MAX_SEED, Defaults, request_from
+from flexh2o.batch.openai_format import BODY_FIELDS, CHAT, COMPLETIONS, line_requests, parse_line
+from flexh2o.requests import MAX_SEED, Defaults
 
-SAMPLING = ("max_tokens", "temperature", "top_p", "stop", "seed", "n")
-COMMON = ("model", "stream", "stream_options") + SAMPLING
+STREAM = ("stream", "stream_options")
 NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (None, False),
            "echo": (False,), "best_of": (1,), "suffix": (None,), "logit_bias": (None, {}), "user": None,
            "top_logprobs": (None, 0), "parallel_tool_calls": (None, False), "tools": (None, [])}
@@ -55,9 +56,10 @@ class Parsed:
     n: int
 
 
-def check_fields(body, allowed: tuple) -> None:
+def check_fields(body, chat: bool) -> None:
     if not isinstance(body, dict):
         raise bad("the request body is not a JSON object")
+    allowed = BODY_FIELDS[CHAT if chat else COMPLETIONS] + STREAM
     for key, value in body.items():
         if key in allowed:
             continue
@@ -79,13 +81,6 @@ def stream_flags(body: dict) -> tuple:
     return bool(stream), bool((opts or {}).get("include_usage", False))
 
 
-def _int_field(body: dict, key: str, low: int):
-    value = body.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-        raise bad(f"{key} {value!r}: give an integer >= {low}", key)
-    return value
-
-
 def stop_list(body: dict) -> tuple:
     stop = body.get("stop")
     if stop is None:
@@ -96,67 +91,42 @@ def stop_list(body: dict) -> tuple:
     return tuple(stop)
 
 
-def make_requests(prompts: list, body: dict, limits: Limits, tokenizer, max_key: str, extra_stops=()) -> Parsed:
-    """prompts: token-id lists. The body's sampling fields (checked) for each of n choices of each prompt."""
+def make_requests(body: dict, chat: bool, limits: Limits, tokenizer, template, chat_stops=()) -> Parsed:
+    """The body's engine Requests: n choices per prompt (a completion's prompt may be a list of prompts), built as
+    an OpenAI batch line's are (batch/openai_format.py), then held to the plan's lengths."""
     stream, include_usage = stream_flags(body)
-    n = _int_field(body, "n", 1) or 1
-    max_tokens = _int_field(body, max_key, 1)
-    stops = stop_list(body) + tuple(s for s in extra_stops if s not in stop_list(body))
-    seed = _int_field(body, "seed", 0)
-    out = []
-    for ids in prompts:
-        if len(ids) > limits.prompt_len:
-            raise bad(f"prompt: {len(ids)} tokens, more than the {limits.prompt_len} this server's plan holds "
-                      "(its --prompt-len): shorten the prompt", "prompt")
-        room = min(limits.gen_len, limits.positions - len(ids))
-        if max_tokens is not None and max_tokens > limits.gen_len:
-            raise bad(f"{max_key} {max_tokens}: more than the {limits.gen_len} this server's plan holds (its "
-                      f"--gen-len): lower it", max_key)
-        for i in range(n):
-            fields = {"max_new_tokens": max_tokens or max(room, 1), "stop": list(stops),
-                      "seed": (seed + i) % (MAX_SEED + 1) if seed is not None else secrets.randbelow(MAX_SEED)}
-            fields.update({k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None})
-            try:
-                out.append(request_from({"id": secrets.token_hex(8), "prompt_ids": list(ids), **fields},
-                                        limits.defaults, limits.vocab, tokenizer if stops else None,
-                                        limits.positions))
-            except ValueError as e:
-                raise bad(str(e).replace("max_new_tokens", max_key).replace("prompt_ids", "prompt")) from None
-    return Parsed(out, stream, include_usage, stops, n)
-
-
-def completion_prompts(body: dict, tokenizer, vocab: int) -> list:
-    """/v1/completions' prompt: a string, a list of token ids, or a list of either; as token-id lists."""
-    prompt = body.get("prompt")
-    many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    items = prompt if many else [prompt]
-    return [_prompt_ids(p, tokenizer, vocab) for p in items]
-
-
-def _prompt_ids(p, tokenizer, vocab: int) -> list:
-    if isinstance(p, str) and p:
-        if tokenizer is None:
-            raise bad("prompt: text needs the model's tokenizer: start the server with --tokenizer, or send token "
-                      "ids", "prompt")
-        ids = tokenizer.encode(p)
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        ids = p
-    else:
-        raise bad("prompt: give a non-empty string, a list of token ids, or a list of those", "prompt")
-    if not ids or not all(0 <= t < vocab for t in ids):
-        raise bad(f"prompt: token ids must lie in 0..{vocab - 1} (and a text must encode to some)", "prompt")
-    return list(ids)
-
-
-def chat_prompt(body: dict, template, tokenizer) -> list:
-    """/v1/chat/completions' messages rendered by the model's chat template, as token ids."""
-    if template is None or tokenizer is None:
-        raise bad("messages: this model has no chat template (or no tokenizer): use /v1/completions", "messages")
+    url = CHAT if chat else COMPLETIONS
+    core = {k: v for k, v in body.items() if k in BODY_FIELDS[url]}
+    core.setdefault("seed", secrets.randbelow(MAX_SEED))  # unseeded sampling differs between requests and choices
+    if chat and chat_stops:  # the template's end-of-turn markers that are no single token (those are EOS ids)
+        core["stop"] = list(stop_list(core)) + [s for s in chat_stops if s not in stop_list(core)]
+    prompts = [None] if chat else _prompts(core.get("prompt"))
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    out, n = [], 1
     try:
-        text = template.render(body.get("messages"), add_generation_prompt=True)
+        for p in prompts:
+            line = parse_line({"custom_id": "serve", "method": "POST", "url": url,
+                               "body": core if chat else {**core, "prompt": p}})
+            out += line_requests(line, 0, limits.defaults, limits.vocab, tokenizer, limits.positions, template)
+            n = line.n
     except ValueError as e:
-        raise bad(str(e), "messages") from None
-    ids = tokenizer.encode(text, bos=False)  # the template writes its own BOS text, as transformers renders it
-    if not ids:
-        raise bad("messages: the rendered conversation encodes to no tokens", "messages")
-    return ids
+        msg = str(e).removeprefix("body.").replace("max_new_tokens", key).replace("prompt_ids", "prompt")
+        raise bad(msg, re.match(r"[a-z_]*", msg).group() or None) from None
+    for req in out[::n]:
+        _fits(req, limits, key, "messages" if chat else "prompt")
+    return Parsed(out, stream, include_usage, out[0].stop, n)
+
+
+def _prompts(prompt) -> list:
+    """A completion's prompts: one (a string or token ids), or a list of such."""
+    many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    return prompt if many else [prompt]
+
+
+def _fits(req, limits: Limits, key: str, prompt: str) -> None:
+    if len(req.prompt_ids) > limits.prompt_len:
+        raise bad(f"{prompt}: {len(req.prompt_ids)} tokens, more than the {limits.prompt_len} this server's plan "
+                  "holds (its --prompt-len): shorten it", prompt)
+    if req.max_new_tokens > limits.gen_len:
+        raise bad(f"{key} {req.max_new_tokens}: more than the {limits.gen_len} this server's plan holds (its "
+                  "--gen-len): lower it", key)

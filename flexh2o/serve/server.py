@@ -24,8 +24,9 @@ class ServeOptions:
     max_queue: int = 256
     stats_interval: float = 60.0
     warmup: bool = True
-    temperature: float = 0.0  # for requests that give none (flexh2o-run's --temperature / --top-p)
+    temperature: float = 0.0  # for requests that give none (flexh2o-run's --temperature / --top-p / --top-k)
     top_p: float = 1.0
+    top_k: int = 0
 
 
 class Server:
@@ -54,13 +55,10 @@ def chat_stops(template, tokenizer) -> tuple:
 
 @contextlib.contextmanager
 def open_server(opts: ServeOptions, rc, cfg, tokenizer, template, rule: StopRule):
-    """rule: the run's stopping rule (EOS ids; the chat template's one-token end-of-turn ids are added here unless
-    it stops at none, --ignore-eos)."""
-    if rule.eos_ids and template is not None:
-        rule = StopRule(rule.eos_ids | template.stop_token_ids(tokenizer), rule.tokenizer)
+    """template: the model's ChatTemplate (None: no chat); rule: the run's stopping rule (cli/request_job.py's)."""
     queue, stats = LiveQueue(opts.max_queue), ServeStats(rc.num_seqs)
     limits = Limits(rc.prompt_len, rc.gen_len, cfg.max_positions, cfg.vocab,
-                    Defaults(rc.gen_len, opts.temperature, opts.top_p, rc.seed))
+                    Defaults(rc.gen_len, opts.temperature, opts.top_p, rc.seed, opts.top_k))
     with Engine(rc) as eng:
         if opts.warmup:
             warm_up(eng, [list(range(1, 9))], rc.num_seqs)
