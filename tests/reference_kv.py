@@ -36,6 +36,9 @@ class RefGeneration:
     tokens: list  # gen_len token ids
     step_logits: list  # gen_len tensors (vocab,)
     kept: list = field(default_factory=list)  # per layer: per KV head, the sorted kept positions after the last step
+    # the first step whose logits the data may decide rather than the definitions (a level the quantizer rounds within
+    # float noise of a half, an eviction within float noise of a tie): None = every step is determined
+    unsure_from: Optional[int] = None
 
 
 def generate(cfg, weights: dict, prompt: list, gen_len: int, policy: RefPolicy,

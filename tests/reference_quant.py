@@ -6,6 +6,8 @@ returns what a cache holding every token of x would give back. Given a list `mar
 smallest distance of a level it rounded (unclamped, before rounding) from a rounding half (`near_half`): the engine
 computes K and V in another order of summation, a few fp32 ulps away, so a level within float noise of a half may
 round the other way there (one step's difference in one value; tests/test_kv_sinks.py's vatp case met one).
+Given a set `ties`, each call also adds the tokens (positions along x's first dimension) holding a level within
+`tie_bound` of a half: the rounding of those the data decides, not the definition (`first_unsure_step`).
 """
 from __future__ import annotations
 
@@ -22,12 +24,52 @@ def near_half(level: torch.Tensor, levels: int) -> float:
     return float(torch.where(inside, gap, 1.0).min()) if level.numel() else 1.0
 
 
+# fp32's unit roundoff, and how many of them the engine's and the reference's K/V may be apart relative to the
+# magnitudes a level is computed from (|x| + |lo|): both compute each K/V value from the same fp32 operations in other
+# orders of summation (hidden-64 dot products, a 16-term rotation, two layers), each within a few units of the exact
+# value; measured: 9.3e-8 apart where |x| + |lo| ~ 0.5 (tests/test_kv_sinks.py's vatp token: 3 units, 3.1e-6 of a
+# 4-bit step). 8 units is about 3x that, the headroom NEAR_HALF takes in tests/test_kv_sinks.py and test_kv_rotate.py.
+FP32_UNIT = 2.0 ** -24
+TIE_UNITS = 8
+
+
+def tie_bound(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: int) -> torch.Tensor:
+    """In steps, per value: how far the engine's level (x - lo) / step may lie from the reference's when x, lo and
+    hi = lo + levels * step each carry a relative error of TIE_UNITS units: (|dx| + |dlo|) / step for the
+    numerator, plus level * |dstep| / step = level * (|dhi| + |dlo|) / (levels * step) for the step."""
+    hi = lo + levels * step
+    level = ((x - lo) / step).abs()
+    return TIE_UNITS * FP32_UNIT * ((x.abs() + lo.abs()) / step + level * (hi.abs() + lo.abs()) / (levels * step))
+
+
+def _add_ties(ties: Optional[set], x, level, lo, step, levels: int) -> None:
+    """Add to `ties` the positions (x's first dimension) with a level (inside [0, levels]) within tie_bound of a
+    rounding half: the engine may round it the other way (one step in one value). Not at 8 bits: there a flip moves
+    one value by 1/255 of its range, against 1/3 at 2 bits and 1/7 at 3 bits, whose flips moved later logits by at
+    most 3.1e-3 and 2.4e-3 under h2o (tests/test_kv_rotate.py); scaled, 3.6e-5 and 6.6e-5, under the suite's 1e-4
+    (and 8-bit levels lie within tie_bound of a half in most tokens, which would leave nothing to compare)."""
+    if ties is None or levels >= 255:
+        return
+    safe = torch.where(step > 0, step, 1.0)
+    near = ((level - level.floor() - 0.5).abs() < tie_bound(x, lo, safe, levels)) & (level >= 0) & \
+        (level <= levels) & (step > 0)
+    ties.update(near.reshape(near.shape[0], -1).any(-1).nonzero()[:, 0].tolist())
+
+
+def first_unsure_step(ties: set, prompt_len: int, window: int, sinks: int) -> Optional[int]:
+    """The first generation step whose logits may read a tied level (None: none): a quantized token j (not one of
+    the sinks, which are read exact or through the 8-bit copy) is first read so by the query at
+    max(j + window, prompt_len) (prefill's queries read exact K/V); step s's query sits at prompt_len - 1 + s."""
+    first = [max(j + window, prompt_len) for j in ties if j >= sinks]
+    return min(first) - (prompt_len - 1) if first else None
+
+
 def fp8(value: float) -> float:
     """value as an fp8 e4m3 number holds it (3 mantissa bits; the cache clamps to +-448 first)."""
     return float(torch.tensor(min(max(value, -448.0), 448.0)).to(torch.float8_e4m3fn).float())
 
 
-def per_token(bits: int, group: Optional[int], margins: Optional[list] = None):
+def per_token(bits: int, group: Optional[int], margins: Optional[list] = None, ties: Optional[set] = None):
     """FlexGen's scheme: every token and head in groups of `group` values along head_dim (None: the whole head_dim),
     each group's minimum and (max - min) / (2**bits - 1) step; a value becomes min + step * round((x - min) / step)."""
     levels = 2 ** bits - 1
@@ -43,12 +85,14 @@ def per_token(bits: int, group: Optional[int], margins: Optional[list] = None):
             level = (g - lo) / torch.where(step > 0, step, 1.0)
             if margins is not None:
                 margins.append(near_half(torch.where(step > 0, level, 0.0), levels))
+            _add_ties(ties, g, level, lo, step, levels)
             out[:, :, start:start + size] = torch.round(level).clamp(0, levels) * step + lo
         return out
     return quant
 
 
-def per_channel(bits: int, outliers: int, margins: Optional[list] = None, in_fp8: bool = False):
+def per_channel(bits: int, outliers: int, margins: Optional[list] = None, in_fp8: bool = False,
+                ties: Optional[set] = None):
     """Keys per channel: each head's channel gets the minimum and (max - min) / (2**bits - 1) step of its values over
     the prompt; each token's value becomes min + step * level, the level rounded and clamped to [0, 2**bits - 1];
     then the `outliers` values of the token (per head) that this moved the most keep their exact value (ties: the
@@ -65,6 +109,7 @@ def per_channel(bits: int, outliers: int, margins: Optional[list] = None, in_fp8
             level = (x[:, h] - lo) / torch.where(step > 0, step, 1.0)  # (T, d)
             if margins is not None:
                 margins.append(near_half(torch.where(step > 0, level, 0.0), levels))
+            _add_ties(ties, x[:, h], level, lo, step, levels)
             out[:, h] = torch.round(level).clamp(0, levels) * step + lo
             for t, errors in enumerate((out[:, h] - x[:, h]).abs().tolist()):
                 for _, c in sorted((-e, c) for c, e in enumerate(errors))[:outliers]:

@@ -44,6 +44,7 @@ SHARPEN = 4.0  # see _engine
 LENS = [12, 7, 3, 10, 5, 12]  # 6 sequences; shorter and longer than the budget of 8
 GEN = 33  # the prefill step + 32 decode steps
 ATOL = RTOL = 1e-4
+MIN_SURE = 0.75  # of the (sequence, step) pairs a comparison checks at least (_assert_matches)
 
 # (name, --percent, overlap, cpu_cache_compute, gpu_batch_size x num_gpu_batches, attn_chunk): each policy runs
 # all four cache placements, overlap on and off, both batchings, chunked and one-piece prefill attention.
@@ -134,10 +135,16 @@ def _ref_policy(model: str, policy: str, b, num_sinks: int = SINKS) -> ref.RefPo
 
 
 def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None, atol: float = ATOL) -> None:
+    """The engine's tokens and the logits of every step of every sequence up to the reference's unsure_from (the
+    first step the data, not the definitions, may decide: a near tie, which one CPU's order of summation settles one
+    way and another CPU's the other way), and the kept counts. At least MIN_SURE of the steps are compared, so a
+    case whose data ties early fails rather than checking little."""
     assert len(gen.step_logits) == GEN
+    sure = [GEN if r.unsure_from is None else r.unsure_from for r in refs]
+    assert sum(sure) >= MIN_SURE * GEN * len(refs), f"only {sure} of {GEN} steps free of near ties: other data"
     for i, r in enumerate(refs):
         assert gen.tokens[i].tolist() == r.tokens, f"sequence {i}: tokens differ"
-        for step in range(GEN):
+        for step in range(sure[i]):
             torch.testing.assert_close(gen.step_logits[step][i], r.step_logits[step], atol=atol, rtol=RTOL,
                                        msg=lambda m: f"sequence {i}, step {step}: {m}")
     for layer, n in gen.kept.items():
@@ -146,10 +153,14 @@ def _assert_matches(gen, refs: list, budget, pol: ref.RefPolicy = None, atol: fl
 
 
 def _cases():
+    """The default run: every policy on OPT on the four placements of COMBOS, on Llama on one of them in turn; the
+    slow run: the other overlap setting of each placement (H2O_EXTRA) and Llama's other three."""
     for model in MODELS:
-        for policy in POLICIES:
+        for i, policy in enumerate(POLICIES):
             for combo in COMBOS + (H2O_EXTRA if model == "opt" and policy in BOTH_OVERLAPS else []):
-                yield pytest.param(model, policy, combo, id=f"{model}-{policy}-{combo[0]}")
+                default = combo in COMBOS and (model == "opt" or combo is COMBOS[i % len(COMBOS)])
+                yield pytest.param(model, policy, combo, id=f"{model}-{policy}-{combo[0]}",
+                                   marks=() if default else pytest.mark.slow)
 
 
 @pytest.mark.parametrize("model, policy, combo", list(_cases()))
@@ -165,13 +176,23 @@ def test_engine_matches_reference(model, policy, combo, data, reference, offload
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_match_reference(policy, data, reference, offload_dir):
-    """Llama's greedy tokens vary under dummy weights: they must be identical over all 32 decode steps."""
+    """Llama's greedy tokens vary under dummy weights. The engine is fed the reference's greedy tokens (so a token
+    two near-equal logits decide cannot send the rest of a sequence elsewhere) and its own greedy choice must be the
+    reference's at every step whose top two logits the tolerance cannot swap, and its logits within it."""
     prompts, _ = data
     refs = reference("llama", policy, greedy=True)
     assert len({t for r in refs for t in r.tokens}) > 2 * len(refs), "degenerate greedy tokens prove little"
     with _engine(_rc("llama", policy, offload_dir, [100, 0, 100, 0], True, False, (2, 3), 4)) as eng:
-        gen = eng.generate(prompts, GEN, record_logits=True)
+        gen = eng.generate(prompts, GEN, sampler=TeacherForcer(torch.tensor([r.tokens for r in refs])),
+                           record_logits=True)
     _assert_matches(gen, refs, BUDGETS[policy], _ref_policy("llama", policy, BUDGETS[policy]))
+    for i, r in enumerate(refs):
+        for step, logits in enumerate(r.step_logits):
+            top = logits.topk(2).values
+            # every logit within ATOL + RTOL * |its reference| of the reference's (asserted above), so the top two
+            # can only swap when they are within twice that of each other
+            if float(top[0] - top[1]) > 2 * (ATOL + RTOL * float(top.abs().max())):
+                assert int(gen.step_logits[step][i].argmax()) == r.tokens[step], f"sequence {i}, step {step}"
 
 
 def test_reference_tells_policies_apart(reference):

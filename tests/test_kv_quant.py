@@ -27,14 +27,15 @@ BITS = [(CacheQuant(b, HEAD_DIM, keys, n), p) for b in (2, 3, 8) for keys, n in 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def ref_quant(q: CacheQuant, margins: list = None) -> tuple:
+def ref_quant(q: CacheQuant, margins: list = None, ties: set = None) -> tuple:
     """The reference's (keys, values) quantize-dequantize for `q` (margins: see reference_quant; not recorded for
-    fitted levels, whose nearest-level choice has no .5 boundary)."""
+    fitted levels, whose nearest-level choice has no .5 boundary). ties: a set that collects the tokens with a level
+    near a rounding half (reference_quant.first_unsure_step)."""
     in_fp8 = q.exact_bits == 8
-    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers, margins, in_fp8),
-            "token": lambda: rq.per_token(q.bits, q.group_size, margins),
+    keys = {"channel": lambda: rq.per_channel(q.bits, q.outliers, margins, in_fp8, ties=ties),
+            "token": lambda: rq.per_token(q.bits, q.group_size, margins, ties),
             "fitted": lambda: rq.per_channel_fitted(q.bits, q.outliers, in_fp8=in_fp8)}[q.keys]()
-    values = rq.per_token(q.bits, q.group_size, margins)
+    values = rq.per_token(q.bits, q.group_size, margins, ties)
     if q.rotate:
         keys, values = rq.rotated(keys), rq.rotated(values)
     return rq.recent(keys, values, q.recent, q.sinks, rq.per_token(8, None, margins) if q.exact_bits else None)
@@ -53,9 +54,9 @@ def data():
 
 
 def quant_references(tmp_path_factory, data):
-    """(model, policy, CacheQuant) -> one RefGeneration per prompt of `data`, cached; `.margin` of the same
-    arguments: the smallest distance of a level the reference's quantizers rounded from a rounding half (over every
-    call of the run: reference_quant.near_half)."""
+    """(model, policy, CacheQuant) -> one RefGeneration per prompt of `data` (each with its unsure_from), cached;
+    `.margin` of the same arguments: the smallest distance of a level the reference's quantizers rounded from a
+    rounding half (over every call of the run: reference_quant.near_half)."""
     cache, weights, margins = {}, {}, {}
     prompts, forced = data
 
@@ -66,8 +67,8 @@ def quant_references(tmp_path_factory, data):
         if (model, policy, q) not in cache:
             pol = _ref_policy(model, policy, BUDGETS[policy])
             seen = margins[model, policy, q] = []
-            cache[model, policy, q] = [ref.generate(MODELS[model], weights[model], p, GEN, pol, forced[i].tolist(),
-                                                    ref_quant(q, seen)) for i, p in enumerate(prompts)]
+            cache[model, policy, q] = [_generate(model, weights[model], p, forced[i].tolist(), pol, q, seen)
+                                       for i, p in enumerate(prompts)]
         return cache[model, policy, q]
 
     def margin(model: str, policy: str, q: CacheQuant) -> float:
@@ -75,6 +76,14 @@ def quant_references(tmp_path_factory, data):
         return min(margins[model, policy, q])
     get.margin = margin
     return get
+
+
+def _generate(model: str, weights: dict, prompt: list, forced: list, pol, q: CacheQuant, margins: list):
+    """One sequence's RefGeneration under `q`, its unsure_from set from the levels it rounded near a half."""
+    ties = set()
+    r = ref.generate(MODELS[model], weights, prompt, GEN, pol, forced, ref_quant(q, margins, ties))
+    r.unsure_from = rq.first_unsure_step(ties, len(prompt), q.recent, q.sinks)
+    return r
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,9 @@ one value one step apart, which moved later logits by up to 3.1e-3 (2 bits) and 
 No rotation at all moves them by 0.038 (test_the_rotation_moves_the_logits asserts over 5x ROTATE_ATOL); tokens and
 kept counts are compared exactly. The quantizers themselves are compared exactly, on data of their own whose levels
 all lie at least NEAR_HALF from a half (test_the_rotated_quantizers_equal_the_reference).
+A flip can move them further (mean_keydiff under --cache-exact-bits 8, whose ranks read the keys: 1.1e-2), so each
+sequence is compared only up to the first step that reads a level the reference rounded within float noise of a
+half (reference_quant.first_unsure_step; test_kv_equivalence._assert_matches).
 """
 from __future__ import annotations
 
