@@ -12,7 +12,7 @@ from flexh2o.compress.kernels import kernel_spec_ok
 from flexh2o.config import ModelConfig
 from flexh2o.kv.layout import CacheQuant
 from flexh2o.kv.spec import KVSpec
-from flexh2o.models import layer_specs
+from flexh2o.models import family_module, layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.storage.freed_memory import MAPPED_FROM
 
@@ -51,6 +51,7 @@ class RunConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "compress_cache", CacheQuant.of(self.compress_cache))
+        family_module(self.model.family)  # ValueError naming the declared families for any other
         for name in ("gpu_batch_size", "num_gpu_batches", "prompt_len", "gen_len", "attn_chunk", "io_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")

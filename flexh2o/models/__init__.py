@@ -3,7 +3,8 @@
 Layer indices are shared by every family: 0 is the input embedding, 1..num_layers are decoder blocks,
 num_layers + 1 is the output head. Families know nothing of tiers, buffers or schedules.
 
-Families (ModelConfig.family -> module; what each adds, as ModelConfig fields):
+Families (ModelConfig.family -> module, each declared by its module's FAMILIES (models/family.py) and gathered
+from FAMILY_MODULES below; what each adds, as ModelConfig fields):
   opt                    learned positions, LayerNorm, ReLU MLP, biases (opt.py)
   llama                  RoPE (rope_type default / linear / llama3), RMSNorm, SwiGLU, grouped KV heads (llama.py)
   mistral                llama + a sliding window on every layer (sliding_window) (llama.py)
@@ -17,17 +18,46 @@ Families (ModelConfig.family -> module; what each adds, as ModelConfig fields):
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Optional
 
 from flexh2o.config import ModelConfig
 from flexh2o.models import gemma, llama, opt, phi3
 from flexh2o.models.common import WeightSpec  # noqa: F401  (re-exported)
+from flexh2o.models.family import Family
 
-FAMILY_MODULES = {"opt": opt, "llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama, "phi3": phi3,
-                  "gemma2": gemma, "gemma3": gemma}
+# The one table of families: a family is its module (its compute and its FAMILIES declarations) and its entry here.
+FAMILY_MODULES = (opt, llama, phi3, gemma)
+
+
+def families() -> tuple:
+    """Every Family declared, in FAMILY_MODULES' order."""
+    return tuple(f for m in FAMILY_MODULES for f in m.FAMILIES)
+
+
+def family_names() -> tuple:
+    return tuple(f.name for f in families())
+
+
+def family_module(name: str) -> ModuleType:
+    """The module that computes family `name`; ValueError naming the families for an unknown one."""
+    for m in FAMILY_MODULES:
+        if any(f.name == name for f in m.FAMILIES):
+            return m
+    raise ValueError(f"unknown model family {name!r}: use one of {', '.join(family_names())}")
+
+
+def by_hf_model_type(model_type: str) -> Optional[Family]:
+    """The family a config.json's model_type converts into; None for one no family reads."""
+    return next((f for f in families() if model_type in f.hf_model_types), None)
+
+
+def by_gguf_arch(arch: str) -> Optional[Family]:
+    """The family whose GGUF architecture (general.architecture) is `arch`; None for one no family reads."""
+    return next((f for f in families() if f.gguf_arch == arch), None)
 
 
 def family(cfg: ModelConfig) -> ModuleType:
-    return FAMILY_MODULES[cfg.family]
+    return family_module(cfg.family)
 
 
 def layer_specs(cfg: ModelConfig) -> list:

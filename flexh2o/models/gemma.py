@@ -5,15 +5,62 @@ attention and final logit soft-capping (Gemma 2: attn_softcap, final_softcap); G
 per head (qk_norm) and its windowed layers' own RoPE base (local_rope_theta)."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
 from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, rowwise
-from flexh2o.models.llama import P, attention_specs, self_attention
+from flexh2o.models.family import Family
+from flexh2o.models.llama import HF_FIELDS, HF_WINDOWED, P, attention_specs, self_attention
 from flexh2o.models.llama import layer_specs as llama_specs
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+HF_GEMMA = HF_FIELDS + HF_WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "hidden_act",
+                                      "final_logit_softcapping", "attn_logit_softcapping", "rope_local_base_freq")
+GGUF_KEYS = ("attention.sliding_window", "final_logit_softcapping")
+GGUF_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+PLUS_ONE = {"norm.weight": "plus_one"}  # llama.cpp's converter stores every *norm.weight as 1 + w
+TWENTY_SEVEN_B = {"gemma2": 46, "gemma3": 62}  # llama.cpp's layer counts of the 27B sizes
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's set_swa_pattern: layer i windowed when i % n < n - 1
+
+
+def _gemma(arch: str) -> Callable:
+    """What a Gemma GGUF does not carry, fixed by architecture as llama.cpp does: gemma2 windows every other layer
+    (the first included), gemma3 five of every six, with RoPE base 10000 and no scaling on its windowed layers; the
+    attention scale is 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B sizes (their query_pre_attn_scalar)."""
+    def facts(a: Callable, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+        out = {"query_scalar": float(hidden // heads if layers == TWENTY_SEVEN_B[arch] else head_dim),
+               "final_softcap": _softcap(a("final_logit_softcapping", None))}
+        if arch == "gemma2":
+            out["attn_softcap"] = _softcap(a("attn_logit_softcapping", None))
+        window = int(a("attention.sliding_window", 0))
+        if window:
+            n = SWA_PATTERN[arch]
+            kinds = "".join("s" if i % n < n - 1 else "f" for i in range(layers))
+            out.update(sliding_window=window, layer_kinds="" if set(kinds) == {"s"} else kinds)
+            if arch == "gemma3":
+                out["local_rope_theta"] = float(a("rope.freq_base_swa", 10000.0))
+        return out
+    return facts
+
+
+def _softcap(value) -> Optional[float]:
+    return float(value) if value else None
+
+
+FAMILIES = (
+    Family("gemma2", hf_model_types=("gemma2",), hf_fields=HF_GEMMA, gguf_arch="gemma2",
+           gguf_keys=GGUF_KEYS + ("attn_logit_softcapping",), gguf_tensors=GGUF_TENSORS, gguf_facts=_gemma("gemma2"),
+           gguf_undo=PLUS_ONE),
+    Family("gemma3", hf_model_types=("gemma3_text",), hf_fields=HF_GEMMA, facts={"qk_norm": True},
+           hf_refused={"gemma3": "model_type 'gemma3' is the multimodal Gemma 3: convert a Gemma3ForCausalLM (text) "
+                                 "checkpoint, whose model_type is gemma3_text"},
+           gguf_arch="gemma3", gguf_keys=GGUF_KEYS + ("rope.freq_base_swa",), gguf_tensors=GGUF_TENSORS,
+           gguf_facts=_gemma("gemma3"), gguf_undo=PLUS_ONE),
+)
 
 
 def layer_specs(cfg: ModelConfig) -> list:

@@ -7,11 +7,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from typing import Callable
+
 from flexh2o.config import ModelConfig
+from flexh2o.models.family import Family
 from flexh2o.models.rope import cos_sin, rotate
 from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
 
 P = "model."
+HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta",
+             "rope_scaling", "head_dim")  # the config.json fields a Llama-like conversion reads
+HF_WINDOWED = ("sliding_window", "layer_types")
+
+
+def _windowed(a: Callable) -> dict:
+    """llama (Mistral) and phi3: `attention.sliding_window` windows every layer, as Hugging Face's config does
+    (llama.cpp itself turns phi3's window off)."""
+    window = a("attention.sliding_window", 0)
+    return {"sliding_window": int(window)} if window else {}
+
+
+FAMILIES = (  # llama.cpp permutes only the llama architecture's q/k rows (interleaved RoPE); the others keep HF's
+    Family("llama", hf_model_types=("llama",), hf_fields=HF_FIELDS, gguf_arch="llama",
+           gguf_keys=("attention.sliding_window",),
+           gguf_facts=lambda a, *_: {**_windowed(a), **({"family": "mistral"} if _windowed(a) else {})},
+           gguf_undo={"attn_q.weight": "rope_q", "attn_k.weight": "rope_k"}),
+    Family("mistral", hf_model_types=("mistral",), hf_fields=HF_FIELDS + HF_WINDOWED),  # GGUF: llama + a window
+    Family("qwen2", hf_model_types=("qwen2",), hf_fields=HF_FIELDS + HF_WINDOWED, facts={"attn_bias": True},
+           gguf_arch="qwen2"),
+    Family("qwen3", hf_model_types=("qwen3",), hf_fields=HF_FIELDS + HF_WINDOWED, facts={"qk_norm": True},
+           gguf_arch="qwen3"),
+)
 
 
 def layer_specs(cfg: ModelConfig) -> list:

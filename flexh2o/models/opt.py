@@ -6,9 +6,28 @@ import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
 from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
+from flexh2o.models.family import Family
 
 POS_OFFSET = 2  # OPT's learned position table starts at index 2
 P = "model.decoder."
+
+
+def from_hf(d: dict, name: str) -> ModelConfig:
+    """An OPT config.json -> ModelConfig."""
+    hidden = d["hidden_size"]
+    wed = d.get("word_embed_proj_dim", hidden)
+    return ModelConfig(
+        name=name, family="opt", hidden=hidden, num_layers=d["num_hidden_layers"],
+        num_heads=d["num_attention_heads"], ffn=d["ffn_dim"], vocab=d["vocab_size"],
+        max_positions=d.get("max_position_embeddings", 2048),
+        word_embed_dim=None if wed == hidden else wed,
+        norm_before=d.get("do_layer_norm_before", True),
+        pad_token_id=d.get("pad_token_id", 1) if d.get("pad_token_id") is not None else 1,
+        bos_token_id=d.get("bos_token_id", 2), eos_token_id=d.get("eos_token_id", 2),
+        tie_embeddings=d.get("tie_word_embeddings", True))
+
+
+FAMILIES = (Family("opt", hf_model_types=("opt",), hf_convert=from_hf),)  # no GGUF reader
 
 
 def layer_specs(cfg: ModelConfig) -> list:

@@ -3,26 +3,26 @@ listed as inert (flexh2o/weights/hf_fields.py); anything else is refused in one 
 from __future__ import annotations
 
 from flexh2o.config import ModelConfig
+from flexh2o.models import by_hf_model_type, families
 from flexh2o.weights.hf_fields import USED, check_fields, check_rope
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
-FAMILY_OF = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
     """Hugging Face config.json (OPT, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) -> ModelConfig."""
     mt = d.get("model_type", "")
-    if mt == "opt":
-        return _opt(d, name)
-    if mt == "gemma3":
-        raise ValueError("model_type 'gemma3' is the multimodal Gemma 3: convert a Gemma3ForCausalLM (text) "
-                         "checkpoint, whose model_type is gemma3_text")
+    fam = by_hf_model_type(mt)
+    if fam is not None and fam.hf_convert is not None:
+        return fam.hf_convert(d, name)
+    refused = next((f.hf_refused[mt] for f in families() if mt in f.hf_refused), None)
+    if refused:
+        raise ValueError(refused)
     if mt not in USED:
-        raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports opt, "
-                         f"{', '.join(USED)}")
+        raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports "
+                         f"{', '.join(t for f in families() for t in f.hf_model_types)}")
     check_fields(d)
-    family = FAMILY_OF[mt]
+    family = fam.name
     kw = dict(name=name, family=family, hidden=d["hidden_size"], num_layers=d["num_hidden_layers"],
               num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads"),
               ffn=d["intermediate_size"], vocab=d["vocab_size"],
@@ -38,25 +38,8 @@ def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
         kw.update(_gemma(d, family))
     else:
         kw.update(_rope(_rope_params(d)))
-    if family == "qwen2":
-        kw["attn_bias"] = True
-    if family in ("qwen3", "gemma3"):
-        kw["qk_norm"] = True
+    kw.update(fam.facts)
     return ModelConfig(**kw)
-
-
-def _opt(d: dict, name: str) -> ModelConfig:
-    hidden = d["hidden_size"]
-    wed = d.get("word_embed_proj_dim", hidden)
-    return ModelConfig(
-        name=name, family="opt", hidden=hidden, num_layers=d["num_hidden_layers"],
-        num_heads=d["num_attention_heads"], ffn=d["ffn_dim"], vocab=d["vocab_size"],
-        max_positions=d.get("max_position_embeddings", 2048),
-        word_embed_dim=None if wed == hidden else wed,
-        norm_before=d.get("do_layer_norm_before", True),
-        pad_token_id=d.get("pad_token_id", 1) if d.get("pad_token_id") is not None else 1,
-        bos_token_id=d.get("bos_token_id", 2), eos_token_id=d.get("eos_token_id", 2),
-        tie_embeddings=d.get("tie_word_embeddings", True))
 
 
 def _rope_params(d: dict) -> dict:

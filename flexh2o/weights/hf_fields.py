@@ -4,6 +4,8 @@ affect the computation (INERT, with the reason). A field in none of them is refu
 tests/test_hf_fields.py walks every field of each supported transformers config class through these tables."""
 from __future__ import annotations
 
+from flexh2o.models import families
+
 INERT = {  # field: why it changes no logit of a decoder run
     "transformers_version": "metadata", "architectures": "metadata", "_name_or_path": "metadata",
     "model_type": "picks the family", "auto_map": "metadata (remote code is never run)",
@@ -32,22 +34,9 @@ REQUIRE = {  # field: values that change nothing (any other is refused)
     "attention_bias": (False,),
 }
 
-BASE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
-        "head_dim")
-WINDOWED = ("sliding_window", "layer_types")
-GEMMA = BASE + WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "hidden_act", "final_logit_softcapping",
-                           "attn_logit_softcapping", "rope_local_base_freq")
-
-USED = {  # model_type: the fields its conversion reads (flexh2o/weights/hf_config.py)
-    "llama": BASE,
-    "mistral": BASE + WINDOWED,
-    "qwen2": BASE + WINDOWED,
-    "qwen3": BASE + WINDOWED,
-    "phi3": BASE + WINDOWED,
-    "gemma2": GEMMA,
-    "gemma3_text": GEMMA,
-}
+# model_type: the fields its conversion reads (flexh2o/weights/hf_config.py), as each family declares them
+# (hf_fields of its Family, flexh2o/models/); OPT, read by its own hf_convert, is not listed
+USED = {mt: f.hf_fields for f in families() if f.hf_fields is not None for mt in f.hf_model_types}
 
 ROPE_KEYS = {  # rope_type: the keys of rope_parameters it reads
     "default": ("rope_type", "rope_theta"),
