@@ -17,6 +17,10 @@ class Family:
     hf_fields: Optional[tuple] = None  # the config.json fields its conversion reads (None: hf_convert reads its own)
     hf_convert: Optional[Callable] = None  # (config.json dict, name) -> ModelConfig: a family with its own reader
     hf_refused: Mapping = field(default_factory=dict)  # model_type -> why it is refused (and what to convert instead)
+    hf_tied: bool = False  # tie_word_embeddings when config.json does not say
+    hf_window_switch: Optional[str] = None  # a field without which config.json's sliding_window is dropped (Qwen)
+    hf_layer_types: Optional[Callable] = None  # (config.json, layers) -> layer_types when it has a window but none
+    hf_facts: Optional[Callable] = None  # (config.json, rope_params, rope) -> RoPE and other fields (default: rope)
     facts: Mapping = field(default_factory=dict)  # ModelConfig fields every checkpoint of the family has
     gguf_arch: Optional[str] = None  # general.architecture llama.cpp writes for it (None: no GGUF reader)
     gguf_keys: tuple = ()  # `<arch>.` metadata keys read besides weights/gguf_arch.COMMON

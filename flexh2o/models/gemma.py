@@ -16,6 +16,7 @@ from flexh2o.models.family import Family
 from flexh2o.models.llama import HF_FIELDS, HF_WINDOWED, P, attention_specs, self_attention
 from flexh2o.models.llama import layer_specs as llama_specs
 
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 HF_GEMMA = HF_FIELDS + HF_WINDOWED + ("query_pre_attn_scalar", "hidden_activation", "hidden_act",
                                       "final_logit_softcapping", "attn_logit_softcapping", "rope_local_base_freq")
@@ -51,11 +52,47 @@ def _softcap(value) -> Optional[float]:
     return float(value) if value else None
 
 
-FAMILIES = (
-    Family("gemma2", hf_model_types=("gemma2",), hf_fields=HF_GEMMA, gguf_arch="gemma2",
+def _hf_facts(family: str) -> Callable:
+    """What a Gemma config.json adds (hf_facts): the gelu_tanh MLP checked, query_pre_attn_scalar, the soft-caps,
+    RoPE (Gemma 3: per layer type in rope_parameters, or rope_local_base_freq for its windowed layers)."""
+    def facts(d: dict, rope_params: Callable, rope: Callable) -> dict:
+        for key in ("hidden_activation", "hidden_act"):
+            if d.get(key) is not None and d[key] not in GELU_TANH:
+                raise ValueError(f"{key} = {d[key]!r} is not supported (gemma's MLP is gelu_pytorch_tanh)")
+        out = {"query_scalar": float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256),
+               "attn_softcap": d.get("attn_logit_softcapping"), "final_softcap": d.get("final_logit_softcapping")}
+        params = rope_params(d)
+        if family == "gemma3" and "full_attention" in params:
+            local = params.get("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_parameters sliding_attention = {local!r}: only default RoPE is supported "
+                                 "there")
+            out["local_rope_theta"] = rope(local, "rope_parameters sliding_attention")["rope_theta"]
+            out.update(rope(params["full_attention"], "rope_parameters full_attention"))
+        else:
+            out.update(rope(params))
+            if family == "gemma3":
+                out["local_rope_theta"] = float(d.get("rope_local_base_freq", 10000.0))
+        return out
+    return facts
+
+
+def _gemma2_layer_types(d: dict, n: int) -> list:
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+
+
+def _gemma3_layer_types(d: dict, n: int) -> list:
+    every = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+
+
+FAMILIES = (  # Hugging Face's Gemma configs tie the embeddings unless they say otherwise
+    Family("gemma2", hf_model_types=("gemma2",), hf_fields=HF_GEMMA, hf_tied=True,
+           hf_layer_types=_gemma2_layer_types, hf_facts=_hf_facts("gemma2"), gguf_arch="gemma2",
            gguf_keys=GGUF_KEYS + ("attn_logit_softcapping",), gguf_tensors=GGUF_TENSORS, gguf_facts=_gemma("gemma2"),
            gguf_undo=PLUS_ONE),
-    Family("gemma3", hf_model_types=("gemma3_text",), hf_fields=HF_GEMMA, facts={"qk_norm": True},
+    Family("gemma3", hf_model_types=("gemma3_text",), hf_fields=HF_GEMMA, hf_tied=True,
+           hf_layer_types=_gemma3_layer_types, hf_facts=_hf_facts("gemma3"), facts={"qk_norm": True},
            hf_refused={"gemma3": "model_type 'gemma3' is the multimodal Gemma 3: convert a Gemma3ForCausalLM (text) "
                                  "checkpoint, whose model_type is gemma3_text"},
            gguf_arch="gemma3", gguf_keys=GGUF_KEYS + ("rope.freq_base_swa",), gguf_tensors=GGUF_TENSORS,

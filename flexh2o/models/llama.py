@@ -28,16 +28,22 @@ def _windowed(a: Callable) -> dict:
     return {"sliding_window": int(window)} if window else {}
 
 
+def _qwen_layer_types(d: dict, n: int) -> list:
+    first = d.get("max_window_layers", n)
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+
+
+# transformers' Qwen configs drop the window unless use_sliding_window; its layers from max_window_layers on
+QWEN_HF = dict(hf_fields=HF_FIELDS + HF_WINDOWED, hf_window_switch="use_sliding_window",
+               hf_layer_types=_qwen_layer_types)
 FAMILIES = (  # llama.cpp permutes only the llama architecture's q/k rows (interleaved RoPE); the others keep HF's
     Family("llama", hf_model_types=("llama",), hf_fields=HF_FIELDS, gguf_arch="llama",
            gguf_keys=("attention.sliding_window",),
            gguf_facts=lambda a, *_: {**_windowed(a), **({"family": "mistral"} if _windowed(a) else {})},
            gguf_undo={"attn_q.weight": "rope_q", "attn_k.weight": "rope_k"}),
     Family("mistral", hf_model_types=("mistral",), hf_fields=HF_FIELDS + HF_WINDOWED),  # GGUF: llama + a window
-    Family("qwen2", hf_model_types=("qwen2",), hf_fields=HF_FIELDS + HF_WINDOWED, facts={"attn_bias": True},
-           gguf_arch="qwen2"),
-    Family("qwen3", hf_model_types=("qwen3",), hf_fields=HF_FIELDS + HF_WINDOWED, facts={"qk_norm": True},
-           gguf_arch="qwen3"),
+    Family("qwen2", hf_model_types=("qwen2",), **QWEN_HF, facts={"attn_bias": True}, gguf_arch="qwen2"),
+    Family("qwen3", hf_model_types=("qwen3",), **QWEN_HF, facts={"qk_norm": True}, gguf_arch="qwen3"),
 )
 
 

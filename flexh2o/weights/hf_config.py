@@ -3,14 +3,11 @@ listed as inert (flexh2o/weights/hf_fields.py); anything else is refused in one 
 from __future__ import annotations
 
 from flexh2o.config import ModelConfig
-from flexh2o.models import by_hf_model_type, families
+from flexh2o.models import Family, by_hf_model_type, families
 from flexh2o.weights.hf_fields import USED, check_fields, check_rope
 
-GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
-
-
 def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
-    """Hugging Face config.json (OPT, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) -> ModelConfig."""
+    """Hugging Face config.json (of a model_type a family declares, flexh2o/models/) -> ModelConfig."""
     mt = d.get("model_type", "")
     fam = by_hf_model_type(mt)
     if fam is not None and fam.hf_convert is not None:
@@ -27,17 +24,14 @@ def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
               num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads"),
               ffn=d["intermediate_size"], vocab=d["vocab_size"],
               max_positions=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
-              tie_embeddings=d.get("tie_word_embeddings", family.startswith("gemma")),
+              tie_embeddings=d.get("tie_word_embeddings", fam.hf_tied),
               pad_token_id=_or(d.get("pad_token_id"), 0), bos_token_id=_or(d.get("bos_token_id"), 1),
               eos_token_id=_or(_first(d.get("eos_token_id")), 2))
     hd = d.get("head_dim")
     if hd and hd != d["hidden_size"] // d["num_attention_heads"]:
         kw["head_size"] = hd
-    kw.update(_window(d, family))
-    if family.startswith("gemma"):
-        kw.update(_gemma(d, family))
-    else:
-        kw.update(_rope(_rope_params(d)))
+    kw.update(_window(d, fam))
+    kw.update(fam.hf_facts(d, _rope_params, _rope) if fam.hf_facts else _rope(_rope_params(d)))
     kw.update(fam.facts)
     return ModelConfig(**kw)
 
@@ -68,58 +62,31 @@ def _rope(params: dict, where: str = "rope_parameters") -> dict:
     return out
 
 
-def _window(d: dict, family: str) -> dict:
+def _window(d: dict, fam: Family) -> dict:
     """sliding_window and which layers it covers (layer_types, or each family's own default rule)."""
     window = d.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+    if fam.hf_window_switch and not d.get(fam.hf_window_switch, False):
         window = None  # transformers' Qwen configs drop the window unless use_sliding_window
     n = d["num_hidden_layers"]
     types = d.get("layer_types")
     if types is None:
-        types = _default_layer_types(d, family, n, window)
+        types = _default_layer_types(d, fam, n, window)
     if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types = {types!r}: expected {n} entries of sliding_attention / full_attention")
     if window is None:
-        if "sliding_attention" in types and family not in ("qwen2", "qwen3"):
+        if "sliding_attention" in types and not fam.hf_window_switch:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
         return {}
     kinds = "".join("s" if t == "sliding_attention" else "f" for t in types)
     return {"sliding_window": int(window), "layer_kinds": "" if set(kinds) == {"s"} else kinds}
 
 
-def _default_layer_types(d: dict, family: str, n: int, window) -> list:
+def _default_layer_types(d: dict, fam: Family, n: int, window) -> list:
     if window is None:
         return ["full_attention"] * n
-    if family in ("qwen2", "qwen3"):
-        first = d.get("max_window_layers", n)
-        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    if family == "gemma2":
-        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    if family == "gemma3":
-        every = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
-        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if fam.hf_layer_types is not None:
+        return fam.hf_layer_types(d, n)
     return ["sliding_attention"] * n
-
-
-def _gemma(d: dict, family: str) -> dict:
-    for key in ("hidden_activation", "hidden_act"):
-        if d.get(key) is not None and d[key] not in GELU_TANH:
-            raise ValueError(f"{key} = {d[key]!r} is not supported (gemma's MLP is gelu_pytorch_tanh)")
-    out = {"query_scalar": float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256),
-           "attn_softcap": d.get("attn_logit_softcapping"), "final_softcap": d.get("final_logit_softcapping")}
-    params = _rope_params(d)
-    if family == "gemma3" and "full_attention" in params:
-        local = params.get("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters sliding_attention = {local!r}: only default RoPE is supported there")
-        check_rope(local, "rope_parameters sliding_attention")
-        out["local_rope_theta"] = float(local.get("rope_theta", 10000.0))
-        out.update(_rope(params["full_attention"], "rope_parameters full_attention"))
-    else:
-        out.update(_rope(params))
-        if family == "gemma3":
-            out["local_rope_theta"] = float(d.get("rope_local_base_freq", 10000.0))
-    return out
 
 
 def _first(x):
