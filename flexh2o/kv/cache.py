@@ -48,7 +48,7 @@ class KVBlock:
         plain = isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
         if in_order and at is not None and plain and min(at) != max(at) and self._flat():
             return self._append_flat(k, v, cur_pos, slot, step)
-        if in_order and at is not None and plain:
+        if in_order and at is not None and (plain or min(at) == max(at)):  # a quantized block too: slices, no puts
             index = ((slice(None), slice(None), at[0]) if min(at) == max(at)
                      else (torch.arange(b, device=self.pos.device), slice(None), cur_pos))  # (b, kv[, d]) either way
         else:
