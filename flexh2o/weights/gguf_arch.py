@@ -21,7 +21,8 @@ COMMON = ("context_length", "embedding_length", "block_count", "feed_forward_len
           "attention.key_length", "attention.value_length", "rope.dimension_count", "rope.freq_base",
           "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
           "rope.scaling.finetuned")
-# arch: the `<arch>.` keys its conversion reads (any other key under `<arch>.` is refused)
+# arch: the `<arch>.` keys its conversion reads (any other key under `<arch>.` is refused); a view of the families'
+# declarations (the conversion itself asks by_gguf_arch)
 READ = {f.gguf_arch: COMMON + f.gguf_keys for f in families() if f.gguf_arch is not None}
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -44,9 +45,9 @@ def gguf_config(path: str, fields: dict, tensors: dict) -> ModelConfig:
         return fields[key]
 
     arch = get("general.architecture")
-    if arch not in READ:
+    if by_gguf_arch(arch) is None:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: flexh2o converts "
-                         f"{', '.join(READ)} GGUF files")
+                         f"{', '.join(f.gguf_arch for f in families() if f.gguf_arch is not None)} GGUF files")
     _check_keys(path, arch, fields, tensors)
     a = lambda key, default=KeyError: get(f"{arch}.{key}", default)  # noqa: E731
     hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
@@ -84,7 +85,7 @@ def _check_keys(path: str, arch: str, fields: dict, tensors: dict) -> None:
         if key.startswith("split."):
             raise ValueError(f"{path} is one part of a split GGUF ({key}): merge it first "
                              "(llama-gguf-split --merge FIRST-PART OUT.gguf)")
-        if key.startswith(arch + ".") and key[len(arch) + 1:] not in READ[arch]:
+        if key.startswith(arch + ".") and key[len(arch) + 1:] not in COMMON + by_gguf_arch(arch).gguf_keys:
             raise ValueError(f"{path}: GGUF metadata key {key} = {_short(fields[key])} changes the computation "
                              f"and flexh2o does not implement it for {arch} GGUF files")
 

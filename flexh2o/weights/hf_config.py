@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flexh2o.config import ModelConfig
 from flexh2o.models import Family, by_hf_model_type, families
-from flexh2o.weights.hf_fields import USED, check_fields, check_rope
+from flexh2o.weights.hf_fields import check_fields, check_rope
 
 def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
     """Hugging Face config.json (of a model_type a family declares, flexh2o/models/) -> ModelConfig."""
@@ -15,7 +15,7 @@ def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
     refused = next((f.hf_refused[mt] for f in families() if mt in f.hf_refused), None)
     if refused:
         raise ValueError(refused)
-    if mt not in USED:
+    if fam is None:
         raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports "
                          f"{', '.join(t for f in families() for t in f.hf_model_types)}")
     check_fields(d)

@@ -4,7 +4,7 @@ affect the computation (INERT, with the reason). A field in none of them is refu
 tests/test_hf_fields.py walks every field of each supported transformers config class through these tables."""
 from __future__ import annotations
 
-from flexh2o.models import families
+from flexh2o.models import by_hf_model_type, families
 
 INERT = {  # field: why it changes no logit of a decoder run
     "transformers_version": "metadata", "architectures": "metadata", "_name_or_path": "metadata",
@@ -35,7 +35,7 @@ REQUIRE = {  # field: values that change nothing (any other is refused)
 }
 
 # model_type: the fields its conversion reads (flexh2o/weights/hf_config.py), as each family declares them
-# (hf_fields of its Family, flexh2o/models/); OPT, read by its own hf_convert, is not listed
+# (hf_fields of its Family, flexh2o/models/: check_fields asks it); OPT, read by its own hf_convert, is not listed
 USED = {mt: f.hf_fields for f in families() if f.hf_fields is not None for mt in f.hf_model_types}
 
 ROPE_KEYS = {  # rope_type: the keys of rope_parameters it reads
@@ -48,7 +48,7 @@ ROPE_KEYS = {  # rope_type: the keys of rope_parameters it reads
 
 def check_fields(d: dict) -> None:
     """ValueError naming the first field of config.json `d` that flexh2o would otherwise drop."""
-    used = USED[d["model_type"]]
+    used = by_hf_model_type(d["model_type"]).hf_fields
     for key, value in d.items():
         if key in used or key in INERT:
             continue
