@@ -45,7 +45,8 @@ def gguf_config(path: str, fields: dict, tensors: dict) -> ModelConfig:
         return fields[key]
 
     arch = get("general.architecture")
-    if by_gguf_arch(arch) is None:
+    fam = by_gguf_arch(arch)
+    if fam is None:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported: flexh2o converts "
                          f"{', '.join(f.gguf_arch for f in families() if f.gguf_arch is not None)} GGUF files")
     _check_keys(path, arch, fields, tensors)
@@ -55,7 +56,7 @@ def gguf_config(path: str, fields: dict, tensors: dict) -> ModelConfig:
     _require(path, f"{arch}.attention.value_length", a("attention.value_length", head_dim), (head_dim,))
     _require(path, f"{arch}.rope.dimension_count", a("rope.dimension_count", head_dim), (head_dim,))
     layers = int(a("block_count"))
-    kw = dict(name=os.path.splitext(os.path.basename(path))[0], family=arch, hidden=hidden, num_layers=layers,
+    kw = dict(name=os.path.splitext(os.path.basename(path))[0], family=fam.name, hidden=hidden, num_layers=layers,
               num_heads=heads, num_kv_heads=int(a("attention.head_count_kv", heads)),
               ffn=int(a("feed_forward_length")), vocab=int(a("vocab_size", tensors["token_embd.weight"][0])),
               max_positions=int(a("context_length", 2048)),
@@ -67,7 +68,6 @@ def gguf_config(path: str, fields: dict, tensors: dict) -> ModelConfig:
     if head_dim != hidden // heads:
         kw["head_size"] = head_dim
     kw.update(_rope_scaling(path, arch, a))
-    fam = by_gguf_arch(arch)
     kw.update(fam.facts)
     if fam.gguf_facts is not None:
         kw.update(fam.gguf_facts(a, layers, hidden, heads, head_dim))
