@@ -2,9 +2,10 @@
 
 The probe times both paths of one (N, K) weight the way a phase multiplies it (decode: a GPU batch's rows; prefill:
 a prefill sub-batch's tokens), alternated over a few rounds, medians compared: the generic path (the weight expanded
-from the kernel's order into a reused fp32 buffer, then a dense matmul in the compute dtype) against the kernel
-(bf16 activations). Nothing is assumed about the machine: a CPU without bf16 instructions runs the kernel's bf16
-arithmetic in software and the probe sees it.
+from the kernel's order into a reused buffer of the compute dtype, as a weight load does, in one pass where
+compress/expand_native.py builds; then a dense matmul) against the kernel (bf16 activations). Nothing is assumed
+about the machine: a CPU without bf16 instructions runs the kernel's bf16 arithmetic in software and the probe
+sees it.
 """
 from __future__ import annotations
 
@@ -51,13 +52,13 @@ def probe(shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict) -> dict
     """phase -> {"int4": seconds, "generic": seconds} for one matmul of a random (N, K) weight, medians."""
     g = torch.Generator().manual_seed(0)
     ct = to_kernel_order(quantize(torch.randn(shape, generator=g) * 0.02, spec, torch.bfloat16))
-    packed, buf = PackedWeight.from_stored(ct), torch.empty(shape)
-    paths = {"int4": lambda x: packed.linear(x),
-             "generic": lambda x: F.linear(x, expand_kernel_order(ct, buf).to(x.dtype))}
+    packed = PackedWeight.from_stored(ct)
     out = {}
     with torch.inference_mode():
         for phase in PHASES:
             x = torch.randn(rows[phase], shape[1], generator=g).to(dtypes[phase])
+            buf = torch.empty(shape, dtype=x.dtype)  # as a weight load expands it: into the compute dtype
+            paths = {"int4": packed.linear, "generic": lambda x, buf=buf: F.linear(x, expand_kernel_order(ct, buf))}
             times = {name: [] for name in paths}
             for _ in range(ROUNDS + 1):  # alternated; the first round warms up
                 for name, fn in paths.items():

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from flexh2o.compress import expand_native
 from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, stored_bytes
 
 KERNEL_GROUPS = (32, 64, 128, 256)
@@ -209,7 +210,8 @@ class PackedWeight:
         flat = x.reshape(-1, k)  # (rows, K)
         out = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)  # (rows, N)
         step = _rows_chunk(k) * row_block()  # whole blocks: each slice's order is its own
-        buf = torch.empty(min(n, step), k, device=x.device)  # (rows of a chunk, K) fp32
+        wdt = x.dtype if native_expands(self.group_size, x.dtype) else torch.float32  # straight into x's dtype
+        buf = torch.empty(min(n, step), k, dtype=wdt, device=x.device)  # (rows of a chunk, K)
         for start in range(0, n, step):
             stop = min(n, start + step)
             sub = CompressedTensor(self.packed[start:stop], self.meta[start:stop], k, self.spec)
@@ -265,10 +267,21 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torc
                                              sz.contiguous()).view(*x.shape[:-1], -1)
 
 
+def native_expands(group_size: int, dtype: torch.dtype) -> bool:
+    """Whether `expand_kernel_order` writes a weight of this grouping straight into `dtype` in one pass (the C
+    expansion of compress/expand_native.py is built here and takes them); else fp32 first, then converted."""
+    return expand_native.supports(row_block(), group_size, torch.empty(0, dtype=dtype))
+
+
 def expand_kernel_order(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
-    """A kernel-order weight expanded into `out` (N, K) fp32 (the generic path, with a reused buffer): the levels
-    are written through a permuted view of `out`, then scaled and shifted in place (as dequantize, fp32)."""
+    """A kernel-order weight expanded into `out` (N, K) (the generic path, with a reused buffer), as dequantize
+    then a conversion to out's dtype, bit for bit: in one pass by the C expansion where it takes `out`
+    (compress/expand_native.py), else the levels written through a permuted view of an fp32 `out`, then scaled
+    and shifted in place."""
     n, k = ct.data.shape[0], ct.data.shape[1] * 2
+    if expand_native.supports(row_block(), ct.spec.group_size, out):
+        expand_native.expand_into(ct.data, ct.meta, ct.spec.group_size, row_block(), out)
+        return out
     if out.dtype != torch.float32 or not out.is_contiguous():
         return out.copy_(dequantize(from_kernel_order(ct), out.dtype))
     _write_levels(ct.data, out, row_block())

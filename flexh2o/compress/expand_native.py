@@ -1,0 +1,212 @@
+"""One-pass expansion of a 4-bit weight held in the int4 kernel's order straight into the compute dtype, in C.
+
+The generic path of a weight in the kernel's order (compress/kernels.py) writes its levels through permuted views
+of an fp32 buffer, scales and shifts it in place and converts it to the compute dtype: four passes over the
+expanded weight, two of them strided. Here each (group, row block) tile of bytes is transposed in a small buffer,
+then every output row's group is written once, as fp32, bf16 or fp16, with the same arithmetic as the codec's
+`dequantize` (level as fp32, times the scale, plus the minimum: two fp32 roundings, no fused multiply-add; then
+one round to nearest even into bf16 or fp16), so the result is bitwise the reference's.
+
+The C source is compiled once per machine, instruction set and source into the cache directory with the system's
+C compiler and loaded with ctypes (the call releases the GIL, so a weight load on an I/O thread expands while the
+main thread computes). The instruction set follows torch's own (ATEN_CPU_CAPABILITY), so the AVX2 path of an
+AVX-512 CPU is the AVX2 build. Where no compiler or build works `available()` is False and the callers keep the
+torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : r);
+}
+
+/* An 8 x 8 tile of bytes transposed (rows `ss` apart in src, `ds` apart in dst) by three rounds of swaps. */
+static inline void transpose8(const uint8_t *src, int64_t ss, uint8_t *dst, int64_t ds) {
+    uint64_t x[8], t;
+    for (int r = 0; r < 8; r++) memcpy(&x[r], src + r * ss, 8);
+    for (int r = 0; r < 4; r++) {
+        t = ((x[r] >> 32) ^ x[r + 4]) & 0x00000000FFFFFFFFull; x[r] ^= t << 32; x[r + 4] ^= t;
+    }
+    for (int r = 0; r < 8; r += (r % 2 ? 3 : 1)) {  /* 0, 1, 4, 5 */
+        t = ((x[r] >> 16) ^ x[r + 2]) & 0x0000FFFF0000FFFFull; x[r] ^= t << 16; x[r + 2] ^= t;
+    }
+    for (int r = 0; r < 8; r += 2) {
+        t = ((x[r] >> 8) ^ x[r + 1]) & 0x00FF00FF00FF00FFull; x[r] ^= t << 8; x[r + 1] ^= t;
+    }
+    for (int r = 0; r < 8; r++) memcpy(dst + r * ds, &x[r], 8);
+}
+
+/* One block of R rows: bytes (K, R / 2), byte i of input k holds rows lo(i) (low nibble) and hi(i) (high).
+   interleaved: lo(i) = 2i, hi(i) = 2i + 1 (the last, shorter block); else lo(i) = i, hi(i) = i + R / 2. */
+static void expand_block(const uint8_t *src, const float *meta, int64_t K, int64_t g, int64_t R, int interleaved,
+                         int kind, char *out, int64_t row0) {
+    int64_t h = R / 2, G = K / g;
+    uint8_t tile[32 * 256];
+    for (int64_t gi = 0; gi < G; gi++) {
+        const uint8_t *b = src + gi * g * h;  /* (g, h) bytes -> tile (h, g) */
+        if (h % 8 == 0 && g % 8 == 0) {
+            for (int64_t t = 0; t < g; t += 8)
+                for (int64_t i = 0; i < h; i += 8) transpose8(b + t * h + i, h, tile + i * g + t, g);
+        } else {
+            for (int64_t t = 0; t < g; t++)
+                for (int64_t i = 0; i < h; i++) tile[i * g + t] = b[t * h + i];
+        }
+        for (int64_t i = 0; i < h; i++) {
+            int64_t rows[2] = {interleaved ? 2 * i : i, interleaved ? 2 * i + 1 : i + h};
+            const uint8_t *q = tile + i * g;
+            for (int half = 0; half < 2; half++) {
+                int64_t r = row0 + rows[half];
+                float s = meta[(r * G + gi) * 2], m = meta[(r * G + gi) * 2 + 1];
+                int shift = half ? 4 : 0;
+                if (kind == 1) {
+                    uint16_t *o = (uint16_t *)out + r * K + gi * g;
+                    for (int64_t t = 0; t < g; t++) {
+                        float v = (float)((q[t] >> shift) & 15) * s;
+                        o[t] = to_bf16(v + m);
+                    }
+                } else if (kind == 2) {
+#ifdef __FLT16_MAX__
+                    _Float16 *o = (_Float16 *)out + r * K + gi * g;
+                    for (int64_t t = 0; t < g; t++) {
+                        float v = (float)((q[t] >> shift) & 15) * s;
+                        o[t] = (_Float16)(v + m);
+                    }
+#endif
+                } else {
+                    float *o = (float *)out + r * K + gi * g;
+                    for (int64_t t = 0; t < g; t++) {
+                        float v = (float)((q[t] >> shift) & 15) * s;
+                        o[t] = v + m;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Which outputs this build writes: fp32 and bf16 always, fp16 where the compiler has _Float16. */
+int expand4_kinds(void) {
+#ifdef __FLT16_MAX__
+    return 3;
+#else
+    return 2;
+#endif
+}
+
+int expand4(const uint8_t *packed, const float *meta, int64_t N, int64_t K, int64_t g, int64_t block,
+            int kind, void *out, int threads) {
+    if (kind < 0 || kind >= expand4_kinds() || block > 64 || g > 256 || (block / 2) * g > 32 * 256 || K % g) return 1;
+    int64_t whole = N - N % block, nb = whole / block, last = N % block;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b <= nb; b++) {
+        if (b < nb)
+            expand_block(packed + b * block * K / 2, meta, K, g, block, 0, kind, (char *)out, b * block);
+        else if (last)
+            expand_block(packed + whole * K / 2, meta, K, g, last, 1, kind, (char *)out, whole);
+    }
+    return 0;
+}
+"""
+ISA_FLAGS = (("AVX512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c")),
+             ("AVX2", ("-mavx2", "-mfma", "-mf16c")))  # torch's capability -> the build's; others: the default
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # in the C code's order of `kind`
+MAX_GROUP = 256  # the C tile holds a group of up to this many inputs for 32 byte rows
+MAX_BLOCK = 64
+
+
+def _cache_dir() -> str:
+    """Where the build goes: the same rule as planning/machine.cache_dir (a lower layer cannot import it)."""
+    if os.environ.get("FLEXH2O_CACHE_DIR"):
+        return os.environ["FLEXH2O_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flexh2o")
+
+
+def _isa() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.lru_cache(maxsize=None)
+def _library(isa: str) -> Optional[ctypes.CDLL]:
+    """The built library for `isa` (built once into the cache directory), None where it cannot be built."""
+    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", *dict(ISA_FLAGS).get(isa, ())]
+    key = hashlib.sha256((SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), "native", f"expand4-{isa.lower()}-{key}.so")
+    if not os.path.exists(path):
+        try:
+            _build(path, flags)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    lib.expand4.restype = ctypes.c_int
+    lib.expand4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.expand4_kinds.restype = ctypes.c_int
+    return lib
+
+
+def _build(path: str, flags: list) -> None:
+    """Compile SOURCE into `path` (written under a temporary name beside it, then renamed: concurrent builds of
+    several processes are safe)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with tempfile.TemporaryDirectory() as work:
+        src = os.path.join(work, "expand4.c")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        try:
+            subprocess.run([os.environ.get("CC", "cc"), *flags, src, "-o", tmp], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def out_dtypes() -> tuple:
+    """The dtypes the C expansion writes on this machine (fp32 and bf16, fp16 where the compiler has _Float16);
+    () where it cannot be built or loaded for torch's instruction set."""
+    lib = _library(_isa())
+    return OUT_DTYPES[:lib.expand4_kinds()] if lib is not None else ()
+
+
+def available() -> bool:
+    """Whether the C expansion is built and loaded for torch's instruction set on this machine."""
+    return bool(out_dtypes())
+
+
+def supports(block: int, group_size: int, out: torch.Tensor) -> bool:
+    """Whether `expand_into` takes this row block, group and output (a contiguous CPU tensor of `out_dtypes`)."""
+    return (out.is_contiguous() and out.device.type == "cpu" and block <= MAX_BLOCK and group_size <= MAX_GROUP
+            and (block // 2) * group_size <= 32 * MAX_GROUP and out.dtype in out_dtypes())
+
+
+def expand_into(packed: torch.Tensor, meta: torch.Tensor, group_size: int, block: int, out: torch.Tensor) -> None:
+    """Kernel-order bytes (N, K / 2) with meta (N, groups, 2) (scale, minimum) expanded into `out` (N, K) (check
+    `supports` first)."""
+    n, k = out.shape
+    packed = packed.contiguous()
+    m = meta.to(torch.float32).contiguous()  # (N, groups, 2) fp32
+    got = _library(_isa()).expand4(packed.data_ptr(), m.data_ptr(), n, k, group_size, block,
+                                   OUT_DTYPES.index(out.dtype), out.data_ptr(), torch.get_num_threads())
+    if got:
+        raise ValueError(f"expand4: unsupported block {block} / group {group_size} / {out.dtype} for a ({n}, {k}) "
+                         f"weight")

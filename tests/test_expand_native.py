@@ -1,0 +1,94 @@
+"""The C expansion of kernel-order 4-bit weights (compress/expand_native.py) against the codec's dequantize.
+
+Both compute each value as (level as fp32) * scale + minimum with two fp32 roundings and no fused multiply-add,
+then one round to nearest even into bf16 or fp16 where asked, so the results must be equal bit for bit (tolerance 0).
+"""
+import shutil
+
+import pytest
+import torch
+
+from flexh2o.compress import expand_native, kernels
+from flexh2o.compress.codec import CompressionSpec, dequantize, quantize
+from flexh2o.compress.kernels import PackedWeight, expand_kernel_order, native_expands, to_kernel_order
+
+needs_build = pytest.mark.skipif(not expand_native.available(), reason="no C compiler: the torch path is used")
+
+
+def _weight(rows: int, cols: int, group: int, seed: int, meta_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    ct = quantize(torch.randn(rows, cols, generator=g) * 0.05, CompressionSpec(4, group, 1), meta_dtype)
+    return ct, to_kernel_order(ct)
+
+
+@needs_build
+@pytest.mark.parametrize("block", kernels.ROW_BLOCKS)
+@pytest.mark.parametrize("rows", [32, 64, 96, 160])
+@pytest.mark.parametrize("group", kernels.KERNEL_GROUPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_expansion_is_dequantize_bit_for_bit(monkeypatch, block, rows, group, dtype):
+    """Each order torch may write (whole blocks of 32 or 64 rows, a last block of 32 rows in pairs), every kernel
+    grouping, fp32, bf16 and fp16 out (where the compiler has _Float16): equal to dequantize then the conversion."""
+    if dtype not in expand_native.out_dtypes():
+        pytest.skip(f"this compiler has no {dtype}")
+    monkeypatch.setattr(kernels, "_torch_block", lambda: block)
+    ct, ko = _weight(rows, 512, group, rows * block + group)
+    want = dequantize(ct, torch.float32).to(dtype)
+    got = torch.full((rows, 512), float("nan"), dtype=dtype)  # every value must be written
+    expand_native.expand_into(ko.data, ko.meta, group, block, got)
+    assert torch.equal(got, want)
+    assert native_expands(group, dtype)
+    assert torch.equal(expand_kernel_order(ko, torch.empty(rows, 512, dtype=dtype)), want)
+
+
+@needs_build
+@pytest.mark.parametrize("meta_dtype", [torch.float16, torch.float32])
+def test_native_expansion_reads_any_meta_dtype(meta_dtype):
+    """Scales and minimums stored as fp16 or fp32 (a checkpoint's kept blocks) are read as fp32, as dequantize."""
+    ct, ko = _weight(128, 256, 32, 7, meta_dtype)
+    got = expand_kernel_order(ko, torch.empty(128, 256, dtype=torch.bfloat16))
+    assert torch.equal(got, dequantize(ct, torch.float32).to(torch.bfloat16))
+
+
+@needs_build
+def test_block_by_block_linear_expands_straight_into_bf16(monkeypatch):
+    """A PackedWeight multiplied block by block in bf16 (kernel False) uses bf16 buffers and gives the generic
+    path's result exactly: the same bf16 weights, the same matmul of the same row blocks."""
+    monkeypatch.setattr(kernels, "ROWS_ELEMENTS", 1 << 30)  # one chunk: the same matmul as the reference's
+    ct, ko = _weight(160, 192, 64, 3)
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got = PackedWeight.from_stored(ko, torch.bfloat16, kernel=False).linear(x)
+    want = x @ dequantize(ct, torch.float32).to(torch.bfloat16).t()
+    assert torch.equal(got, want)
+
+
+def test_without_a_compiler_the_torch_path_expands(monkeypatch, tmp_path):
+    """No usable compiler: nothing is built, `available` is False, and expand_kernel_order still equals dequantize
+    (the torch path) for fp32, bf16 and fp16 out."""
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    expand_native._library.cache_clear()
+    try:
+        assert not expand_native.available()
+        assert not native_expands(64, torch.float32)
+        ct, ko = _weight(96, 128, 64, 5)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = expand_kernel_order(ko, torch.empty(96, 128, dtype=dtype))
+            assert torch.equal(got, dequantize(ct, torch.float32).to(dtype))
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        expand_native._library.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_build_goes_to_the_cache_directory_once(monkeypatch, tmp_path):
+    """Built once into $FLEXH2O_CACHE_DIR/native, named by instruction set and source, no temporary left."""
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    expand_native._library.cache_clear()
+    try:
+        assert expand_native.available()
+        built = list((tmp_path / "native").iterdir())
+        isa = torch.backends.cpu.get_cpu_capability().lower()
+        assert len(built) == 1 and built[0].name.startswith(f"expand4-{isa}-") and built[0].suffix == ".so"
+    finally:
+        expand_native._library.cache_clear()
