@@ -21,7 +21,7 @@ HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 HF_WINDOWED = ("sliding_window", "layer_types")
 
 
-def _windowed(a: Callable) -> dict:
+def gguf_window(a: Callable) -> dict:
     """llama (Mistral) and phi3: `attention.sliding_window` windows every layer, as Hugging Face's config does
     (llama.cpp itself turns phi3's window off)."""
     window = a("attention.sliding_window", 0)
@@ -39,7 +39,7 @@ QWEN_HF = dict(hf_fields=HF_FIELDS + HF_WINDOWED, hf_window_switch="use_sliding_
 FAMILIES = (  # llama.cpp permutes only the llama architecture's q/k rows (interleaved RoPE); the others keep HF's
     Family("llama", hf_model_types=("llama",), hf_fields=HF_FIELDS, gguf_arch="llama",
            gguf_keys=("attention.sliding_window",),
-           gguf_facts=lambda a, *_: {**_windowed(a), **({"family": "mistral"} if _windowed(a) else {})},
+           gguf_facts=lambda a, *_: {**gguf_window(a), **({"family": "mistral"} if gguf_window(a) else {})},
            gguf_undo={"attn_q.weight": "rope_q", "attn_k.weight": "rope_k"}),
     Family("mistral", hf_model_types=("mistral",), hf_fields=HF_FIELDS + HF_WINDOWED),  # GGUF: llama + a window
     Family("qwen2", hf_model_types=("qwen2",), **QWEN_HF, facts={"attn_bias": True}, gguf_arch="qwen2"),

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from flexh2o.config import ModelConfig
 from flexh2o.models.common import WeightSpec, linear, rowwise
 from flexh2o.models.family import Family
-from flexh2o.models.llama import HF_FIELDS, HF_WINDOWED, P, _windowed, attention_specs, rms, self_attention
+from flexh2o.models.llama import HF_FIELDS, HF_WINDOWED, P, attention_specs, gguf_window, rms, self_attention
 from flexh2o.models.llama import embed, head  # noqa: F401  (the family's embed and head are Llama's)
 from flexh2o.models.llama import layer_specs as llama_specs
 
@@ -16,7 +16,7 @@ FAMILIES = (  # GGUF keeps the fused qkv (attn_qkv) and gate_up (ffn_up) tensors
     Family("phi3", hf_model_types=("phi3",), hf_fields=HF_FIELDS + HF_WINDOWED, gguf_arch="phi3",
            gguf_keys=("attention.sliding_window",),
            gguf_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-           gguf_facts=lambda a, *_: _windowed(a)),
+           gguf_facts=lambda a, *_: gguf_window(a)),
 )
 
 

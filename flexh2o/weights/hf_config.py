@@ -6,6 +6,7 @@ from flexh2o.config import ModelConfig
 from flexh2o.models import Family, by_hf_model_type, families
 from flexh2o.weights.hf_fields import check_fields, check_rope
 
+
 def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
     """Hugging Face config.json (of a model_type a family declares, flexh2o/models/) -> ModelConfig."""
     mt = d.get("model_type", "")
@@ -19,8 +20,7 @@ def from_hf_config(d: dict, name: str = "converted") -> ModelConfig:
         raise ValueError(f"unsupported model_type {mt!r} in config.json: flexh2o supports "
                          f"{', '.join(t for f in families() for t in f.hf_model_types)}")
     check_fields(d)
-    family = fam.name
-    kw = dict(name=name, family=family, hidden=d["hidden_size"], num_layers=d["num_hidden_layers"],
+    kw = dict(name=name, family=fam.name, hidden=d["hidden_size"], num_layers=d["num_hidden_layers"],
               num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads"),
               ffn=d["intermediate_size"], vocab=d["vocab_size"],
               max_positions=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
