@@ -183,8 +183,6 @@ def _engine_name(cfg: ModelConfig, key: str) -> Optional[str]:
         return None
     if key == "lm_head.weight":
         return None if cfg.tie_embeddings else key
-    if cfg.family == "opt" and key.startswith("decoder."):  # saved from OPTModel
-        return "model." + key
-    if cfg.family != "opt" and not key.startswith("model."):  # saved from LlamaModel (or another base model)
+    if not key.startswith("model."):  # saved from a base model (OPTModel's decoder.*, LlamaModel's layers.*)
         return "model." + key
     return key
