@@ -24,7 +24,7 @@ import torch
 from flexh2o.compress.codec import CompressedTensor, dequantize
 from flexh2o.config import CONFIG_FILE, ModelConfig, load_converted_config
 from flexh2o.dtypes import DTYPES, dtype_name, parse_dtype
-from flexh2o.models import unique_specs
+from flexh2o.models import family_module, unique_specs
 from flexh2o.storage.base import as_bytes
 from flexh2o.storage.dirlock import LOCK_FILE, make_locked_dir, stale_staging
 from flexh2o.weights import blocks
@@ -199,6 +199,11 @@ class CheckpointReader:
         _check_byteorder()
         self.path = os.path.abspath(path)
         self.config = load_converted_config(self.path)
+        try:
+            family_module(self.config.family)
+        except ValueError as e:  # a hand-edited family, refused as load_converted_config refuses a bad field
+            where = os.path.join(self.path, CONFIG_FILE)
+            raise ValueError(f"{where} is corrupt ({e}): run flexh2o-convert again") from None
         self.entries = load_index(os.path.join(self.path, INDEX_FILE))
         self._validate()
 
