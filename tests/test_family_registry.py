@@ -1,10 +1,11 @@
 """A model family is its module and one entry in models.FAMILY_MODULES: a toy family declared the way a new one
 would be (Llama's compute, Qwen2's q/k/v biases as a declared fact, its own model_type and GGUF architecture) is
 read from a config.json and a GGUF's metadata, names its GGUF tensors, passes RunConfig and runs; out of the table,
-each of those refuses it."""
+each of those refuses it, and a converted checkpoint naming it reads as corrupt."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import ModuleType
 
 import pytest
@@ -16,6 +17,7 @@ from flexh2o.engine import Engine
 from flexh2o.models import Family, llama
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
+from flexh2o.weights.format import CheckpointReader, CheckpointWriter
 from flexh2o.weights.gguf_arch import gguf_config, hf_name
 from flexh2o.weights.hf_config import from_hf_config
 
@@ -88,3 +90,16 @@ def test_a_family_out_of_the_table_is_refused(tmp_path):
     cfg = dataclasses.replace(from_hf_config(LLAMA_JSON), family="toyqwen")
     with pytest.raises(ValueError, match="unknown model family 'toyqwen': use one of opt, llama, mistral"):
         RunConfig(model=cfg, prompt_len=4, gen_len=2, offload_dir=str(tmp_path))
+
+
+def test_a_checkpoint_naming_no_declared_family_is_corrupt(tmp_path):
+    cfg = ModelConfig("t", "opt", hidden=16, num_layers=1, num_heads=2, ffn=32, vocab=64, max_positions=32)
+    with CheckpointWriter(str(tmp_path / "ck"), cfg, "float32") as w:
+        for name, spec in w.specs.items():
+            w.add(name, torch.zeros(spec.shape))
+        w.finish()
+    path = tmp_path / "ck" / "flexh2o_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "family": "nope"}))
+    with pytest.raises(ValueError, match=r"flexh2o_config.json is corrupt \(unknown model family 'nope': use one of "
+                                         r"opt, .*\): run flexh2o-convert again"):
+        CheckpointReader(str(tmp_path / "ck"))
