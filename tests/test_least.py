@@ -28,7 +28,7 @@ def _rc(gpu_mem: int, model: str = "opt-1.3b") -> RunConfig:
 @pytest.mark.parametrize("model", ["opt-125m", "opt-1.3b"])
 def test_the_least_is_the_search_boundary(model):
     hw = load_profile("cpu_measured")
-    need = least_plan(_rc(64 * MiB, model)).total("gpu")
+    need = least_plan(_rc(16 * MiB, model)).total("gpu")  # a cap nothing fits: the least is the smallest need
     found = search(_rc(need, model), hw, limit=1)
     assert found and plan_memory(found[0][0]).overflow() is None
     assert plan_memory(found[0][0]).total("gpu") <= need
@@ -48,7 +48,10 @@ def test_policy_auto_names_the_least_not_the_default_placement(cap, capsys, offl
     assert len(err) == 1, err  # one error line (a warning about the shipped profile may precede it)
     err = err[0]
     need = least_plan(_rc(157 * MiB)).total("gpu")  # the same least whatever the cap
-    m = re.search(r"needs ([\d.]+ \w+) in the gpu tier .*embed_tokens.*at least .* \((\d+) bytes\)", err)
+    m = re.search(r"needs ([\d.]+ \w+) in the gpu tier .*fc1.*at least .* \((\d+) bytes\)", err)
     assert m, err
-    assert int(m.group(2)) == need and need > 2 * 2048 * 50272 * 4  # two embedding tables in flight, fp32
+    # two decoder layers in flight in fp32 (the fp16 vocabulary table is gathered and multiplied from its stored
+    # form, weights/stored_form.py), not two embedding tables in fp32 (2 x 2048 x 50272 x 4 bytes)
+    block = 4 * (4 * 2048 * 2048 + 2 * 2048 * 8192)
+    assert int(m.group(2)) == need and 2 * block < need < 2 * 2048 * 50272 * 4
     assert "2.6 GiB" not in err  # not the default placement's need

@@ -12,6 +12,8 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
 from flexh2o.weights.forms import compute_side_bytes, kept_scales_bytes, planned_kernel
+from flexh2o.weights.stored_form import stays_stored
+from flexh2o.compress.codec import weight_spec
 
 KINDS = ("weights", "cache", "activations", "buffers")
 PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte int object
@@ -117,7 +119,7 @@ def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
     phase takes them (weights/forms.py: copied, expanded or in the int4 kernel's form), the cache blocks being
     built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
     cfg, c = rc.model, rc.compute.itemsize
-    weights = max(2 * max(compute_side_bytes(rc, where.weights, kernel, p)) for p in PHASES)
+    weights = max(in_flight_bytes(rc, where, kernel, p) for p in PHASES)
     g, cpu, _ = rc.percent.shares("cache")
     layout = CacheLayout.of_run(rc)
     block = layout.nbytes
@@ -136,6 +138,32 @@ def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
     acts = (1 if rc.percent.act_gpu == 100 else 2) * act_block_bytes(rc)  # a layer's output beside its input
     sub_batches = m * t * cfg.hidden * c if m < b else 0  # sub-batch outputs before they are joined
     return weights + cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
+
+
+def in_flight_bytes(rc: RunConfig, where: Placement, kernel: dict, phase: str) -> int:
+    """Two layers of weights in flight at `phase` as they reach the compute side (weights/forms.py), and the weight
+    store's two read arenas for the plain weights streamed from disk (storage/read_buffers.py: each the largest
+    streamed layer's stored bytes, kept for the run): a streamed weight used as read (in the compute dtype, or a
+    table kept stored) lives in its arena, so it is counted there once; a converted one is in both."""
+    sizes = compute_side_bytes(rc, where.weights, kernel, phase)
+    streamed, views = streamed_bytes(rc, where, phase)
+    if not any(streamed):
+        return 2 * max(sizes)
+    return 2 * max(streamed) + 2 * max(size - view for size, view in zip(sizes, views))
+
+
+def streamed_bytes(rc: RunConfig, where: Placement, phase: str) -> tuple:
+    """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those used
+    as read at `phase`) (file padding left out)."""
+    compute, homes = rc.compute_at(0 if phase == "prefill" else 1), where.weights
+    last, streamed, views = len(homes.layer_specs) - 2, [], []
+    for i, layer in enumerate(homes.layer_specs):
+        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, rc.compress_weight, s.name)
+                is None]
+        streamed.append(sum(s.numel for s in disk) * rc.dtype.itemsize)
+        views.append(sum(s.numel for s in disk if rc.dtype == compute
+                         or stays_stored(i, last, s, rc.dtype, compute, False)) * rc.dtype.itemsize)
+    return tuple(streamed), tuple(views)
 
 
 def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> int:

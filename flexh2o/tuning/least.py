@@ -13,7 +13,7 @@ from typing import Optional
 
 from flexh2o.models import layer_specs
 from flexh2o.placement import TIERS, Percent, Placement
-from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory
+from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory, streamed_bytes
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
@@ -78,7 +78,7 @@ def in_flight(rc: RunConfig) -> str:
     """'; the buffers hold two layers of weights in flight, 2 x N (layer i at the compute dtype; its largest
     weight W (shape): N at the prefill compute dtype)' for the layer the plan sizes them by."""
     kernel = planned_kernel(rc)
-    per_phase = [compute_side_bytes(rc, rc.placement.weights, kernel, p) for p in PHASES]
+    per_phase = [_converted(rc, compute_side_bytes(rc, rc.placement.weights, kernel, p), p) for p in PHASES]
     sizes = max(per_phase, key=max)
     layer = max(range(len(sizes)), key=sizes.__getitem__)
     if not sizes[layer]:
@@ -89,7 +89,26 @@ def in_flight(rc: RunConfig) -> str:
     kept = stays_stored(layer, len(sizes) - 2, big, rc.dtype, rc.compute, packed)
     share = big.numel * (rc.dtype if kept else rc.compute).itemsize  # a table kept stored: weights/stored_form.py
     return (f"; the buffers hold two layers of weights in flight, 2 x {fmt_bytes(sizes[layer])} (layer {layer}; "
-            f"its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})")
+            f"its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})" + arenas(rc))
+
+
+def _converted(rc: RunConfig, sizes: tuple, phase: str) -> tuple:
+    """Per layer the compute-side bytes beside the read arenas where a phase converts streamed weights (what
+    memory_plan.in_flight_bytes doubles), else `sizes` as they are."""
+    streamed, views = streamed_bytes(rc, rc.placement, phase)
+    return sizes if streamed == views else tuple(s - v for s, v in zip(sizes, views))
+
+
+def arenas(rc: RunConfig) -> str:
+    """', and beside the converted weights two read arenas of the weights streamed from disk, 2 x N (layer i)'
+    where a phase converts a streamed weight (memory_plan.in_flight_bytes counts both); '' otherwise."""
+    for phase in PHASES:
+        streamed, views = streamed_bytes(rc, rc.placement, phase)
+        if streamed != views:
+            layer = max(range(len(streamed)), key=streamed.__getitem__)
+            return (f", and beside the converted weights two read arenas of the weights streamed from disk, "
+                    f"2 x {fmt_bytes(streamed[layer])} (layer {layer})")
+    return ""
 
 
 def least_where(p: Percent) -> str:
