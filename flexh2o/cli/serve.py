@@ -16,10 +16,11 @@ from flexh2o.cli.request_job import chat_template_of, stop_rule
 from flexh2o.cli.run import build_parser as run_parser
 from flexh2o.cli.run import build_run_config
 
-NOT_SERVER = ("prompt", "chat", "prompt_file", "output_file", "resume", "dry_run", "no_refill", "cut_gen_len", "debug_mode",
-              "stage_layers", "log_file")  # flexh2o-run's flags for jobs from files or one-off runs
+NOT_SERVER = ("prompt", "chat", "prompt_file", "output_file", "resume", "dry_run", "no_refill", "cut_gen_len",
+              "debug_mode", "stage_layers", "log_file")  # flexh2o-run's flags for jobs from files or one-off runs
 MAXIMA = {"--prompt-len": "the longest prompt (in tokens) a request may send: the plan holds it",
-          "--gen-len": "the most tokens a request may ask for (max_tokens; also its default): the plan holds it"}
+          "--gen-len": "the most tokens a request may ask for (max_tokens; a request without one gets this many): "
+                       "the plan holds it"}
 
 
 def build_parser():
@@ -67,11 +68,11 @@ def parse(argv: Optional[list]):
 def prepare(argv: Optional[list]):
     """Parse and check everything, resolve the model and plan the run: (args, RunConfig, cfg, tokenizer,
     template), before anything is allocated."""
+    args = parse(argv)  # first: --help and a flag's error import no torch
     from flexh2o.cli.flexgen_flags import flexgen_options
     from flexh2o.cli.model_source import resolve_source
     from flexh2o.prompts import load_tokenizer
     from flexh2o.storage.offload_dir import sweep
-    args = parse(argv)
     flexgen_options(args)
     name = args.served_model_name or args.model or os.path.basename(os.path.normpath(args.path))
     sweep(args.offload_dir)
