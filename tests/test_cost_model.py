@@ -245,7 +245,8 @@ def test_plan_cli(tmp_path, capsys):
     path.write_text(json.dumps(hw(disk_read_bw=1e9, decode_matmul_flops=1e11)))
     argv = ["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "4", "--hardware", str(path), "--gpu-mem",
             "1GB", "--cpu-mem", "2GB", "--disk-mem", "4GB", "--step", "50", "--max-num-gpu-batches", "2"]
-    assert plan_main(argv + ["--hh-ratio", "0.25"]) == 0
+    # --exact-ratio: a quarter of a 32-token prompt is 16 tokens, under the ratio floor that a plain --hh-ratio keeps
+    assert plan_main(argv + ["--hh-ratio", "0.25", "--exact-ratio"]) == 0
     out = capsys.readouterr().out
     assert "flexh2o-run --model opt-125m --percent" in out and "--kv-budget 16" in out
     for bad in (["--model", "opt-1t"], ["--gpu-mem", "lots"], ["--hardware", str(tmp_path / "none.json")]):
