@@ -9,6 +9,7 @@ import pytest
 
 from flexh2o.cli import profile
 from flexh2o.storage.base import TierFullError
+from flexh2o.tuning import measure as measure_module  # what flexh2o-profile calls (imported where it runs)
 
 
 def _flags() -> set:
@@ -19,7 +20,7 @@ def _flags() -> set:
 def no_measuring(monkeypatch):
     def measure(*args, **kwargs):
         raise AssertionError("measured before checking the arguments")
-    monkeypatch.setattr(profile, "measure", measure)
+    monkeypatch.setattr(measure_module, "measure", measure)
 
 
 def _error(capsys, argv) -> str:
@@ -59,7 +60,7 @@ def test_too_little_free_space_is_refused_before_measuring(capsys, tmp_path, mon
 def test_a_disk_that_fills_during_the_measurement_names_only_the_profilers_flags(capsys, tmp_path, monkeypatch):
     def full(*args, **kwargs):  # what the disk tier raises (its text names flexh2o-run's --disk-mem, --percent)
         raise TierFullError("disk tier: no space left ... asked for up to 1 (--disk-mem) ... move --percent")
-    monkeypatch.setattr(profile, "measure", full)
+    monkeypatch.setattr(measure_module, "measure", full)
     line = _error(capsys, ["--quick", "--offload-dir", str(tmp_path / "off")])
     assert "--disk-mem" not in line and "--percent" not in line and "--no-disk" in line
 

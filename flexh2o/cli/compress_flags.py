@@ -1,15 +1,15 @@
-"""The compression flags shared by flexh2o-run and flexh2o-eval, and the CompressionSpecs they make."""
+"""The compression flags shared by flexh2o-run and flexh2o-eval, and the CompressionSpecs they make. The flags'
+defaults come from compress/defaults.py (no torch: --help imports none); the specs are made where torch is."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from flexh2o.compress import CompressionSpec
-from flexh2o.compress.codec import BITS
-from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
-from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS, \
-    KEY_SCHEMES, CacheQuant
+from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, \
+    DEFAULT_ROTATE, DEFAULT_SINKS, KEY_SCHEMES
 
-DEFAULT_BITS, DEFAULT_GROUP = CompressionSpec.bits, CompressionSpec.group_size  # the spec's own defaults
+if TYPE_CHECKING:
+    from flexh2o.compress import CompressionSpec
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,9 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     cache's values along head_dim in groups of --cache-group-size and its keys as --cache-keys says, weights along
     dimension 0 (FlexGen's) or, where the int4 kernel can run them (--weight-kernel auto/int4), along the input
     dimension (1)."""
+    from flexh2o.compress import CompressionSpec
+    from flexh2o.compress.codec import BITS
+    from flexh2o.kv.layout import CacheQuant
     cache = None
     if not args.compress_cache and not args.compress_weight:
         _refuse_alone(args, {"compress_bits": DEFAULT_BITS, "compress_group_size": DEFAULT_GROUP},
@@ -108,6 +111,7 @@ def _refuse_alone(args: argparse.Namespace, defaults: dict, sets: str) -> None:
 
 
 def weight_group_dim(args: argparse.Namespace, spec: CompressionSpec, device: str) -> int:
+    from flexh2o.compress.kernels import KERNEL_GROUPS, kernel_spec_ok
     mode = getattr(args, "weight_kernel", "off")
     fits = kernel_spec_ok(spec.along(1))
     if mode == "int4" and not fits:

@@ -12,7 +12,7 @@ from flexh2o.cli.checks import check_kv_flags, check_output_path, check_params_r
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags, policy_values
-from flexh2o.eval.common import EVICTING, TEXTS
+from flexh2o.eval.choices import EVICTING, TEXTS
 from flexh2o.jsonfile import write_json
 
 DEFAULT_SEED = 0  # of the random policy and the recall samples (ppl refuses another without the random policy)

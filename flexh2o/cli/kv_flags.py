@@ -60,7 +60,7 @@ def kv_spec(args: argparse.Namespace, prompt_len: int) -> KVSpec:
     flags = (args.kv_policy, prompt_len, args.hh_ratio, getattr(args, "recent_ratio", None), args.kv_budget)
     spec = KVSpec.from_flags(*flags, seed=args.seed, exact_ratio=exact, **policy_values(args))
     if args.hh_ratio is not None and not exact and spec.budget is not None:
-        given = sum(ratio_tokens(*flags[1:4]))
+        given = sum(ratio_tokens(*flags[1:4], exact_ratio=True))
         if given != spec.budget.total:
             print(f"kv budget: ratio {args.hh_ratio:g} of a {prompt_len}-token prompt keeps {given} tokens; kept "
                   f"{spec.budget.total} (the floor of a budget from ratios; --exact-ratio / exact_ratio=True keeps "

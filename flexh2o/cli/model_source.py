@@ -35,6 +35,16 @@ def resolve_source(args, prog: str) -> None:
         args.path, args.model = src.path, None
 
 
+def converted_config(path: str):
+    """The config of a converted checkpoint, its index checked against it (tensor shapes, file sizes) before
+    anything is planned from it; a mismatch names --path."""
+    from flexh2o.weights.format import CheckpointReader
+    try:
+        return CheckpointReader(path).config
+    except ValueError as e:
+        raise ValueError(f"--path {path}: {e}") from None
+
+
 class ConvertBar:
     """tqdm bar over tensors on stderr, created on the first tensor (when the total is known); only on a tty."""
 

@@ -1,4 +1,5 @@
-"""flexh2o-plan: search --percent and batch sizes on a hardware profile and print the best plans (nothing runs)."""
+"""flexh2o-plan: search --percent and batch sizes on a hardware profile and print the best plans (nothing runs).
+Parsing imports no torch (--help is quick): what needs it is imported where it runs."""
 from __future__ import annotations
 
 import argparse
@@ -6,18 +7,11 @@ import os
 import sys
 from typing import Optional
 
-import torch
-
 from flexh2o import config as model_configs
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.help_text import model_help
 from flexh2o.cli.kv_flags import add_kv_flags, kv_spec
-from flexh2o.dtypes import dtype_name, parse_dtype
-from flexh2o.placement import TIERS
-from flexh2o.tuning.hardware import load_profile
-from flexh2o.tuning.search import command_line, search
-from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes, parse_bytes
 
 
@@ -63,6 +57,8 @@ def _capacity(arg: Optional[str], hw: dict, tier: str, args, device: str) -> int
 def plan_from_args(args) -> tuple:
     """(base RunConfig, hardware profile) from parsed flexh2o-plan arguments (checked before a profile is
     measured)."""
+    from flexh2o.dtypes import parse_dtype
+    from flexh2o.run_config import RunConfig
     cfg = model_configs.from_name(args.model)
     if args.top < 1 or args.max_num_gpu_batches < 1:
         raise ValueError("--top and --max-num-gpu-batches must be at least 1")
@@ -87,14 +83,18 @@ def plan_from_args(args) -> tuple:
 
 def _profile(args, compute) -> dict:
     """--hardware's profile; auto: this machine's, measured once (with the rates of `compute`, a list of dtypes)."""
+    from flexh2o.tuning.hardware import load_profile
     if args.hardware != "auto":
         return load_profile(args.hardware)
+    import torch
+    from flexh2o.dtypes import dtype_name
     from flexh2o.tuning.profile_cache import auto_profile
     names = None if compute is None else list(dict.fromkeys(dtype_name(c) for c in compute))
     return auto_profile(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), names, None, True)
 
 
 def describe(results: list) -> str:
+    from flexh2o.placement import TIERS
     rows = [f"{'#':>2} {'percent':<22} {'batch':>10} {'ccc':>3} {'tok/s':>9} {'prefill s':>9} {'decode s':>9} "
             f"{'bound':>8}  {'gpu':>9} {'cpu':>9} {'disk':>9}"]
     for i, (rc, p) in enumerate(results, 1):
@@ -111,6 +111,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def _plan(args) -> int:
     from flexh2o.cli.checks import check_int
+    from flexh2o.tuning.search import command_line, search
     check_int("--step", args.step, 1, 100, fix="the placement search's percent step, e.g. 10")
     rc, hw = plan_from_args(args)
     results = search(rc, hw, args.step, args.max_num_gpu_batches, limit=args.top)

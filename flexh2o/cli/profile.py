@@ -1,4 +1,5 @@
-"""flexh2o-profile: measure this machine's compute rates and bandwidths into a JSON hardware profile."""
+"""flexh2o-profile: measure this machine's compute rates and bandwidths into a JSON hardware profile.
+Parsing imports no torch (--help is quick): what needs it is imported where it runs."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +8,8 @@ import os
 import sys
 from typing import Optional
 
-import torch
-
 from flexh2o.cli.checks import check_output_path
 from flexh2o.cli.console import Parser, run_main
-from flexh2o.dtypes import parse_dtype
-from flexh2o.storage.base import TierFullError
-from flexh2o.tuning.disk_probe import disk_test_bytes
-from flexh2o.tuning.measure import measure, summary
 from flexh2o.units import fmt_bytes
 
 
@@ -38,6 +33,10 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def _profile(args, argv: Optional[list]) -> int:
+    import torch
+    from flexh2o.dtypes import parse_dtype
+    from flexh2o.storage.base import TierFullError
+    from flexh2o.tuning.measure import measure, summary
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device {device}: use cpu or cuda")
@@ -71,6 +70,7 @@ def check_disk(offload_dir: str, quick: bool) -> None:
     """Before measuring: a run directory can be made under offload_dir, and its filesystem holds what the disk
     measurement writes."""
     from flexh2o.storage.offload_dir import free_disk_bytes, make_run_dir, remove_run_dir
+    from flexh2o.tuning.disk_probe import disk_test_bytes
     remove_run_dir(make_run_dir(offload_dir))  # ValueError: "--offload-dir ... is not writable: ..."
     if free_disk_bytes(offload_dir) < disk_test_bytes(quick):
         raise ValueError(no_space(offload_dir, quick))
@@ -78,6 +78,7 @@ def check_disk(offload_dir: str, quick: bool) -> None:
 
 def no_space(offload_dir: str, quick: bool) -> str:
     from flexh2o.storage.offload_dir import free_disk_bytes
+    from flexh2o.tuning.disk_probe import disk_test_bytes
     return (f"--offload-dir {offload_dir}: the disk measurement writes {fmt_bytes(disk_test_bytes(quick))} but its "
             f"filesystem has {fmt_bytes(free_disk_bytes(offload_dir))} free: free space, pass --offload-dir on a "
             "larger filesystem, or skip the disk with --no-disk")

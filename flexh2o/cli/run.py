@@ -1,34 +1,26 @@
-"""flexh2o-run: argparse -> RunConfig + Job -> run_job. Every user error becomes one line on stderr and exit 2."""
+"""flexh2o-run: argparse -> RunConfig + Job -> run_job. Every user error becomes one line on stderr and exit 2.
+Parsing imports no torch (--help and a flag's error are quick): what needs it is imported where it runs."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
 import os
 import sys
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from flexh2o import config as model_configs
-from flexh2o.planning.memory_plan import largest_batch, plan_memory
-from flexh2o.cli.plan_text import describe_plan, describe_stage_plan
-from flexh2o.placement import Percent
-from flexh2o.run_config import RunConfig
-from flexh2o.cli.capacities import capacities
 from flexh2o.cli.checks import check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.help_text import model_help
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
-from flexh2o.cli.model_source import resolve_source
-from flexh2o.weights.kept_run import with_checkpoint
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
-from flexh2o.cli.prediction import hardware_profile, predict_run
-from flexh2o.pipeline.group import launched_by_torchrun
-from flexh2o.pipeline.split import parse_stage_layers, split_stages
 from flexh2o.requests import check_sampling
 from flexh2o.cli.kv_flags import add_kv_flags, budget_warning, kv_spec
 from flexh2o.cli.request_job import (add_request_flags, is_request_job, load_request_file, reads_requests,
                                      rounds_line, run_request_job)
+
+if TYPE_CHECKING:
+    from flexh2o.run_config import RunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,15 +102,19 @@ def _parse(argv: Optional[list]):
 
 
 def _run(args) -> int:
-    from flexh2o.job import Job, run_job
     from flexh2o.prompts import load_prompts, load_tokenizer, synthetic_prompts
     from flexh2o.sampling import Sampler
     from flexh2o.storage.offload_dir import sweep
+    from flexh2o.cli.model_source import converted_config, resolve_source
+    from flexh2o.cli.plan_text import describe_plan, describe_stage_plan
+    from flexh2o.cli.prediction import hardware_profile, predict_run
+    from flexh2o.pipeline.group import launched_by_torchrun
+    from flexh2o.pipeline.split import parse_stage_layers, split_stages
 
     opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
     sweep(args.offload_dir)  # stale run dirs of killed runs go first, before free space is measured
     resolve_source(args, "flexh2o-run")  # a Hugging Face folder or .gguf: its cached conversion
-    cfg = _converted_config(args.path) if args.path != "_DUMMY_" else model_configs.from_name(args.model or "opt-125m")
+    cfg = converted_config(args.path) if args.path != "_DUMMY_" else model_configs.from_name(args.model or "opt-125m")
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
     if reqs is not None:  # a request's own temperature may read --top-p
@@ -154,6 +150,7 @@ def _run(args) -> int:
         prompts = synthetic_prompts(rc.num_seqs, rc.prompt_len, cfg.vocab, rc.seed)
     if is_request_job(args):
         return run_request_job(args, rc, cfg, reqs, prompts, tokenizer, opts)
+    from flexh2o.job import Job, run_job  # the engine: after every refusal
     job = Job(prompts, Sampler(args.temperature, args.top_p, args.seed, args.top_k), args.output_file,
               opts.log_file, tokenizer, warmup=not args.no_warmup, progress=sys.stderr.isatty(),
               predicted=predicted, dtype_reason=args.dtype_choice.reason, measured_steps=opts.measured_steps)
@@ -191,6 +188,11 @@ def _run_stages(args, rc: RunConfig, job) -> int:
 
 
 def build_run_config(args, cfg, prompts) -> RunConfig:
+    import torch
+    from flexh2o.cli.capacities import capacities
+    from flexh2o.placement import Percent
+    from flexh2o.run_config import RunConfig
+    from flexh2o.weights.kept_run import with_checkpoint
     if args.prompt_len < 1 or args.gen_len < 1:
         raise ValueError("--prompt-len and --gen-len must be at least 1")
     if args.max_seqs is not None and (args.max_seqs < 1 or args.policy != "auto"):
@@ -234,6 +236,7 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
 
 def _auto_batch(rc: RunConfig, cap: Optional[int] = None) -> tuple:
     """(rc at the largest batch that fits, capped at cap rows; that largest batch)."""
+    from flexh2o.planning.memory_plan import largest_batch, plan_memory
     best = largest_batch(rc.with_(gpu_batch_size=1))
     if best == 0:
         plan_memory(rc.with_(gpu_batch_size=1)).check()
@@ -258,18 +261,9 @@ def _note(args) -> None:
         print(f"flexh2o-run: {choice.note}", file=sys.stderr)
 
 
-def _converted_config(path: str):
-    """The config of a converted checkpoint, its index checked against it (tensor shapes, file sizes) before
-    anything is planned from it; a mismatch names --path."""
-    from flexh2o.weights.format import CheckpointReader
-    try:
-        return CheckpointReader(path).config
-    except ValueError as e:
-        raise ValueError(f"--path {path}: {e}") from None
-
-
 def _auto_policy(args, rc: RunConfig, hw: Optional[dict], prompts: Optional[list]) -> RunConfig:
     """The searched placement and batch; the dtypes are the option whose searched best plan is predicted fastest."""
+    from flexh2o.planning.memory_plan import plan_memory
     from flexh2o.tuning.search import command_line, search
     if hw is None:
         raise ValueError("--policy auto needs a hardware profile: pass --hardware FILE (see flexh2o-profile)")

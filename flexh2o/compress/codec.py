@@ -17,6 +17,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
+from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP
 from flexh2o.tensors import moved
 
 BITS = (4, 8)  # weights (and FlexGen's cache); a cache's CacheGroupSpec also takes 2 and 3
@@ -27,8 +28,8 @@ class CompressionSpec:
     """bits (2, 3, 4 or 8) a value, values per group, the grouped dimension (negative counts from the end), and the
     dtype of the scales and minimums (None: the tensor's storage dtype; a checkpoint's own blocks keep theirs)."""
 
-    bits: int = 4
-    group_size: int = 64
+    bits: int = DEFAULT_BITS
+    group_size: int = DEFAULT_GROUP
     group_dim: int = 0
     scale_dtype: Optional[torch.dtype] = None
     allowed: ClassVar[tuple] = BITS

@@ -15,9 +15,10 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.config import ModelConfig, load_converted_config
-from flexh2o.kv.policies import POLICIES, policy_class, policy_params
+from flexh2o.eval.choices import EVICTING, TEXTS
+from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.kv.layout import CacheLayout, CacheQuant
-from flexh2o.kv.spec import KVSpec
+from flexh2o.kv.spec import KVSpec, ratio_tokens
 from flexh2o.placement import Percent
 from flexh2o.planning.machine import cpu_record
 from flexh2o.dtypes import parse_dtype
@@ -26,8 +27,6 @@ from flexh2o.sampling import TeacherForcer
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
 from flexh2o.weights.kept_run import with_checkpoint
 
-EVICTING = tuple(p for p in POLICIES if p != "full")  # every policy but full
-TEXTS = ("hamlet", "macbeth", "julius_caesar")
 LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
 
 
@@ -116,10 +115,12 @@ def load_text(name: str) -> str:
 
 
 def budget_tokens(spec: str, context: int) -> int:
-    """'20%' -> 20% of `context` tokens (rounded down); '64' -> 64."""
+    """'20%' -> 20% of `context` tokens (kv/spec.py's ratio rule, exactly: rounded down, never raised to its floor,
+    so a table keeps the share it names); '64' -> 64."""
     try:
         pct = float(spec[:-1]) if spec.endswith("%") else None
-        n = int(pct / 100 * context) if pct is not None else int(spec)
+        # the whole budget as one ratio (no recent window of its own: recent ratio 0)
+        n = sum(ratio_tokens(context, pct / 100, 0.0, exact_ratio=True)) if pct is not None else int(spec)
     except ValueError:
         raise ValueError(f"cannot read budget {spec!r}: use a token count (64) or a percentage (20%)") from None
     if pct is not None and not 0 < pct <= 100:

@@ -23,17 +23,11 @@ import torch
 
 from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
 from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
+from flexh2o.compress.defaults import (DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT,  # noqa: F401  (re-exported)
+                                       DEFAULT_ROTATE, DEFAULT_SINKS, KEY_SCHEMES)
 from flexh2o.compress.recent import Recent, check_ring_bits, ring_spec
 from flexh2o.compress.rotation import Rotated
 
-KEY_SCHEMES = ("channel", "fitted", "token")
-DEFAULT_KEYS = "channel"  # beat FlexGen's per-token keys at equal bytes on SmolLM2 (ACCURACY.md, 2026-12-02, 564b508)
-DEFAULT_OUTLIERS = 8  # key values per token kept exact (1/8 of SmolLM2's head_dim of 64; ACCURACY.md, 2026-12-03)
-DEFAULT_RECENT = 16  # newest tokens of a row kept exact: of 8, 16, 32, the best 4-bit full cache on SmolLM2
-# (ACCURACY.md)
-DEFAULT_SINKS = 4  # first tokens of a row kept exact (attention sinks): macbeth 4-bit full cache +1.2% -> +0.4%
-DEFAULT_ROTATE = True  # K and V quantized in a Hadamard-rotated basis (--cache-rotate): the 3-bit full cache on
-# SmolLM2 +3.9% -> +0.7% / -0.1% (hamlet / macbeth), held-out texts better at 3 and 4 bits (ACCURACY.md)
 FIELDS = ("k", "v", "pos", "score")
 
 

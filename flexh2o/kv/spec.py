@@ -6,7 +6,6 @@ from typing import Optional
 
 from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.kv.policies.base import DEFAULT_RECENT_SHARE, RECENT_SHARE, Budget, KVPolicy
-from flexh2o.kv.policies.lanes import LanePolicy
 from flexh2o.kv.policies.params import declared
 
 LANES = "lanes"
@@ -156,6 +155,7 @@ class KVSpec:
     def make(self, num_layers: Optional[int] = None) -> KVPolicy:
         """The policy object (built once per engine); `num_layers`: the model's, for per-layer budgets."""
         if self.lanes:
+            from flexh2o.kv.policies.lanes import LanePolicy  # torch: not at the top, which the flags' parser reads
             return LanePolicy([(rows, spec.make(num_layers)) for rows, spec in self.lanes])
         cls = policy_class(self.policy)
         own = {p.name: getattr(self, p.name) for p in declared(cls) if p.name != "num_sinks"}
@@ -221,9 +221,7 @@ def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = Non
                          "--recent-ratio instead")
     if hh_ratio is None:
         return None
-    heavy, recent = ratio_tokens(prompt_len, hh_ratio, recent_ratio)
-    if not exact_ratio:
-        heavy, recent = ratio_floor(heavy, recent, hh_ratio, hh_ratio if recent_ratio is None else recent_ratio)
+    heavy, recent = ratio_tokens(prompt_len, hh_ratio, recent_ratio, exact_ratio=exact_ratio)
     if heavy + recent < 1:
         raise ValueError(f"--hh-ratio {hh_ratio} of a {prompt_len}-token prompt keeps no tokens: raise the ratio")
     if _windowed(policy):
@@ -231,10 +229,15 @@ def resolve_budget(policy: str, prompt_len: int, hh_ratio: Optional[float] = Non
     return Budget(0, heavy + recent)
 
 
-def ratio_tokens(prompt_len: int, hh_ratio: float, recent_ratio: Optional[float] = None) -> tuple:
-    """(heavy, recent) tokens of the exact ratios: int(ratio * prompt_len) each; recent as heavy when not given."""
+def ratio_tokens(prompt_len: int, hh_ratio: float, recent_ratio: Optional[float] = None, *,
+                 exact_ratio: bool) -> tuple:
+    """The one rule from ratios of a prompt to tokens: (heavy, recent) = int(ratio * prompt_len) each (recent as
+    heavy when not given); unless exact_ratio, raised to RATIO_FLOOR tokens in all (ratio_floor)."""
     heavy = int(hh_ratio * prompt_len)
-    return heavy, heavy if recent_ratio is None else int(recent_ratio * prompt_len)
+    recent = heavy if recent_ratio is None else int(recent_ratio * prompt_len)
+    if exact_ratio:
+        return heavy, recent
+    return ratio_floor(heavy, recent, hh_ratio, hh_ratio if recent_ratio is None else recent_ratio)
 
 
 def ratio_floor(heavy: int, recent: int, hh_ratio: float, recent_ratio: float) -> tuple:

@@ -21,12 +21,14 @@ unprotected tokens of the heads holding more than C if there are any, else of ev
 from __future__ import annotations
 
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from flexh2o.kv.policies.base import Budget, KVPolicy, Observed, cache_slots
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
 from flexh2o.kv.policies.params import Param
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the flags' parser reads the policies without it
+    import torch
 
 DEFAULT_HEAD_CAP = 2.0  # the most a KV head holds, in per-head budgets
 HEAD_CAP = Param("head_cap", float, DEFAULT_HEAD_CAP, "adakv policy: the most tokens one KV head may hold, in "
@@ -44,6 +46,7 @@ class HeadBudgets(KVPolicy):
 
     def _limits(self, heads: int) -> tuple:
         """(tokens per sequence of the layer, tokens per head): ints, or (rows, 1, 1) tensors for lane budgets."""
+        import torch
         total = self.budget.total
         if isinstance(total, torch.Tensor):
             return heads * total, (self.head_cap * total.double()).floor().long()
@@ -53,6 +56,7 @@ class HeadBudgets(KVPolicy):
         return cache_slots(Budget(0, math.floor(self.head_cap * self.budget.total)), prompt_len, gen_len)
 
     def prefill_keep(self, pos, score, layer, cur_pos, obs=Observed()):
+        import torch
         valid = pos >= 0  # (b, h, t)
         b, h, t = pos.shape
         total, cap = self._limits(h)
@@ -68,6 +72,7 @@ class HeadBudgets(KVPolicy):
         return prot | (fits & (in_layer < room))
 
     def decode_evict(self, pos, score, layer, cur_pos, extents=None, obs=Observed()):
+        import torch
         b, h, s = pos.shape
         total, cap = self._limits(h)
         prio = self.scored(pos, score, layer, cur_pos, obs)
@@ -93,6 +98,8 @@ class AdaKVPolicy(HeadBudgets, MeanAttentionPolicy):
 def _lowest(cand, prio, pos, head) -> torch.Tensor:
     """Bool (b, h, s): per sequence, the candidate of lowest priority over all heads (ties: the older position, then
     the lower head); none where a sequence has no candidate."""
+    import torch
+
     def least(mask, key, fill):
         m = torch.where(mask, key, fill).amin(-1, keepdim=True).amin(1, keepdim=True)  # (b, 1, 1)
         return mask & (key == m)
@@ -104,6 +111,7 @@ def _lowest(cand, prio, pos, head) -> torch.Tensor:
 def _desc_rank(keys: list) -> torch.Tensor:
     """Rank (0 = first) of each element along the last dimension in the descending lexicographic order of `keys`
     (most significant first, all of one shape)."""
+    import torch
     order = torch.argsort(keys[-1].float(), dim=-1, descending=True, stable=True)
     for key in reversed(keys[:-1]):
         k = torch.gather(key.float(), -1, order)

@@ -21,11 +21,12 @@ Prefill weights query q by `query_weights`; each decode step computes score <- d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Optional
 
 from flexh2o.kv.policies.params import Param, declared
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the flags' parser reads the policies without it
+    import torch
 
 DEFAULT_SINKS = 4
 NUM_SINKS = Param("num_sinks", int, DEFAULT_SINKS, "attention sinks kept by the policies that protect them "
@@ -153,6 +154,7 @@ class KVPolicy:
     def query_weights(self, qpos: torch.Tensor) -> torch.Tensor:
         """qpos (b, t) prompt positions (-1 = padding) -> fp32 (b, t) weight of each query's probabilities in the
         prefill score: decay ** (newest - q), 0 on padding (decay 0: only the newest query counts)."""
+        import torch
         valid = qpos >= 0
         if self.decay == 1.0:
             return valid.float()
@@ -168,6 +170,7 @@ class KVPolicy:
     def prefill_keep(self, pos: torch.Tensor, score: torch.Tensor, layer: int, cur_pos: torch.Tensor,
                      obs: Observed = Observed()) -> torch.Tensor:
         """Bool (b, h, t): which prompt tokens to keep (at most budget.total per row, never an empty slot)."""
+        import torch
         valid = pos >= 0
         if self.budget is None:
             return valid
@@ -196,6 +199,7 @@ class KVPolicy:
 def lowest_unprotected(pos: torch.Tensor, prio: torch.Tensor, prot: torch.Tensor, total) -> torch.Tensor:
     """Bool (b, h, s): per row holding more than `total` tokens (an int, or a (b, 1, 1) tensor of per-row totals),
     its lowest-priority unprotected token, ties going to the older position; rows within budget mark none."""
+    import torch
     valid = pos >= 0
     over = valid.sum(-1, keepdim=True) > total  # (b, h, 1)
     cand = valid & ~prot & over

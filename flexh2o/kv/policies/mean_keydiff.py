@@ -14,10 +14,15 @@ Lowest priority is evicted, ties evict the older position.
 Measured on SmolLM2-135M (benchmarks/ACCURACY.md, 2026-12-05, f779f4a): at 425 of 1024 tokens it loses less perplexity
 than mean_attn, plain or with the 3-bit cache (simulated in benchmarks/evict_sim.py first, as prio='distinct').
 """
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
 from flexh2o.kv.policies.params import Param
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the flags' parser reads the policies without it
+    import torch
 
 DEFAULT_KEYDIFF_WEIGHT = 1.0
 KEYDIFF_WEIGHT = Param("keydiff_weight", float, DEFAULT_KEYDIFF_WEIGHT, "the mean_keydiff policy's weight of a "
@@ -28,6 +33,7 @@ KEYDIFF_WEIGHT = Param("keydiff_weight", float, DEFAULT_KEYDIFF_WEIGHT, "the mea
 def held_ranks(pos: torch.Tensor, *values: torch.Tensor) -> list:
     """For each x of `values` (b, h, s): fp32 (b, h, s), each held slot's (pos >= 0) rank by x among its row's held
     slots, 0 for the lowest, equal values ranking the older position lower; empty slots rank after every held one."""
+    import torch
     by_age = torch.argsort(pos, dim=-1, stable=True)  # oldest first: a stable sort by x then keeps age in ties
     steps = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
     out = []
@@ -41,6 +47,7 @@ def held_ranks(pos: torch.Tensor, *values: torch.Tensor) -> list:
 def key_distinctness(k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """(b, h, s) fp32: minus the cosine similarity of each slot's key to the mean of its row's held keys (0 where
     either is a zero vector)."""
+    import torch
     k, held = k.float(), (pos >= 0).float()
     mean = torch.einsum("bhsd,bhs->bhd", k, held) / held.sum(-1, keepdim=True).clamp(min=1)
     norms = torch.linalg.vector_norm(k, dim=-1) * torch.linalg.vector_norm(mean, dim=-1, keepdim=True)

@@ -24,10 +24,13 @@ The policy only answers (merge_plan: which slot absorbs which, with what weight)
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from flexh2o.kv.policies.base import KVPolicy
 from flexh2o.kv.policies.mean_attn import MeanAttentionPolicy
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the flags' parser reads the policies without it
+    import torch
 
 EPS = 1e-8  # the smallest key norm the cosine divides by
 
@@ -52,6 +55,7 @@ class MergePolicy(Merging, MeanAttentionPolicy):
 def most_similar_kept(pos, keys, evict) -> torch.Tensor:
     """(b, h, s) int64: per slot marked in `evict`, the slot among the kept ones (valid, not evicted) of the same row
     with the highest key cosine (ties: the older position); -1 for the others (and where nothing is kept)."""
+    import torch
     kept = (pos >= 0) & ~evict  # (b, h, s)
     norm = keys.norm(dim=-1).clamp(min=EPS)  # (b, h, s)
     if int(evict.sum(-1).max()) <= 1:  # decode: at most one evicted slot per row: its key against every key
