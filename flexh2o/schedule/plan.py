@@ -43,17 +43,21 @@ def block_schedule(num_steps: int, num_layers: int, num_batches: int, has_cache)
     """
     cached = [layer for layer in range(num_layers) if has_cache(layer)]
     cache_of = [cached.index(layer) if layer in cached else -1 for layer in range(num_layers)]
-    blocks = [(step, layer) for step in range(num_steps) for layer in range(num_layers)]
-    computes = [(s, l, b) for s, l in blocks for b in range(num_batches)]
+    num_blocks = num_steps * num_layers  # block j is (step, layer) = divmod(j, num_layers)
+    num_computes = num_blocks * num_batches  # compute i is block i // num_batches, batch i % num_batches
+
+    def compute(i: int) -> tuple:  # computed, not listed: a long schedule (a server's run) costs no memory
+        return (*divmod(i // num_batches, num_layers), i % num_batches)
     yield Op(LOAD_WEIGHT, 0, 0)
     if cache_of[0] >= 0:
         yield Op(LOAD_CACHE, 0, 0, 0, cache_of[0])
-    for i, (step, layer, batch) in enumerate(computes):
+    for i in range(num_computes):
+        step, layer, batch = compute(i)
         c = cache_of[layer]
-        if batch == 0 and i // num_batches + 1 < len(blocks):
-            yield Op(LOAD_WEIGHT, *blocks[i // num_batches + 1])
-        if i + 1 < len(computes) and cache_of[computes[i + 1][1]] >= 0:
-            yield Op(LOAD_CACHE, *computes[i + 1], cache_of[computes[i + 1][1]])
+        if batch == 0 and i // num_batches + 1 < num_blocks:
+            yield Op(LOAD_WEIGHT, *divmod(i // num_batches + 1, num_layers))
+        if i + 1 < num_computes and cache_of[compute(i + 1)[1]] >= 0:
+            yield Op(LOAD_CACHE, *compute(i + 1), cache_of[compute(i + 1)[1]])
         yield Op(LOAD_ACT, step, layer, batch)
         yield Op(COMPUTE, step, layer, batch, c)
         if c >= 0:

@@ -25,7 +25,8 @@ CANCELLED = "cancelled"
 
 def epoch_steps(gen_len: int) -> int:
     """Steps during which a run's rows take requests: long beside one request (a drain costs at most gen_len
-    steps of some idle rows), short enough that a run's schedule stays small."""
+    steps of some idle rows), short enough that a run's per-step records (its step times) stay small; the schedule
+    itself is computed op by op (schedule/plan.py), whatever its length."""
     return max(1024, 16 * gen_len)
 
 
