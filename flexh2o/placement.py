@@ -14,6 +14,15 @@ import torch
 from flexh2o.compress import CompressionSpec, stored_bytes, weight_spec
 
 TIERS = ("gpu", "cpu", "disk")
+COMPUTE_MEMORY = "compute memory (host memory, --gpu-mem)"  # the gpu tier of a CPU-only run, in its messages
+
+
+def tier_words(tier: str, device: str, the: bool = False) -> str:
+    """How a message names `tier` of a run on `device`: 'cpu tier' ('the cpu tier' with `the`); on a CPU-only run
+    the gpu tier is the share of host memory computed in (its flag stays --gpu-mem): COMPUTE_MEMORY."""
+    if tier == "gpu" and not device.startswith("cuda"):
+        return COMPUTE_MEMORY
+    return f"{'the ' if the else ''}{tier} tier"
 
 
 @dataclass(frozen=True)

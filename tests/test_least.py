@@ -48,7 +48,9 @@ def test_policy_auto_names_the_least_not_the_default_placement(cap, capsys, offl
     assert len(err) == 1, err  # one error line (a warning about the shipped profile may precede it)
     err = err[0]
     need = least_plan(_rc(157 * MiB)).total("gpu")  # the same least whatever the cap
-    m = re.search(r"needs ([\d.]+ \w+) in the gpu tier .*fc1.*at least .* \((\d+) bytes\)", err)
+    # the gpu tier, named as a CPU-only run names it (compute memory) or a CUDA run
+    m = re.search(r"needs ([\d.]+ \w+) in (?:the gpu tier|compute memory \(host memory, --gpu-mem\)) .*fc1.*at least "
+                  r".* \((\d+) bytes\)", err)
     assert m, err
     # two decoder layers in flight in fp32 (the fp16 vocabulary table is gathered and multiplied from its stored
     # form, weights/stored_form.py), not two embedding tables in fp32 (2 x 2048 x 50272 x 4 bytes)

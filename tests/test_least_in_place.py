@@ -101,7 +101,8 @@ def test_none_fits_names_the_exact_least(cap, capsys, offload_dir):
     assert cli.main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1, err
-    m = re.search(r"weights on disk.*needs [\d.]+ \w+ in the gpu tier .*2 x 204.4 MiB \(layer 0; its largest "
+    m = re.search(r"weights on disk.*needs [\d.]+ \w+ in (?:the gpu tier|compute memory \(host memory, --gpu-mem\)) "
+                  r".*2 x 204.4 MiB \(layer 0; its largest "
                   r"weight model.decoder.embed_tokens.weight \(50272, 2048\): 196.4 MiB\).* at least .* \((\d+) "
                   r"bytes\)", err[0])
     assert m, err[0]

@@ -7,7 +7,7 @@ from typing import Optional
 from flexh2o.kv.attention import prefill_chunk
 from flexh2o.kv.layout import CacheLayout
 from flexh2o.models.common import MLP_ELEMENTS
-from flexh2o.placement import TIERS, Placement
+from flexh2o.placement import TIERS, Placement, tier_words
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
@@ -68,10 +68,10 @@ class MemoryPlan:
         over = self.overflow()
         if over:
             t, need, have = over
-            if t == "gpu" and not self.rc.device.startswith("cuda"):  # say what the tier is on a CPU-only run
-                raise ValueError(f"gpu tier needs {fmt_bytes(need)} but --gpu-mem allows {fmt_bytes(have)} (no GPU "
-                                 "here: that tier is the share of host memory computed in): lower --gpu-batch-size, "
-                                 "move more of --percent to the cpu or disk tier, or raise --gpu-mem")
+            if t == "gpu" and not self.rc.device.startswith("cuda"):  # no GPU: the tier computed in is host memory
+                raise ValueError(f"{tier_words(t, self.rc.device)} needs {fmt_bytes(need)} but --gpu-mem allows "
+                                 f"{fmt_bytes(have)} (no GPU here): lower --gpu-batch-size, move more of --percent to "
+                                 "the cpu or disk tier, or raise --gpu-mem")
             raise ValueError(f"{t} tier needs {fmt_bytes(need)} but --{t}-mem allows {fmt_bytes(have)}: raise "
                              f"--{t}-mem, lower --gpu-batch-size, or move more of --percent to another tier")
 

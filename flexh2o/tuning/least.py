@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from flexh2o.models import layer_specs
-from flexh2o.placement import TIERS, Percent, Placement
+from flexh2o.placement import TIERS, Percent, Placement, tier_words
 from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory, streamed_bytes
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
@@ -70,7 +70,8 @@ def least_message(rc: RunConfig) -> Optional[str]:
     parts = [f"{kind} {fmt_bytes(plan.bytes[tier][kind])}" for kind in KINDS if plan.bytes[tier][kind]]
     detail = in_flight(plan.rc) if tier == "gpu" else ""
     return (f"no placement fits: even one sequence with {least_where(plan.rc.percent)} needs "
-            f"{fmt_bytes(need)} in the {tier} tier ({', '.join(parts)}{detail}) but --{tier}-mem allows "
+            f"{fmt_bytes(need)} in {tier_words(tier, plan.rc.device, the=True)} ({', '.join(parts)}{detail}) but "
+            f"--{tier}-mem allows "
             f"{fmt_bytes(have)}: raise --{tier}-mem to at least {fmt_bytes(need)} ({need} bytes)")
 
 
