@@ -180,10 +180,12 @@ def _chat_ids(messages, vocab: int, tokenizer, chat) -> tuple:
         raise ValueError("messages: a chat needs the model's tokenizer (--tokenizer)")
     text = chat.render(messages, add_generation_prompt=True)
     ids = tokenizer.encode(text, bos=False)
+    if not ids:
+        raise ValueError("messages: the chat template renders them to no tokens")
     bad = [t for t in ids if not 0 <= t < vocab]
-    if not ids or bad:
-        raise ValueError(f"messages: the chat encodes to {'no tokens' if not ids else f'token id {bad[0]}'}, "
-                         f"outside the model's vocabulary (0..{vocab - 1}): pass the --tokenizer of this model")
+    if bad:
+        raise ValueError(f"messages: the chat encodes to token id {bad[0]}, outside the model's vocabulary "
+                         f"(0..{vocab - 1}): pass the --tokenizer of this model")
     return ids, text
 
 

@@ -175,10 +175,7 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
     done = done_ids(args.output_file, "custom_id" if batch else "id") if args.resume else set()
     todo = batch.todo(done) if batch else [r for r in reqs if r.id not in done]
     writer = ResultWriter(args.output_file) if args.output_file else None
-    sink = writer.write if writer else None if args.prompt else _print_result
-    if batch is not None:
-        _write_failed(batch.failed_lines(done), sink or _print_result, writer)
-        sink = batch.collector(sink or _print_result)
+    on_result = _on_result(args, batch, done, writer)
     if not todo:
         if writer is not None:
             writer.close()
@@ -187,7 +184,6 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
         return 0
     if len(todo) > rc.num_seqs:  # a request job's own line: it counts the requests still to answer
         print(f"flexh2o-run: {schedule_line(len(todo), rc.num_seqs, refill=not args.no_refill)}", file=sys.stderr)
-    on_result = sink
     with Progress(len(reqs), len(reqs) - len(todo), enabled=opts.verbose >= 1) as bar:
         try:
             stats = run_requests(rc, todo, rule, on_result, writer.sync if writer else None, bar,
@@ -196,8 +192,7 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
             if writer is not None:
                 writer.close()
     if args.prompt and writer is None:  # each answer's text, in --prompt's order
-        for result in sorted(stats.results, key=lambda r: int(r.id)):
-            print(result.text, flush=True)
+        print("\n".join(r.text for r in sorted(stats.results, key=lambda r: int(r.id))), flush=True)
     if opts.verbose >= 1:
         print(stats.summary(), file=sys.stdout if writer else sys.stderr)
     if opts.log_file:
@@ -206,6 +201,16 @@ def run_request_job(args, rc, cfg, reqs: Optional[list], prompts: list, tokenize
                                          "requests": stats.requests, "generated_tokens": stats.generated_tokens,
                                          "seconds": stats.seconds, "useful_throughput": stats.tokens_per_s})
     return 0
+
+
+def _on_result(args, batch, done: set, writer):
+    """Where a finished request goes: the results file, stdout as a JSON line, or (--prompt alone) nowhere until its
+    text is printed at the end; an OpenAI batch's lines gather their n choices first, its failed lines written now."""
+    sink = writer.write if writer else None if args.prompt else _print_result
+    if batch is None:
+        return sink
+    _write_failed(batch.failed_lines(done), sink or _print_result, writer)
+    return batch.collector(sink or _print_result)
 
 
 def _write_failed(records: list, sink, writer) -> None:
