@@ -75,7 +75,7 @@ def chosen(mode: str) -> Reader:
         return Reader("torch", f"{ENV}=torch")
     try:
         from flexh2o.compress import fused_check
-        kernels, why = fused_check.load()
+        kernels, why = fused_check.load(_self_check)
     except Exception as e:  # numba missing or broken, no threading layer, a kernel that disagrees: attend.py
         if mode == "fused":
             raise ValueError(f"{ENV}=fused: the fused kernels cannot run here ({e}); unset it or use torch") from e
@@ -92,6 +92,25 @@ def _triton(device: str):
         return fused_triton if fused_triton.available(device) else None
     except Exception:  # no Triton, no compiler for it, a kernel that fails: attend.py's read on the device
         return None
+
+
+def _self_check(kn) -> None:
+    """The fused read of a small block of every key and value scheme equals attend.py's within fp32 noise (the
+    tests check the arithmetic; this catches a kernel miscompiled or unsupported on this CPU)."""
+    from flexh2o.compress.fused_check import small_form
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 2, 5, 32
+    for bits, keys in ((4, "channel"), (3, "token"), (2, "channel"), (8, "token")):
+        x = torch.randn(b, h, s, d, generator=gen)
+        k, v = small_form(keys, bits, x), small_form("token", bits, x)
+        q = torch.randn(b, h, 3, d, generator=gen)
+        p = torch.softmax(torch.randn(b, h, 3, s, generator=gen), -1)
+        pairs = ((_logits(kn, q, k), attend.logits(q, k)),
+                 (_mix32(kn, p, v), attend.mix(p, v, torch.float32)))
+        for got, want in pairs:
+            if not torch.allclose(got, want, rtol=0, atol=1e-4 * (1 + float(want.abs().max()))):
+                raise RuntimeError(f"the fused kernels disagree with the levels read ({bits}-bit {keys})")
 
 
 def _cpu(*ts) -> bool:

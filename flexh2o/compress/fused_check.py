@@ -9,10 +9,11 @@ import torch
 SAFE_LAYER = "threadsafe"  # numba's OpenMP or TBB pool: safe when two threads call kernels at once (workqueue is not)
 
 
-def load() -> tuple:
-    """(the kernels module, a line saying what runs) once the kernels ran on small blocks of each scheme and
-    agreed with attend.py's levels read; raises otherwise (ImportError without numba, RuntimeError naming the
-    scheme that disagreed, numba's own error where no thread-safe threading layer loads)."""
+def load(check) -> tuple:
+    """(the kernels module, a line saying what runs) once `check(kernels)` ran them on small blocks of each scheme
+    (compress/fused_attend.py's: against attend.py's levels read); raises otherwise (ImportError without numba,
+    check's RuntimeError naming the scheme that disagreed, numba's own error where no thread-safe threading layer
+    loads)."""
     import numba
 
     if "NUMBA_THREADING_LAYER" not in os.environ:  # the user's choice stands
@@ -20,7 +21,7 @@ def load() -> tuple:
     from flexh2o.compress import fused_kernels
 
     _start_threads(numba)
-    _self_check(fused_kernels)
+    check(fused_kernels)
     return fused_kernels, f"numba {numba.__version__} ({numba.threading_layer()} threads)"
 
 
@@ -37,25 +38,6 @@ def _start_threads(numba) -> None:
         numba.get_num_threads()  # loads the threading layer and starts its threads
     finally:
         del os.environ["OMP_WAIT_POLICY"]
-
-
-def _self_check(kn) -> None:
-    """The fused read of a small block of every key and value scheme equals attend.py's within fp32 noise (the
-    tests check the arithmetic; this catches a kernel miscompiled or unsupported on this CPU)."""
-    from flexh2o.compress import attend, fused_attend
-
-    gen = torch.Generator().manual_seed(0)
-    b, h, s, d = 2, 2, 5, 32
-    for bits, keys in ((4, "channel"), (3, "token"), (2, "channel"), (8, "token")):
-        x = torch.randn(b, h, s, d, generator=gen)
-        k, v = small_form(keys, bits, x), small_form("token", bits, x)
-        q = torch.randn(b, h, 3, d, generator=gen)
-        p = torch.softmax(torch.randn(b, h, 3, s, generator=gen), -1)
-        pairs = ((fused_attend._logits(kn, q, k), attend.logits(q, k)),
-                 (fused_attend._mix32(kn, p, v), attend.mix(p, v, torch.float32)))
-        for got, want in pairs:
-            if not torch.allclose(got, want, rtol=0, atol=1e-4 * (1 + float(want.abs().max()))):
-                raise RuntimeError(f"the fused kernels disagree with the levels read ({bits}-bit {keys})")
 
 
 def small_form(keys: str, bits: int, x: torch.Tensor):
