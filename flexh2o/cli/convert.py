@@ -9,13 +9,14 @@ from flexh2o.cli.console import Parser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flexh2o.weights.gguf_arch import READ
-    from flexh2o.weights.hf_fields import USED
+    # the families written out: reading them from the registry (models/) imports every family module, and torch with
+    # them (over a second), for a --help; tests/test_defaults.py checks this list against the registry
     p = Parser(prog="flexh2o-convert",
-               description="Convert a Hugging Face checkpoint folder (model_type opt, "
-                           f"{', '.join(USED)}; safetensors or .bin, sharded or not) or a .gguf file (architecture "
-                           f"{', '.join(READ)}) into flexh2o's format, with its tokenizer, EOS id and chat "
-                           "template, so that flexh2o-run --path DST needs nothing else.")
+               description="Convert a Hugging Face checkpoint folder (config.json; safetensors or .bin, sharded or "
+                           "not) or a .gguf file of a family flexh2o runs (opt, llama, mistral, qwen2, qwen3, phi3, "
+                           "gemma2, gemma3: docs/models.md; any other is refused naming these) into flexh2o's format, "
+                           "with its tokenizer, EOS id and chat template, so that flexh2o-run --path DST needs "
+                           "nothing else.")
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder (with config.json) or a .gguf file")
     p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="stored dtype: auto keeps the "
