@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from flexh2o.paths import cache_dir
+
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -129,14 +131,6 @@ MAX_GROUP = 256  # the C tile holds a group of up to this many inputs for 32 byt
 MAX_BLOCK = 64
 
 
-def _cache_dir() -> str:
-    """Where the build goes: the same rule as planning/machine.cache_dir (a lower layer cannot import it)."""
-    if os.environ.get("FLEXH2O_CACHE_DIR"):
-        return os.environ["FLEXH2O_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flexh2o")
-
-
 def _isa() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
@@ -146,7 +140,7 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     """The built library for `isa` (built once into the cache directory), None where it cannot be built."""
     flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", *dict(ISA_FLAGS).get(isa, ())]
     key = hashlib.sha256((SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), "native", f"expand4-{isa.lower()}-{key}.so")
+    path = os.path.join(cache_dir(), "native", f"expand4-{isa.lower()}-{key}.so")
     if not os.path.exists(path):
         try:
             _build(path, flags)

@@ -17,19 +17,13 @@ from typing import Optional
 
 import torch
 
+from flexh2o.paths import cache_dir  # noqa: F401  (read here and by the modules that import it from here)
+
 FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "f16c", "avx2")
 COMPARED = ("cpu_model", "cpu_flags", "cores", "torch", "threads", "gpu", "gpu_mem", "isa_limits")  # a mismatch names
 # environment variables that cap the instruction set torch's kernels use: ATen's own (elementwise, conversions),
 # oneDNN's (bf16/fp16 matmuls) and MKL's (fp32 matmuls); on an AVX-512 CPU all three give the AVX2 path's speeds
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def cache_dir() -> str:
-    """$FLEXH2O_CACHE_DIR, else $XDG_CACHE_HOME/flexh2o, else ~/.cache/flexh2o (not created here)."""
-    if os.environ.get("FLEXH2O_CACHE_DIR"):
-        return os.environ["FLEXH2O_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flexh2o")
 
 
 def models_dir() -> str:
