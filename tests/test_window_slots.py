@@ -23,7 +23,7 @@ import family_models as fm  # noqa: E402
 import reference_kv as ref  # noqa: E402
 from test_families import GEN, LENS, _generate, _ref_weights, family, prompts  # noqa: E402,F401 (fixtures)
 from test_llama import hf_step_logits  # noqa: E402
-from flexh2o import engine as engine_module  # noqa: E402
+from flexh2o.generation import run as run_module  # noqa: E402  (where a generate() call builds its KVCache)
 from flexh2o.config import ModelConfig  # noqa: E402
 from flexh2o.kv.cache import KVCache  # noqa: E402
 from flexh2o.kv.layout import CacheLayout, CacheQuant  # noqa: E402
@@ -125,7 +125,7 @@ def caches(monkeypatch):
             before = {name: tier.used for name, tier in tiers.items()}
             super().__init__(tiers, homes, *args, **kw)
             made.append((self, {name: tier.used - before[name] for name, tier in tiers.items()}))
-    monkeypatch.setattr(engine_module, "KVCache", Recorded)
+    monkeypatch.setattr(run_module, "KVCache", Recorded)
     return made
 
 
