@@ -155,14 +155,18 @@ def in_flight_bytes(rc: RunConfig, where: Placement, kernel: dict, phase: str) -
 def streamed_bytes(rc: RunConfig, where: Placement, phase: str) -> tuple:
     """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those used
     as read at `phase`) (file padding left out)."""
-    compute, homes = rc.compute_at(0 if phase == "prefill" else 1), where.weights
+    compute = rc.compute_at(0 if phase == "prefill" else 1)
+    key = ("streamed", rc.dtype, compute, rc.compress_weight)  # all it reads besides the homes (a search asks often)
+    return where.weights.derived(key, lambda homes: _streamed(homes, rc.dtype, compute, rc.compress_weight))
+
+
+def _streamed(homes, dtype, compute, compress) -> tuple:
     last, streamed, views = len(homes.layer_specs) - 2, [], []
     for i, layer in enumerate(homes.layer_specs):
-        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, rc.compress_weight, s.name)
-                is None]
-        streamed.append(sum(s.numel for s in disk) * rc.dtype.itemsize)
-        views.append(sum(s.numel for s in disk if rc.dtype == compute
-                         or stays_stored(i, last, s, rc.dtype, compute, False)) * rc.dtype.itemsize)
+        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None]
+        streamed.append(sum(s.numel for s in disk) * dtype.itemsize)
+        views.append(sum(s.numel for s in disk if dtype == compute
+                         or stays_stored(i, last, s, dtype, compute, False)) * dtype.itemsize)
     return tuple(streamed), tuple(views)
 
 
