@@ -189,10 +189,8 @@ def _chat_ids(messages, vocab: int, tokenizer, chat) -> tuple:
     return ids, text
 
 
-def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None,
-                  chat=None) -> list:
-    """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line;
-    positions: the model's (a request past them, or a job whose rows would be, is refused)."""
+def json_lines(path: str):
+    """(line number, JSON value) of every non-empty line of a --prompt-file; ValueError naming the file and line."""
     try:
         with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Notepad's) is no text
             lines = f.read().split("\n")
@@ -200,14 +198,21 @@ def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, pos
         raise ValueError(f"--prompt-file {path} cannot be read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompt-file {path} is not UTF-8 text (offset {e.start}): save it as UTF-8") from None
-    out, seen = [], {}
     for num, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield num, json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"--prompt-file {path} line {num}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def load_requests(path: str, defaults: Defaults, vocab: int, tokenizer=None, positions: Optional[int] = None,
+                  chat=None) -> list:
+    """Every request of a .jsonl file, checked: ValueError '{path} line N: FIELD: ...' at the first bad line;
+    positions: the model's (a request past them, or a job whose rows would be, is refused)."""
+    out, seen = [], {}
+    for num, obj in json_lines(path):
         try:
             req = request_from(obj, defaults, vocab, tokenizer, positions, chat)
         except ValueError as e:

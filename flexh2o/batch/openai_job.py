@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flexh2o.batch import openai_format as fmt
-from flexh2o.requests import fit_positions
+from flexh2o.requests import fit_positions, json_lines
 
 
 def is_openai_batch(path: str) -> bool:
@@ -72,7 +72,7 @@ def load_openai_batch(path: str, defaults, vocab: int, tokenizer, positions: int
     """Every line of an OpenAI batch file, checked: ValueError '--prompt-file PATH line N: FIELD: ...' at the first
     malformed line or repeated custom_id; a line this model cannot answer is kept in `failed`."""
     batch, seen = OpenAIBatch(model), {}
-    for num, obj in _json_lines(path):
+    for num, obj in json_lines(path):
         where = f"--prompt-file {path} line {num}"
         try:
             line = fmt.parse_line(obj)
@@ -98,21 +98,3 @@ def load_openai_batch(path: str, defaults, vocab: int, tokenizer, positions: int
         except ValueError as e:
             raise ValueError(f"--prompt-file {path}: {e}") from None
     return batch
-
-
-def _json_lines(path: str):
-    """(line number, JSON value) of every non-empty line; ValueError naming the file and line."""
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = f.read().split("\n")
-    except OSError as e:
-        raise ValueError(f"--prompt-file {path} cannot be read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path} is not UTF-8 text (offset {e.start}): save it as UTF-8") from None
-    for num, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            yield num, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--prompt-file {path} line {num}: not valid JSON ({e.msg} at column {e.colno})") from None
