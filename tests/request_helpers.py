@@ -38,6 +38,18 @@ def write_tokenizer(path: str, vocab: int) -> str:
     return path
 
 
+def chat_model(root, template: str) -> tuple:
+    """(checkpoint, tokenizer folder holding `template` as chat_template.jinja, a tokenizer folder without one)
+    under the folder `root`."""
+    write_checkpoint(os.path.join(root, "ckpt"))
+    for name in ("tok", "plain"):
+        os.makedirs(os.path.join(root, name))
+        write_tokenizer(os.path.join(root, name, "tokenizer.json"), TINY.vocab)
+    with open(os.path.join(root, "tok", "chat_template.jinja"), "w") as f:
+        f.write(template)
+    return os.path.join(root, "ckpt"), os.path.join(root, "tok"), os.path.join(root, "plain")
+
+
 def write_jsonl(path, rows: list) -> str:
     with open(path, "w") as f:
         for r in rows:

@@ -18,7 +18,7 @@ pytest.importorskip("tokenizers")
 openai = pytest.importorskip("openai")
 
 from flexh2o.cli import run as cli  # noqa: E402
-from request_helpers import TINY, read_jsonl, write_checkpoint, write_jsonl, write_tokenizer  # noqa: E402
+from request_helpers import chat_model, read_jsonl, write_jsonl  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}w{{ 10 + loop.index0 }} {{ m['content'] }} w3 {% endfor %}"
             "{% if add_generation_prompt %}w4{% endif %}")
@@ -28,13 +28,7 @@ EOS = "21"
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(checkpoint, tokenizer folder holding a chat_template.jinja, a tokenizer folder without one)."""
-    root = tmp_path_factory.mktemp("oaimodel")
-    write_checkpoint(str(root / "ckpt"))
-    for name in ("tok", "plain"):
-        os.makedirs(root / name)
-        write_tokenizer(str(root / name / "tokenizer.json"), TINY.vocab)
-    (root / "tok" / "chat_template.jinja").write_text(TEMPLATE)
-    return str(root / "ckpt"), str(root / "tok"), str(root / "plain")
+    return chat_model(str(tmp_path_factory.mktemp("oaimodel")), TEMPLATE)
 
 
 def _argv(ckpt, tok, prompts, out, off, *extra):

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from flexh2o.cli import run as cli  # noqa: E402
 from flexh2o.sampling import Sampler  # noqa: E402
-from request_helpers import TINY, read_jsonl, write_checkpoint, write_jsonl, write_tokenizer  # noqa: E402
+from request_helpers import chat_model, read_jsonl, write_jsonl  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 PROMPTS = ["w5 w6 w7 w8", "w100 w200 w300"]
@@ -22,13 +22,7 @@ PROMPTS = ["w5 w6 w7 w8", "w100 w200 w300"]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(checkpoint, tokenizer folder with a chat_template.jinja, tokenizer folder without one)."""
-    root = tmp_path_factory.mktemp("promptmodel")
-    write_checkpoint(str(root / "ckpt"))
-    for name in ("tok", "plain"):
-        os.makedirs(root / name)
-        write_tokenizer(str(root / name / "tokenizer.json"), TINY.vocab)
-    (root / "tok" / "chat_template.jinja").write_text(TEMPLATE)
-    return str(root / "ckpt"), str(root / "tok"), str(root / "plain")
+    return chat_model(str(tmp_path_factory.mktemp("promptmodel")), TEMPLATE)
 
 
 def _base(ckpt, tok, off, *extra):
