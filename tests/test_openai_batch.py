@@ -7,10 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,7 +15,7 @@ pytest.importorskip("tokenizers")
 openai = pytest.importorskip("openai")
 
 from flexh2o.cli import run as cli  # noqa: E402
-from request_helpers import chat_model, read_jsonl, write_jsonl  # noqa: E402
+from request_helpers import chat_model, kill_9_until_done, read_jsonl, write_jsonl  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}w{{ 10 + loop.index0 }} {{ m['content'] }} w3 {% endfor %}"
             "{% if add_generation_prompt %}w4{% endif %}")
@@ -155,20 +152,7 @@ def test_kill_9_then_resume_answers_every_line_once(tmp_path, model, offload_dir
     out = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "flexh2o.cli"] + _argv(ckpt, tok, batch, out, offload_dir, "--gpu-batch-size", "2",
                                                          "--resume")
-    kills = 0
-    for attempt in range(8):  # as tests/test_resume.py: kill soon after the run has written a line
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        size = _size(out)
-        while proc.poll() is None and _size(out) == size:
-            time.sleep(0.002)
-        if proc.poll() is None and attempt < 4:
-            time.sleep(rng.uniform(0.0, 0.02))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            kills += 1
-            continue
-        assert proc.wait() == 0, proc.stderr.read()
-        break
+    kills = kill_9_until_done(argv, out, rng)
     got = read_jsonl(out)
     assert kills >= 2 and len(got) == 24 and len({r["custom_id"] for r in got}) == 24  # every line once
     assert {r["custom_id"]: _choices(r) for r in got} == want
@@ -177,7 +161,3 @@ def test_kill_9_then_resume_answers_every_line_once(tmp_path, model, offload_dir
 def _choices(record: dict) -> list:
     """A line's answers without the ids and times that differ between runs."""
     return [json.dumps(c, sort_keys=True) for c in record["response"]["body"]["choices"]]
-
-
-def _size(path) -> int:
-    return os.path.getsize(path) if os.path.exists(path) else 0

@@ -2,18 +2,14 @@
 ids, and the union of the interrupted runs equals one uninterrupted greedy run, token for token."""
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 from flexh2o.batch.results import done_ids
 from flexh2o.cli import run as cli
-from request_helpers import read_jsonl, write_jsonl
+from request_helpers import kill_9_until_done, read_jsonl, write_jsonl
 from tiny_models import write_tiny_checkpoint
 
 
@@ -51,24 +47,7 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path, offload_dir):
     assert len(want) == 40
     out = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "flexh2o.cli"] + base + ["--output-file", str(out), "--resume"]
-    rng, kills = random.Random(11), 0
-    for attempt in range(8):
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        start, size = time.monotonic(), _size(out)
-        while proc.poll() is None and _size(out) == size:
-            time.sleep(0.002)  # kill after the run has written something, at a random moment soon after: 40 requests
-        if proc.poll() is None and attempt < 4:  # leave work after the first line even on a fast quiet machine (12
-            time.sleep(rng.uniform(0.0, 0.02))  # did not: a run finished inside the old 50 ms and one kill was all)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            kills += 1
-            continue
-        assert proc.wait() == 0, proc.stderr.read()
-        break
+    kills = kill_9_until_done(argv, out, random.Random(11))
     got = read_jsonl(out)
     assert kills >= 2 and len(got) == 40 and len({r["id"] for r in got}) == 40  # every id once
     assert {r["id"]: r for r in got} == want
-
-
-def _size(path) -> int:
-    return os.path.getsize(path) if os.path.exists(path) else 0
