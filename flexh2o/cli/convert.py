@@ -6,15 +6,15 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.cli.help_text import declared_families
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # the families written out: reading them from the registry (models/) imports every family module, and torch with
-    # them (over a second), for a --help; tests/test_defaults.py checks this list against the registry
+    # the families as the family modules declare them, read from their source (importing them imports torch)
     p = Parser(prog="flexh2o-convert",
                description="Convert a Hugging Face checkpoint folder (config.json; safetensors or .bin, sharded or "
-                           "not) or a .gguf file of a family flexh2o runs (opt, llama, mistral, qwen2, qwen3, phi3, "
-                           "gemma2, gemma3: docs/models.md; any other is refused naming these) into flexh2o's format, "
+                           f"not) or a .gguf file of a family flexh2o runs ({', '.join(declared_families())}: "
+                           "docs/models.md; any other is refused naming these) into flexh2o's format, "
                            "with its tokenizer, EOS id and chat template, so that flexh2o-run --path DST needs "
                            "nothing else.")
     p.add_argument("src", metavar="SRC", help="Hugging Face model folder (with config.json) or a .gguf file")

@@ -3,8 +3,9 @@
 Layer indices are shared by every family: 0 is the input embedding, 1..num_layers are decoder blocks,
 num_layers + 1 is the output head. Families know nothing of tiers, buffers or schedules.
 
-Families (ModelConfig.family -> module, each declared by its module's FAMILIES (models/family.py) and gathered
-from FAMILY_MODULES below; what each adds, as ModelConfig fields):
+Families (ModelConfig.family -> module, each declared by its module's FAMILIES (models/family.py); FAMILY_MODULES
+below gathers every module of this package that declares some, so a new family is its module alone; what each
+adds, as ModelConfig fields):
   opt                    learned positions, LayerNorm, ReLU MLP, biases (opt.py)
   llama                  RoPE (rope_type default / linear / llama3), RMSNorm, SwiGLU, grouped KV heads (llama.py)
   mistral                llama + a sliding window on every layer (sliding_window) (llama.py)
@@ -17,16 +18,34 @@ from FAMILY_MODULES below; what each adds, as ModelConfig fields):
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from types import ModuleType
 from typing import Optional
 
 from flexh2o.config import ModelConfig
-from flexh2o.models import gemma, llama, opt, phi3
 from flexh2o.models.common import WeightSpec  # noqa: F401  (re-exported)
 from flexh2o.models.family import Family
 
-# The one table of families: a family is its module (its compute and its FAMILIES declarations) and its entry here.
-FAMILY_MODULES = (opt, llama, phi3, gemma)
+# The order the families are listed in (--help, refusals); a family module not named here follows these, by file name
+LISTED_FIRST = ("opt", "llama", "phi3", "gemma")
+
+
+def listing_order(module_name: str) -> tuple:
+    """Sort key of a module of this package (its file name without .py) in the family listing."""
+    first = module_name in LISTED_FIRST
+    return (not first, LISTED_FIRST.index(module_name) if first else 0, module_name)
+
+
+def discover() -> tuple:
+    """Every module of this package that declares FAMILIES (a family module), in listing order."""
+    names = sorted((m.name for m in pkgutil.iter_modules(__path__)), key=listing_order)
+    found = (importlib.import_module(f"{__name__}.{name}") for name in names)
+    return tuple(m for m in found if hasattr(m, "FAMILIES"))
+
+
+# The one table of families: each module of this package with a FAMILIES declaration (its compute beside it).
+FAMILY_MODULES = discover()
 
 
 def families() -> tuple:

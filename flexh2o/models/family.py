@@ -1,7 +1,8 @@
 """Family: what one model family declares about itself, beside its compute (each family module's FAMILIES tuple,
-gathered by models/registry.py): its name, the checkpoints it is read from (Hugging Face model_type names and the
-config.json fields their conversion reads; the GGUF architecture llama.cpp writes for it, its metadata keys, tensor
-names and the changes its converter made) and the ModelConfig fields every checkpoint of it has."""
+gathered by models/__init__.py from every module that declares one): its name, the checkpoints it is read from
+(Hugging Face model_type names and the config.json fields their conversion reads; the GGUF architecture llama.cpp
+writes for it, its metadata keys, tensor names and the changes its converter made) and the ModelConfig fields every
+checkpoint of it has."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
