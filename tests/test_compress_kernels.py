@@ -7,7 +7,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec, dequantize, quantize
 from flexh2o.compress.choice import PHASES, kernel_phases, probe
-from flexh2o.compress import kernels
+from flexh2o.compress import int4_order, kernels
 from flexh2o.compress.codec import dequantize_into
 from flexh2o.compress.kernels import (PackedWeight, codec_levels, expand_kernel_order, from_kernel_order, int4_linear,
                                       int4pack_from, kernel_available, to_kernel_order)
@@ -53,14 +53,16 @@ def test_kernel_order_is_torchs_packing_and_inverts(shape):
     assert kernel_available("cpu")
 
 
-@pytest.mark.parametrize("block", kernels.ROW_BLOCKS)
+@pytest.mark.parametrize("order", int4_order.ROW_ORDERS)
 @pytest.mark.parametrize("rows", [32, 64, 96, 160])
-def test_both_cpu_orders_invert_and_expand_exactly(monkeypatch, block, rows):
-    """Each order torch may write (blocks of 32 rows on AVX2, 64 on AVX-512 with a last block of 32 rows in pairs),
-    whichever this CPU has: the permutation inverts, the expansion equals dequantize bit for bit, lookups equal the
-    expanded table (the last, shorter block included), and the packing is the documented one, byte by byte."""
-    monkeypatch.setattr(kernels, "_torch_block", lambda: block)
-    g = torch.Generator().manual_seed(rows + block)
+def test_every_cpu_order_inverts_and_expands_exactly(monkeypatch, order, rows):
+    """Each order torch may write (blocks of 32 rows on AVX2, 64 on AVX-512 with a last block of 32 rows in pairs,
+    blocks of 32 rows in pairs in its generic build), whichever this CPU has: the permutation inverts, the expansion
+    equals dequantize bit for bit, lookups equal the expanded table (the last, shorter block included), and the
+    packing is the documented one, byte by byte."""
+    monkeypatch.setattr(int4_order, "torch_order", lambda: order)
+    block = order.block
+    g = torch.Generator().manual_seed(rows + block + order.paired)
     ct = quantize(torch.randn(rows, 128, generator=g), CompressionSpec(4, 64, 1))
     ko = to_kernel_order(ct)
     assert torch.equal(from_kernel_order(ko).data, ct.data)
@@ -72,9 +74,12 @@ def test_both_cpu_orders_invert_and_expand_exactly(monkeypatch, block, rows):
     whole = rows - rows % block
     cells = [(0, 0), (1, 5), (block // 2, 3), (whole - 1, 127), (rows - 1, 64), (rows - 2, 1), (whole, 9)]
     for r, k in [(r, k) for r, k in cells if 0 <= r < rows]:
-        if r < whole:  # a whole block: (K, block / 2) bytes, rows j and j + block / 2 in one
+        if r < whole and not order.paired:  # a whole block: (K, block / 2) bytes, rows j and j + block / 2 in one
             b, j = divmod(r, block)
             byte, high = data[b * block * 64 + k * block // 2 + j % (block // 2)], j >= block // 2
+        elif r < whole:  # a whole block in pairs: (K, block / 2) bytes, rows 2i and 2i + 1 in one
+            b, j = divmod(r, block)
+            byte, high = data[b * block * 64 + k * block // 2 + j // 2], j % 2 == 1
         else:  # the last block: (K, rows / 2) bytes, two consecutive rows in one
             j, last = r - whole, rows - whole
             byte, high = data[whole * 64 + k * last // 2 + j // 2], j % 2 == 1

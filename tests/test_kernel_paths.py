@@ -14,7 +14,7 @@ import torch
 
 from conftest import hf_opt, ragged_prompts
 from flexh2o.compress import CompressionSpec
-from flexh2o.compress import kernels
+from flexh2o.compress import int4_order, kernels
 from flexh2o.config import ModelConfig
 from flexh2o.engine import Engine
 from flexh2o.placement import Percent
@@ -52,7 +52,7 @@ def _rc(cfg, storage, compute, decode, offload_dir, mode="auto") -> RunConfig:
 def _engine(monkeypatch, cfg, dtypes, kernel: tuple, offload_dir) -> Engine:
     """An engine whose phases run the kernel as `kernel` (prefill, decode) says, forced."""
     forced = {"prefill": kernel[0], "decode": kernel[1]}
-    monkeypatch.setattr("flexh2o.planning.kernel_phases.kernel_phases", lambda *a, **k: dict(forced))
+    monkeypatch.setattr("flexh2o.planning.weight_forms.kernel_phases", lambda *a, **k: dict(forced))
     eng = Engine(_rc(cfg, *dtypes, offload_dir))
     assert eng.kernel == forced
     specs = {s.name for layer in eng.rc.placement.weights.layer_specs for s in layer}
@@ -151,7 +151,7 @@ def test_avx512_row_order_on_the_generic_path(monkeypatch, references, offload_d
     the generic path equals transformers (fp32). The kernel itself reads only its CPU's order (CI also runs these
     tests under ATEN_CPU_CAPABILITY=avx2)."""
     from test_llama import hf_step_logits
-    monkeypatch.setattr(kernels, "_torch_block", lambda: 64)
+    monkeypatch.setattr(int4_order, "torch_order", lambda: int4_order.RowOrder(64))
     assert kernels.row_block() == 64
     cfg = MODELS[name]
     prompts = ragged_prompts(4, PROMPT, cfg.vocab, seed=9)

@@ -6,16 +6,12 @@ zero = minimum + 8 * scale. Its packed weight is the same N * K / 2 bytes as the
 (`to_kernel_order` / `from_kernel_order` convert by permutation alone), so a weight is stored in the kernel's order
 at load time (the same bytes in its tier) and either fed to the kernel or expanded back for the generic path.
 
-The order depends on the CPU torch runs on: blocks of `row_block()` output rows, 32 where torch's kernel is built
-for AVX2, 64 for AVX-512, each block (K, block / 2) bytes holding rows j and j + block / 2 of input k in one byte
-(low, high nibble); a last block of fewer rows (32 rows at the end of an AVX-512 weight) holds two consecutive
-rows a byte, (K, rows / 2). `row_block` finds the order torch's own converter writes, once per process;
-`kernel_available` is false when it is neither. A weight needs a multiple of KERNEL_ROWS rows on every CPU, so the
-same weights take the kernel's form wherever the plan is made.
+The order depends on the CPU torch runs on (blocks of 32 or 64 output rows, compress/int4_order.py);
+`kernel_available` is false when torch writes none of the orders known there. A weight needs a multiple of
+KERNEL_ROWS rows on every CPU, so the same weights take the kernel's form wherever the plan is made.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,10 +19,11 @@ import torch
 
 from flexh2o.compress import expand_native
 from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, stored_bytes
+from flexh2o.compress.int4_order import (pack_levels, row_block, row_order, split_rows, torch_order, unpack_levels,
+                                         write_levels)
 
 KERNEL_GROUPS = (32, 64, 128, 256)
 KERNEL_ROWS = 32  # a weight in the kernel's form has a multiple of this many output rows
-ROW_BLOCKS = (32, 64)  # output rows per block of torch's packed order: AVX2 (and the fallback order here), AVX-512
 ROWS_ELEMENTS = 1 << 20  # a lookup expands its row blocks this many fp32 elements at a time (4 MiB)
 
 
@@ -65,71 +62,9 @@ def _rows_chunk(k: int) -> int:
     return max(1, ROWS_ELEMENTS // (row_block() * k))
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_block() -> Optional[int]:
-    """The block of ROW_BLOCKS whose order torch's converter writes on this CPU (None: no kernel, or another order).
-    A 96-row probe: three whole blocks of 32, or one of 64 and a last block of 32."""
-    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
-        return None
-    q = (torch.arange(96 * 128, dtype=torch.int32) * 7 % 16).view(96, 128)
-    try:
-        torch_order = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    except RuntimeError:
-        return None
-    return next((b for b in ROW_BLOCKS if torch.equal(torch_order, _pack_levels(q.to(torch.uint8), b))), None)
-
-
-def row_block() -> int:
-    """Output rows per block of the kernel's order on this CPU (32 where torch's kernel is missing)."""
-    return _torch_block() or ROW_BLOCKS[0]
-
-
 def kernel_available(device) -> bool:
     """The CPU int4 kernel exists in this torch and its packed order is one `to_kernel_order` writes."""
-    return torch.device(device).type == "cpu" and _torch_block() is not None
-
-
-def _split(n: int, block: int) -> tuple:
-    """Rows in whole blocks, rows in the last, shorter block."""
-    return n - n % block, n % block
-
-
-def _pack_levels(q: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
-    """(N, K) levels 0..15 uint8 -> (N, K / 2) bytes in the kernel's order (blocks of `block` rows, default
-    row_block())."""
-    block = block or row_block()
-    n, k = q.shape
-    whole, last = _split(n, block)
-    x = q[:whole].view(whole // block, 2, block // 2, k).permute(0, 3, 2, 1)  # (block, k, rows j, j + block / 2)
-    parts = [(x[..., 0] | (x[..., 1] << 4)).reshape(whole, k // 2)]
-    if last:
-        y = q[whole:].view(last // 2, 2, k).permute(2, 0, 1)  # (k, rows 2i, 2i + 1)
-        parts.append((y[..., 0] | (y[..., 1] << 4)).reshape(last, k // 2))
-    return torch.cat(parts) if last else parts[0]
-
-
-def _unpack_levels(packed: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
-    """(N, K / 2) bytes in the kernel's order -> (N, K) levels 0..15 uint8."""
-    block = block or row_block()
-    n, k = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(n, k, dtype=torch.uint8, device=packed.device)
-    _write_levels(packed, out, block)
-    return out
-
-
-def _write_levels(packed: torch.Tensor, out: torch.Tensor, block: int) -> None:
-    """The levels of kernel-order bytes (N, K / 2) written into `out` (N, K) (any dtype) through permuted views."""
-    n, k = out.shape
-    whole, last = _split(n, block)
-    x = packed[:whole].reshape(whole // block, k, block // 2)  # (block, k, rows j) bytes
-    dst = out[:whole].view(whole // block, 2, block // 2, k).permute(0, 3, 2, 1)  # (block, k, rows j, j + block / 2)
-    dst.select(3, 0).copy_(x & 0xF)
-    dst.select(3, 1).copy_(x >> 4)
-    if last:
-        y = packed[whole:].reshape(k, last // 2)  # (k, row pairs) bytes
-        tail = out[whole:].view(last // 2, 2, k).permute(2, 0, 1)  # (k, rows 2i, 2i + 1)
-        tail.select(2, 0).copy_(y & 0xF)
-        tail.select(2, 1).copy_(y >> 4)
+    return torch.device(device).type == "cpu" and torch_order() is not None
 
 
 def codec_levels(ct: CompressedTensor) -> torch.Tensor:
@@ -144,13 +79,13 @@ def to_kernel_order(ct: CompressedTensor) -> CompressedTensor:
         raise ValueError(f"the int4 kernel needs 4 bits grouped along the input dimension in groups of "
                          f"{'/'.join(map(str, KERNEL_GROUPS))} dividing it and {KERNEL_ROWS} | rows "
                          f"(got {ct.spec}, shape {ct.shape})")
-    return CompressedTensor(_pack_levels(codec_levels(ct)), ct.meta, k, ct.spec)
+    return CompressedTensor(pack_levels(codec_levels(ct)), ct.meta, k, ct.spec)
 
 
 def from_kernel_order(ct: CompressedTensor) -> CompressedTensor:
     """Inverse of to_kernel_order: `data` back in the codec's order (N, groups, group_size / 2)."""
     n, k = ct.data.shape[0], ct.data.shape[1] * 2
-    q = _unpack_levels(ct.data).view(n, k // ct.spec.group_size, ct.spec.group_size // 2, 2)
+    q = unpack_levels(ct.data).view(n, k // ct.spec.group_size, ct.spec.group_size // 2, 2)
     return CompressedTensor(q[..., 0] | (q[..., 1] << 4), ct.meta, k, ct.spec)
 
 
@@ -226,7 +161,7 @@ class PackedWeight:
         shorter block (its order differs) on its own."""
         n, k = self.meta.shape[0], self.packed.shape[1] * 2
         block = row_block()
-        whole, last = _split(n, block)
+        whole, last = split_rows(n, block)
         flat = ids.reshape(-1)
         blocks, inverse = torch.unique(flat // block, return_inverse=True)
         data = self.packed[:whole].view(whole // block, block * k // 2)
@@ -270,7 +205,14 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torc
 def native_expands(group_size: int, dtype: torch.dtype) -> bool:
     """Whether `expand_kernel_order` writes a weight of this grouping straight into `dtype` in one pass (the C
     expansion of compress/expand_native.py is built here and takes them); else fp32 first, then converted."""
-    return expand_native.supports(row_block(), group_size, torch.empty(0, dtype=dtype))
+    return _native(group_size, torch.empty(0, dtype=dtype))
+
+
+def _native(group_size: int, out: torch.Tensor) -> bool:
+    """The C expansion takes this CPU's order (blocks of rows i and i + block / 2: not torch's generic build's
+    pairs), this grouping and `out`."""
+    order = row_order()
+    return not order.paired and expand_native.supports(order.block, group_size, out)
 
 
 def expand_kernel_order(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor:
@@ -279,12 +221,12 @@ def expand_kernel_order(ct: CompressedTensor, out: torch.Tensor) -> torch.Tensor
     (compress/expand_native.py), else the levels written through a permuted view of an fp32 `out`, then scaled
     and shifted in place."""
     n, k = ct.data.shape[0], ct.data.shape[1] * 2
-    if expand_native.supports(row_block(), ct.spec.group_size, out):
+    if _native(ct.spec.group_size, out):
         expand_native.expand_into(ct.data, ct.meta, ct.spec.group_size, row_block(), out)
         return out
     if out.dtype != torch.float32 or not out.is_contiguous():
         return out.copy_(dequantize(from_kernel_order(ct), out.dtype))
-    _write_levels(ct.data, out, row_block())
+    write_levels(ct.data, out, row_order())
     g = out.view(n, k // ct.spec.group_size, ct.spec.group_size)  # (N, groups, size)
     g.mul_(ct.meta[..., 0].unsqueeze(-1)).add_(ct.meta[..., 1].unsqueeze(-1))
     return out
