@@ -146,8 +146,50 @@ def _group_mix(p, data, sb, sh, st, width, scale, lo, bits, out):
                 out[bi, hi, gi, G * size:(G + 1) * size] += low[gi, G]
 
 
+def _ring_logits(qm, ring, rslot, out):
+    """The exact ring over logits `out` (b, h, g, slots) (compress/recent.py's ring_logits): qm (b, h, g, d) the
+    query in the model's basis, ring (b, h, E, d) the entries' values, rslot (b, h, E) the slot each names (-1 or
+    past the slots: none); a named slot's logit becomes qm . its entry's values."""
+    b, h, g, d = qm.shape
+    s, e = out.shape[3], rslot.shape[2]
+    for r in numba.prange(b * h):
+        bi, hi = r // h, r % h
+        for j in range(e):
+            t = rslot[bi, hi, j]
+            if t < 0 or t >= s:
+                continue
+            for gi in range(g):
+                acc = np.float32(0.0)
+                for c in range(d):
+                    acc += qm[bi, hi, gi, c] * ring[bi, hi, j, c]
+                out[bi, hi, gi, t] = acc
+
+
+def _ring_split(p, ring, rslot, rest, exact):
+    """The exact ring's share of a value mix (compress/recent.py's ring_mix): p (b, h, g, slots) -> rest = p with
+    the ring's slots at 0, exact (b, h, g, d) = sum over entries of p[its slot] times its values (model basis)."""
+    b, h, g, s = p.shape
+    e, d = rslot.shape[2], ring.shape[3]
+    for r in numba.prange(b * h):
+        bi, hi = r // h, r % h
+        for gi in range(g):
+            rest[bi, hi, gi, :] = p[bi, hi, gi, :]
+            exact[bi, hi, gi, :] = 0.0
+        for j in range(e):
+            t = rslot[bi, hi, j]
+            if t < 0 or t >= s:
+                continue
+            for gi in range(g):
+                w = p[bi, hi, gi, t]
+                rest[bi, hi, gi, t] = 0.0
+                for c in range(d):
+                    exact[bi, hi, gi, c] += w * ring[bi, hi, j, c]
+
+
 PAR = dict(parallel=True, **OPTS)
 channel_logits = numba.njit([f"void({F4}, {F4}, {F4}, {F4}, {STRIDES}, {ix}[:, :, :, :], {A4}, int64, {F4})"
                              for ix in ("uint8", "int16")], **PAR)(_channel_logits)
 group_logits = numba.njit(f"void({F4}, {F4}, {STRIDES}, {F4}, {F4}, int64, {F4})", **PAR)(_group_logits)
 group_mix = numba.njit(f"void({A4}, {STRIDES}, {F4}, {F4}, int64, {F4})", **PAR)(_group_mix)
+ring_logits = numba.njit(f"void({F4}, {A4}, int32[:, :, :], {F4})", **PAR)(_ring_logits)
+ring_split = numba.njit(f"void({A4}, {A4}, int32[:, :, :], {F4}, {F4})", **PAR)(_ring_split)
