@@ -8,20 +8,37 @@ lanes that equal a leader lane are not computed while they stay dormant (generat
 no branch of either: it calls the plan's methods through one interface.
 
 A plan is made by the caller and started once per run (`start`), which checks it against the run and returns the
-object the run calls (the plain plan: itself).
+object the run calls (the plain plan: itself). A plan also says what the run's rows hold (`sequences`: the prompts,
+left-padded), how many steps the schedule runs (`steps`) and how a compute op runs (`compute`): a row source whose
+rows take queued requests as theirs finish (generation/refill.py's RefillPlan) is a plan too.
 """
 from __future__ import annotations
 
 import torch
 
+from flexh2o.generation.sequences import Sequences
+
 
 class BatchPlan:
     """Every row of a GPU batch is computed (the default plan; each method is a pass-through)."""
+
+    def sequences(self, rc, cfg, prompts, gen_len: int, record_logits: bool):
+        """The run's token state, made before `start`: the prompts left-padded (Sequences)."""
+        return Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, cfg.pad_token_id, cfg.vocab,
+                         record_logits)
 
     def start(self, policy, rc, seqs, pipe) -> "BatchPlan":
         """The plan of one run: policy (the run's KV policy), rc (RunConfig), seqs (its Sequences), pipe (a
         pipeline stage's, or None)."""
         return self
+
+    def steps(self, rc, gen_len: int) -> int:
+        """The steps the schedule runs: one per generated token."""
+        return gen_len
+
+    def compute(self, run, op) -> None:
+        """Compute op `op` of `run` (generation/run.Run) over the rows this plan computes."""
+        run.compute_batch(op)
 
     def rows(self, step: int, ids: torch.Tensor, pos: torch.Tensor) -> tuple:
         """ids, pos (b, t) of the batch's rows at `step` -> those of the rows computed."""
@@ -40,7 +57,7 @@ class BatchPlan:
         return logits
 
 
-class LanePlan:
+class LanePlan(BatchPlan):
     """The GPU batch is `copies` copies of its first rows' prompts (one per lane of an evaluation pass): prefill
     computes one copy; with a LanePolicy, dormant follower lanes are not computed (generation/followers.py)."""
 

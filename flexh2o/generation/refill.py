@@ -1,5 +1,6 @@
 """Refill: one generate() run whose rows take the next queued request as soon as their own finishes (continuous
-batching inside the zig-zag block schedule).
+batching inside the zig-zag block schedule). It is a row source handed to generate() (`RefillPlan`, a BatchPlan:
+generation/batch_plan.py): the run's token state, its steps and its compute ops are the plan's to say.
 
 A row that finishes at step s is handed the next request at once; at step s + 1 its prompt is prefilled inside the
 decode step's own weight pass: each layer's compute runs the batch's decode (every row, the refilled ones
@@ -25,19 +26,19 @@ from typing import Optional
 
 import torch
 
-from flexh2o.generation.run import Run
+from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.sequences import Sequences
 from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.layout import FIELDS, CacheLayout
 
 
-def generate_refill(eng, feed, on_step=None) -> int:
-    """Run `feed`'s requests on `eng` (an Engine) with refill; returns the steps run. feed: batch/feed.py's
-    RequestFeed (take, live, all_done, and the sampler call)."""
-    run = _RefillRun(eng, feed, on_step)
-    run.execute(False)
-    return len(run.times)
+def generate_refill(eng, feed, on_step=None):
+    """Run `feed`'s requests on `eng` (an Engine) with refill: eng.generate() with a RefillPlan, until no row has a
+    request left; returns its Generation (timings). feed: batch/feed.py's RequestFeed (take, live, all_done, and the
+    sampler call)."""
+    return eng.generate(None, feed.longest_gen, feed, on_step=on_step, stop_when=lambda: feed.all_done,
+                        batch_plan=RefillPlan(feed))
 
 
 def put_rows(blk: KVBlock, rows: torch.Tensor, fresh: KVBlock) -> None:
@@ -129,106 +130,120 @@ def _padded(refill: list, pad: int) -> tuple:
     return rows, ids, pos, torch.tensor([len(p) for _, p in refill])
 
 
-class _RefillRun(Run):
-    """A Run whose compute ops also prefill the rows being refilled (module docstring)."""
+class RefillPlan(BatchPlan):
+    """A row source for generate(): rows take `feed`'s requests (module docstring). Started once per run."""
 
-    def __init__(self, eng, feed, on_step):
+    def __init__(self, feed):
         self.feed = feed
-        super().__init__(eng, None, feed.longest_gen, feed, False, on_step, None, None)
-        self.pre: dict = {}  # batch -> hidden states (r, t', h) of the rows prefilled in this step (separate passes)
-        # while the queue lasts every row emits a token each step (a refilled row's first comes from its prefill):
-        self.gen_len = -(-feed.total_gen // eng.rc.num_seqs) + feed.longest_gen + 2  # the most steps it can take
-        self.stop_when = lambda: feed.all_done
-        self.mixed: dict = {}  # batch -> True while this step's refill runs in one pass with the decode
-        kernel = eng.kernel or {}
-        self.split_forms = (self.rc.compute_at(0) != self.rc.compute_at(1)
-                            or bool(kernel.get("prefill")) != bool(kernel.get("decode")))
 
-    def _sequences(self, prompts, gen_len, record_logits):
-        rc, cfg = self.rc, self.cfg
+    def sequences(self, rc, cfg, prompts, gen_len, record_logits):
         return RefillRows(self.feed, rc.gpu_batch_size, rc.num_gpu_batches, cfg.pad_token_id, cfg.vocab,
                           self.feed.longest_prompt)
 
-    def compute(self, op) -> None:
+    def start(self, policy, rc, seqs, pipe) -> "_Refilling":
+        return _Refilling(self.feed)
+
+
+class _Refilling(BatchPlan):
+    """One run of a RefillPlan: its compute ops also prefill the rows being refilled (module docstring)."""
+
+    def __init__(self, feed):
+        self.feed = feed
+        self.pre: dict = {}  # batch -> hidden states (r, t', h) of the rows prefilled in this step (separate passes)
+        self.mixed: dict = {}  # batch -> True while this step's refill runs in one pass with the decode
+        self.split_forms = None  # prefill and decode take the weights in different forms (set by the first op)
+
+    def steps(self, rc, gen_len: int) -> int:
+        """While the queue lasts every row emits a token each step (a refilled row's first comes from its
+        prefill): the most steps the queue can take."""
+        return -(-self.feed.total_gen // rc.num_seqs) + self.feed.longest_gen + 2
+
+    def compute(self, run, op) -> None:
         step, layer, batch = op.step, op.layer, op.batch
+        if self.split_forms is None:
+            kernel = run.eng.kernel or {}
+            self.split_forms = (run.rc.compute_at(0) != run.rc.compute_at(1)
+                                or bool(kernel.get("prefill")) != bool(kernel.get("decode")))
         if step > 0 and layer == 0:
-            self.seqs.inputs(step, batch, self.eng.device)  # moves the batch's pending refill to `running`
-        got = self.seqs.prefills(batch) if step > 0 else None
+            run.seqs.inputs(step, batch, run.eng.device)  # moves the batch's pending refill to `running`
+        got = run.seqs.prefills(batch) if step > 0 else None
         if step > 0 and layer == 0:
-            self.mixed[batch] = got is not None and not self.split_forms and self._fits_one_pass(got[1])
+            self.mixed[batch] = got is not None and not self.split_forms and _fits_one_pass(run.rc, got[1])
         if got is None:
-            return super().compute(op)
-        rows, ids, pos = got[0], got[1].to(self.eng.device), got[2].to(self.eng.device)
+            return run.compute_batch(op)
+        rows, ids, pos = got[0], got[1].to(run.eng.device), got[2].to(run.eng.device)
         if self.mixed[batch]:
-            return self._one_pass(op, rows, ids, pos)
-        return self._two_passes(op, rows, ids, pos)
+            return _one_pass(run, op, rows, ids, pos)
+        return self._two_passes(run, op, rows, ids, pos)
 
-    def _fits_one_pass(self, ids: torch.Tensor) -> bool:
-        """The decode and the refill prefill run as one pass when its tokens are no more than a planned prefill
-        sub-batch's (so the memory plan's transients hold)."""
-        return self.rc.gpu_batch_size + ids.numel() <= self.rc.prefill_rows() * self.rc.prompt_len
-
-    def _two_passes(self, op, rows, ids, pos) -> None:
+    def _two_passes(self, run, op, rows, ids, pos) -> None:
         """Each layer runs the decode of every row (the refilled rows' outputs are dropped), then the refilled
         rows' prefill with the layer's weights as a prefill step takes them (`_prefill_form`)."""
-        step, layer, batch = op.step, op.layer, op.batch
+        step, layer, batch, lc, bufs = op.step, op.layer, op.batch, run.layers, run.bufs
         if layer > 0 and op.cache_layer < 0:  # the head
-            dec = self.layers.head(self.bufs.weights_of(layer), self.bufs.a.pop(batch))
-            pre = self._prefill_form(layer, lambda w: self.layers.head(w, self.pre.pop(batch)))
+            dec = lc.head(bufs.weights_of(layer), bufs.a.pop(batch))
+            pre = self._prefill_form(run, layer, lambda w: lc.head(w, self.pre.pop(batch)))
             dec[rows.to(dec.device)] = pre.to(dec.device, dec.dtype)
-            self._emit(step, batch, dec)
+            run._emit(step, batch, dec)
             return None
-        super().compute(op)  # the decode step of every row (layer 0: their embedding)
+        run.compute_batch(op)  # the decode step of every row (layer 0: their embedding)
         if layer == 0:
-            self.pre[batch] = self._prefill_form(layer, lambda w: self.layers.embed(w, ids, pos))
+            self.pre[batch] = self._prefill_form(run, layer, lambda w: lc.embed(w, ids, pos))
             return None
         self.pre[batch], fresh = self._prefill_form(
-            layer, lambda w: self.layers.prefill(w, op.cache_layer, self.pre[batch], pos))
-        put_rows(self.bufs.block(layer, batch), rows, fresh)
+            run, layer, lambda w: lc.prefill(w, op.cache_layer, self.pre[batch], pos))
+        put_rows(bufs.block(layer, batch), rows, fresh)
         return None
 
-    def _prefill_form(self, layer: int, fn):
+    def _prefill_form(self, run, layer: int, fn):
         """fn(the layer's weights as step 0 takes them): where prefill and decode differ in compute dtype or int4
         form (RunConfig.compute_at, Engine.kernel), a refilled row is prefilled as it would be alone, the layer's
         weights loaded again in the prefill form in place of the decode form and the decode form loaded back after,
         so at most one form of the layer is held beside the prefetched next layer, as the memory plan counts (the
         cost: two more loads of the layer per refill of a GPU batch). Otherwise the loaded weights as they are."""
-        bufs = self.bufs
+        bufs = run.bufs
         if not self.split_forms:
             return fn(bufs.weights_of(layer))
         bufs.free_weights(layer)
-        bufs.load_weights(layer, 0, self.rc.compute_at(0))
+        bufs.load_weights(layer, 0, run.rc.compute_at(0))
         try:
             return fn(bufs.weights_of(layer))
         finally:
             bufs.free_weights(layer)
-            bufs.load_weights(layer, 1, self.rc.compute_at(1))
+            bufs.load_weights(layer, 1, run.rc.compute_at(1))
 
-    def _one_pass(self, op, rows, ids, pos) -> None:
-        """The decode tokens of the batch's b rows and the refilled rows' prompt tokens packed as one sequence
-        (1, b + r t', h) through each layer's linears, norms and MLP; only attention is split: the b decode
-        tokens attend their block (attention.decode), the prompts their own tokens (attention.prefill, into a fresh
-        block whose rows then replace the refilled ones)."""
-        step, layer, batch, bufs = op.step, op.layer, op.batch, self.bufs
-        ids_d, pos_d = self.seqs.inputs(step, batch, self.eng.device)  # (b, 1)
-        b, (r, t) = ids_d.shape[0], ids.shape
-        w = bufs.weights_of(layer)
-        if layer == 0:
-            bufs.a[batch] = self.layers.embed(w, _pack(ids_d, ids), _pack(pos_d, pos))  # (1, b + r t, h)
-        elif op.cache_layer < 0:
-            x = bufs.a.pop(batch)[0]  # (b + r t, h)
-            last = torch.cat([x[:b], x[b:].view(r, t, -1)[:, -1]])  # (b + r, h): each row's newest token
-            logits = self.layers.head(w, last[:, None])  # (b + r, vocab)
-            dec = logits[:b].clone()
-            dec[rows.to(dec.device)] = logits[b:]
-            self._emit(step, batch, dec)
-        else:
-            c, blk = op.cache_layer, bufs.block(layer, batch)
-            fresh = self.layers.empty_block(r, c, ids.device)
-            attend = _split_attend(self.layers, c, b, r, t, pos_d, pos, blk, fresh)
-            bufs.a[batch] = self.eng.family.block(self.cfg, w, c, bufs.a[batch], _pack(pos_d, pos).clamp(min=0),
-                                                  attend)
-            put_rows(blk, rows, fresh)
+
+def _fits_one_pass(rc, ids: torch.Tensor) -> bool:
+    """The decode and the refill prefill run as one pass when its tokens are no more than a planned prefill
+    sub-batch's (so the memory plan's transients hold)."""
+    return rc.gpu_batch_size + ids.numel() <= rc.prefill_rows() * rc.prompt_len
+
+
+def _one_pass(run, op, rows, ids, pos) -> None:
+    """The decode tokens of the batch's b rows and the refilled rows' prompt tokens packed as one sequence
+    (1, b + r t', h) through each layer's linears, norms and MLP; only attention is split: the b decode
+    tokens attend their block (attention.decode), the prompts their own tokens (attention.prefill, into a fresh
+    block whose rows then replace the refilled ones)."""
+    step, layer, batch, bufs, lc = op.step, op.layer, op.batch, run.bufs, run.layers
+    ids_d, pos_d = run.seqs.inputs(step, batch, run.eng.device)  # (b, 1)
+    b, (r, t) = ids_d.shape[0], ids.shape
+    w = bufs.weights_of(layer)
+    if layer == 0:
+        bufs.a[batch] = lc.embed(w, _pack(ids_d, ids), _pack(pos_d, pos))  # (1, b + r t, h)
+    elif op.cache_layer < 0:
+        x = bufs.a.pop(batch)[0]  # (b + r t, h)
+        last = torch.cat([x[:b], x[b:].view(r, t, -1)[:, -1]])  # (b + r, h): each row's newest token
+        logits = lc.head(w, last[:, None])  # (b + r, vocab)
+        dec = logits[:b].clone()
+        dec[rows.to(dec.device)] = logits[b:]
+        run._emit(step, batch, dec)
+    else:
+        c, blk = op.cache_layer, bufs.block(layer, batch)
+        fresh = lc.empty_block(r, c, ids.device)
+        attend = _split_attend(lc, c, b, r, t, pos_d, pos, blk, fresh)
+        bufs.a[batch] = run.eng.family.block(run.cfg, w, c, bufs.a[batch], _pack(pos_d, pos).clamp(min=0),
+                                             attend)
+        put_rows(blk, rows, fresh)
 
 
 def _pack(dec: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

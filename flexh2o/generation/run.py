@@ -1,8 +1,10 @@
 """One Engine.generate() call: the schedule's ops (schedule/plan.py) executed by the Executor (schedule/run.py),
 each op handled by one of three parts: Sequences (token state), Buffers (compute-side tensors keyed by Op.buffer) and
 LayerCompute (the model family's functions and the KV policy). Which rows of a GPU batch a compute op runs is the
-run's BatchPlan's to say (generation/batch_plan.py: every row, unless the caller hands another). The Engine holds
-what outlives a call (tiers, weights, the policy) and hands itself in; this module never imports it.
+run's BatchPlan's to say (generation/batch_plan.py: every row, unless the caller hands another), and so are the
+run's token state and its steps: a row source such as refill (generation/refill.py) is a BatchPlan whose rows take
+queued requests. The Engine holds what outlives a call (tiers, weights, the policy) and hands itself in; this module
+never imports it.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import torch
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
-from flexh2o.generation.sequences import Sequences
 from flexh2o.kv.cache import KVCache
 from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, LOAD_WEIGHT, STORE_ACT,
                                    STORE_CACHE, Op, block_schedule)
@@ -48,7 +49,8 @@ class Run:
         rc, cfg = eng.rc, eng.cfg
         self.eng, self.rc, self.cfg, self.gen_len = eng, rc, cfg, gen_len
         self.sampler, self.on_step, self.pipe, self.stop_when = sampler, on_step, pipe, stop_when
-        self.seqs = self._sequences(prompts, gen_len, record_logits)
+        plan = batch_plan or BatchPlan()
+        self.seqs = plan.sequences(rc, cfg, prompts, gen_len, record_logits)
         t = self.seqs.t
         if t > rc.prompt_len or gen_len > rc.gen_len:
             raise ValueError(f"prompts of up to {t} tokens + {gen_len} generated exceed the planned "
@@ -58,14 +60,10 @@ class Run:
                         rc.dtype, rc.compress_cache)
         self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
         evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
-        self.plan = (batch_plan or BatchPlan()).start(eng.policy, rc, self.seqs, pipe)
+        self.plan = plan.start(eng.policy, rc, self.seqs, pipe)
+        self.steps = self.plan.steps(rc, gen_len)  # the schedule's (a row source taking requests may run more)
         self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
-
-    def _sequences(self, prompts, gen_len, record_logits):
-        rc = self.rc
-        return Sequences(prompts, rc.gpu_batch_size, rc.num_gpu_batches, gen_len, self.cfg.pad_token_id,
-                         self.cfg.vocab, record_logits)
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
     def load_weight(self, op: Op) -> None:
@@ -90,6 +88,11 @@ class Run:
         self.bufs.store_act(op.batch)
 
     def compute(self, op: Op) -> None:
+        """A compute op, as the run's plan runs it (BatchPlan.compute: compute_batch, unless a row source adds)."""
+        self.plan.compute(self, op)
+
+    def compute_batch(self, op: Op) -> None:
+        """A compute op over the rows the plan computes: embedding, prefill, a decode step or the head."""
         step, layer, batch, bufs, plan = op.step, op.layer, op.batch, self.bufs, self.plan
         if self.pipe is not None and self.pipe.feeds(op):
             self._receive(op)
@@ -146,8 +149,8 @@ class Run:
                     STORE_CACHE: self.store_cache, LOAD_ACT: self.load_act, STORE_ACT: self.store_act,
                     COMPUTE: self.compute, SEND: self.send, RECV: self.recv}
         L, nb = self.cfg.num_layers, self.rc.num_gpu_batches
-        ops = (self.pipe.schedule(self.gen_len, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
-               else block_schedule(self.gen_len, L + 2, nb, lambda layer: 1 <= layer <= L))
+        ops = (self.pipe.schedule(self.steps, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
+               else block_schedule(self.steps, L + 2, nb, lambda layer: 1 <= layer <= L))
         ops = until(ops, self.stop_when) if self.stop_when is not None and self.pipe is None else ops
         ex = Executor(handlers, self.rc.overlap, self.rc.io_threads, self.rc.device, self._compute_inputs,
                       inline=(SEND, RECV))
