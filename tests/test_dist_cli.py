@@ -16,6 +16,7 @@ import torch
 
 from conftest import hf_greedy, ragged_prompts
 from dist_util import free_port, rank_env
+from readiness import ready_env, wait_decoding
 from flexh2o.cli import run as cli
 
 MAX_S = 60  # a launch that takes longer than this is a hang
@@ -38,8 +39,10 @@ def tiny(tmp_path_factory):
     return d, model, prompts
 
 
-def _torchrun(args: list, offload_dir: str, **kw) -> subprocess.Popen:
+def _torchrun(args: list, offload_dir: str, ready=None, **kw) -> subprocess.Popen:
+    """flexh2o-run under torchrun with 2 ranks; `ready`: the ready file its ranks announce their decode in."""
     env = dict(os.environ, **{k: v for k, v in rank_env(0, 2, 0).items() if k.startswith(("OMP", "GLOO"))})
+    env = ready_env(ready, env) if ready is not None else env
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "flexh2o.cli", "--dtype", "float32", "--compute-dtype", "float32",
            "--offload-dir", offload_dir, "--no-warmup", "--stage-timeout", "20"] + args
@@ -106,9 +109,15 @@ def _between_stage_needs(d) -> tuple:
 
 
 def _long_run(d, offload_dir) -> subprocess.Popen:
-    """A job long enough to be stopped midway, with weights and cache on disk (files to clean up)."""
+    """A job long enough to be stopped midway, with weights and cache on disk (files to clean up); its ranks
+    announce their decode in _ready(offload_dir)."""
     return _torchrun(["--path", str(d / "conv"), "--prompt-len", "8", "--gen-len", "1000", "--percent", "0", "0", "0",
-                      "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2"], offload_dir, start_new_session=True)
+                      "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2"], offload_dir, ready=_ready(offload_dir),
+                     start_new_session=True)
+
+
+def _ready(offload_dir) -> str:
+    return str(offload_dir).rstrip("/") + ".ready"  # beside --offload-dir, which must be left empty
 
 
 def _run_dirs(offload_dir) -> list:
@@ -116,10 +125,8 @@ def _run_dirs(offload_dir) -> list:
 
 
 def _wait_for_both_stages(proc, offload_dir) -> list:
-    deadline = time.monotonic() + MAX_S
-    while len(_run_dirs(offload_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)  # the stages are generating now
+    """The two stages' run dirs, once both ranks have said they are decoding (their lines in the ready file)."""
+    wait_decoding(_ready(offload_dir), proc, processes=2, timeout=MAX_S)
     assert proc.poll() is None, "the job ended before it could be stopped"
     return _run_dirs(offload_dir)
 

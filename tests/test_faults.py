@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from flexh2o.cli import run as cli
 from flexh2o.storage import offload_dir as od
+from readiness import ready_env, wait_decoding
 from tiny_models import tiny_opt, write_tiny_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -178,20 +178,15 @@ def interruptible():
 
 
 def _start_and_wait_for_run_dir(ckpt, off, gen="2000"):
+    """A run on the disk tier started in a child process, returned once it says it is decoding (its ready file)."""
+    ready = off.parent / f"{off.name}.ready"  # beside --offload-dir, which must be left empty
     p = subprocess.Popen([sys.executable, "-m", "flexh2o.cli", *_argv(ckpt, off, *DISK, gen=gen),
-                          "--kv-policy", "h2o", "--kv-budget", "8"], env=ENV, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        runs = [n for n in _leftovers(off) if n.startswith(od.RUN_PREFIX)]
-        if runs and any(f.endswith(".bin") for f in os.listdir(off / runs[0])):
-            time.sleep(0.5)  # into the decode
-            return p, off / runs[0]
-        if p.poll() is not None:
-            break
-        time.sleep(0.05)
-    p.kill()
-    raise AssertionError(f"no run dir appeared: {p.communicate()[1]}")
+                          "--kv-policy", "h2o", "--kv-budget", "8"], env=ready_env(ready, ENV),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    wait_decoding(ready, p)
+    runs = [n for n in _leftovers(off) if n.startswith(od.RUN_PREFIX)]
+    assert len(runs) == 1 and any(f.endswith(".bin") for f in os.listdir(off / runs[0])), runs
+    return p, off / runs[0]
 
 
 def test_external_sigterm_during_decode(ckpt, tmp_path):

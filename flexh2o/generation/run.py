@@ -17,6 +17,7 @@ import torch
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
+from flexh2o.generation.ready import announcing_decode
 from flexh2o.kv.cache import KVCache
 from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, LOAD_WEIGHT, STORE_ACT,
                                    STORE_CACHE, Op, block_schedule)
@@ -147,7 +148,7 @@ class Run:
     def execute(self, kept_stats: bool) -> Generation:
         handlers = {LOAD_WEIGHT: self.load_weight, FREE_WEIGHT: self.free_weight, LOAD_CACHE: self.load_cache,
                     STORE_CACHE: self.store_cache, LOAD_ACT: self.load_act, STORE_ACT: self.store_act,
-                    COMPUTE: self.compute, SEND: self.send, RECV: self.recv}
+                    COMPUTE: announcing_decode(self.compute), SEND: self.send, RECV: self.recv}
         L, nb = self.cfg.num_layers, self.rc.num_gpu_batches
         ops = (self.pipe.schedule(self.steps, nb, lambda layer: 1 <= layer <= L) if self.pipe is not None
                else block_schedule(self.steps, L + 2, nb, lambda layer: 1 <= layer <= L))
