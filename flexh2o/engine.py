@@ -10,17 +10,18 @@ from typing import Callable, Optional
 import torch
 
 from flexh2o import models
+from flexh2o.compress import choice
 from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.run import Generation
 from flexh2o.generation.run import Run as _Run
-from flexh2o.planning.kernel_phases import run_kernel_phases
 from flexh2o.planning.memory_plan import plan_memory
+from flexh2o.planning.weight_forms import weight_forms
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
 from flexh2o.storage.factory import make_tiers
 from flexh2o.storage.freed_memory import return_freed_blocks
-from flexh2o.weights.forms import kept_scale_names, kernel_layout, least_kernel
+from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.store import WeightStore
 
 
@@ -29,25 +30,20 @@ class Engine:
 
     def __init__(self, rc: RunConfig, on_progress: Optional[Callable] = None):
         return_freed_blocks()  # freed transients leave the process, so its memory is what the plan counts
-        plan = plan_memory(rc, kernel=least_kernel(rc))  # the least memory this run can take (weights/forms.py)
-        plan.check()
+        least = plan_memory(rc, forms=WeightForms.least(rc))  # the run's one plan, first at its least memory
+        least.check()
+        forms = weight_forms(rc, choice.probe, least.fits, kernel_available(rc.device))  # weights/forms.py
+        self.plan = least.with_forms(forms)  # as the phases take the weights
+        self.plan.check()
         self.rc, self.cfg = rc, rc.model
         self.family = models.family(rc.model)
         self.device = torch.device(rc.device)
         self.policy = rc.kv.make(rc.model.num_layers)  # the run's one policy object
-        usable = kernel_layout(rc) and kernel_available(rc.device)
-        if rc.weight_kernel == "int4" and not usable:
-            raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
-                             "(use --weight-kernel auto)")
-        self.kernel = run_kernel_phases(rc, usable)
-        self.plan = plan_memory(rc, kernel=self.kernel)  # as the phases take the weights
-        self.plan.check()
-        self.tiers = make_tiers(rc, need_disk=plan.total("disk") > 0)
+        self.tiers = make_tiers(rc, need_disk=least.total("disk") > 0)
         self.weights = None
         try:  # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
-            kept = kept_scale_names(rc, rc.placement.weights, self.kernel) if self.plan.kept_scales else frozenset()
-            self.weights = WeightStore(rc.placement.weights, self.tiers, rc.dtype, rc.compress_weight,
-                                       kernel_layout(rc), kept)
+            kept = forms.kept_scale_names(rc.placement.weights) if self.plan.kept_scales else frozenset()
+            self.weights = WeightStore(rc.placement.weights, self.tiers, forms, kept)
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:
@@ -56,6 +52,16 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def forms(self) -> WeightForms:
+        """How the run's weights are held and reach the compute side (the weight store's)."""
+        return self.weights.forms
+
+    @property
+    def kernel(self) -> dict:
+        """phase -> whether the decoder blocks' matmuls run the int4 kernel (as the run reports it)."""
+        return self.forms.kernel_by_phase()
 
     def close(self) -> None:
         if self.weights is not None:

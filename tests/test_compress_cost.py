@@ -12,7 +12,8 @@ from flexh2o.config import from_name
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent
 from flexh2o.tuning.cost_model import predict
-from flexh2o.tuning.kernel_cost import kernel_choice
+from flexh2o.tuning.kernel_cost import kernel_forms
+from flexh2o.weights.forms import WeightForms
 from flexh2o.tuning.hardware import Rates, load_profile
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.run_config import RunConfig
@@ -28,6 +29,11 @@ def _hw(fast_rows: int = 64) -> dict:
     hw["int4_matmul_flops_by_rows"] = {str(r): dense.matmul_rate(r, r > 1) * (10 if r <= fast_rows else 0.2)
                                        for r in (1, 4, 16, 64, 256, 512)}
     return hw
+
+
+def kernel_choice(rc: RunConfig, rates: dict) -> dict:
+    """phase -> the decoder blocks' matmuls run the int4 kernel, as the cost model decides it from `rates`."""
+    return kernel_forms(rc, rates).kernel_by_phase()
 
 
 def _rc(weight_kernel="auto", **kw) -> RunConfig:
@@ -84,9 +90,9 @@ def test_the_kernel_is_charged_where_memory_forces_it():
     hw = _hw()
     rc = _rc(gpu_mem=400 << 20, prompt_len=32)
     rc = rc.with_(gpu_batch_size=largest_batch(rc.with_(weight_kernel="int4")))  # the kernel's largest batch
-    assert plan_memory(rc, kernel={"prefill": False, "decode": True}).overflow()
+    assert plan_memory(rc, forms=WeightForms.of_run(rc, ["decode"])).overflow()
     rates = dict.fromkeys(("prefill", "decode"), Rates.from_profile(hw, torch.float32))
     assert kernel_choice(rc, rates) == {"prefill": True, "decode": True}
     pred = predict(rc, hw)
     assert pred.terms["prefill"]["compute.int4_matmul"] > 0
-    assert pred.bytes == plan_memory(rc, kernel={"prefill": True, "decode": True}).bytes
+    assert pred.bytes == plan_memory(rc, forms=WeightForms.of_run(rc, ["prefill", "decode"])).bytes

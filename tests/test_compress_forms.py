@@ -14,7 +14,7 @@ from flexh2o.engine import Engine
 from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.run_config import RunConfig
-from flexh2o.weights.forms import compute_side_bytes
+from flexh2o.weights.forms import WeightForms
 
 # vocab a multiple of 32: the token table is kept in the kernel's order, 130 positions are not (codec order); a
 # wide MLP makes an expanded block the largest layer
@@ -24,6 +24,11 @@ KERNELS = {"both": {"prefill": True, "decode": True}, "decode": {"prefill": Fals
            "none": {"prefill": False, "decode": False}}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _forms(rc, kernel: dict) -> WeightForms:
+    """rc's WeightForms with the int4 kernel at the phases `kernel` (phase -> bool) names."""
+    return WeightForms.of_run(rc, [p for p, on in kernel.items() if on])
 
 
 def _rc(offload_dir, **kw) -> RunConfig:
@@ -39,11 +44,11 @@ def test_plan_counts_what_the_weight_loads_copy(offload_dir, kernel):
     the kernel where decode does, lookups stay packed."""
     rc = _rc(offload_dir)
     with Engine(rc) as eng:
+        eng.weights.forms = _forms(rc, KERNELS[kernel])  # the loads take the weights as these forms say
         for phase, step in (("prefill", 0), ("decode", 1)):
-            want = compute_side_bytes(rc, rc.placement.weights, KERNELS[kernel], phase)
+            want = _forms(rc, KERNELS[kernel]).compute_side_bytes(rc.placement.weights, phase)
             for layer, specs in enumerate(rc.placement.weights.layer_specs):
-                tensors, copied = eng.weights.load_layer(layer, torch.device("cpu"), rc.compute_at(step),
-                                                         KERNELS[kernel], phase)
+                tensors, copied = eng.weights.load_layer(layer, torch.device("cpu"), rc.compute_at(step), phase)
                 rows = sum(rows_buffer_bytes(s.shape) for s in specs  # lookups and block-by-block matmuls
                            if isinstance(tensors[s.name], PackedWeight) and not tensors[s.name].kernel)
                 assert copied + rows == want[layer], (phase, layer)
@@ -75,12 +80,12 @@ def _big(weight_kernel="auto", spec=W1, **kw) -> RunConfig:
 
 def test_buffers_shrink_where_the_kernel_runs_and_the_largest_batch_follows():
     rc = _big()
-    buffers = {k: plan_memory(rc, kernel=v).bytes["gpu"]["buffers"] for k, v in KERNELS.items()}
+    buffers = {k: plan_memory(rc, forms=_forms(rc, v)).bytes["gpu"]["buffers"] for k, v in KERNELS.items()}
     assert buffers["both"] < buffers["decode"] <= buffers["none"]
     # auto plans room to expand at both phases (the probe may choose either), int4 only the kernel's bytes
-    assert plan_memory(rc).bytes == plan_memory(rc, kernel=KERNELS["none"]).bytes
-    assert plan_memory(_big("int4")).bytes == plan_memory(rc, kernel=KERNELS["both"]).bytes
-    assert plan_memory(_big("generic")).bytes == plan_memory(rc, kernel=KERNELS["none"]).bytes
+    assert plan_memory(rc).bytes == plan_memory(rc, forms=_forms(rc, KERNELS["none"])).bytes
+    assert plan_memory(_big("int4")).bytes == plan_memory(rc, forms=_forms(rc, KERNELS["both"])).bytes
+    assert plan_memory(_big("generic")).bytes == plan_memory(rc, forms=_forms(rc, KERNELS["none"])).bytes
     block = 4 * 1024 * 1024 + 2 * 1024 * 4096  # an opt-350m block's matmul weights, the largest expanded layer
     # two fp32 copies of a block in flight vs two of layer 0 (its packed table, row buffer, 2050 positions in fp32)
     assert buffers["none"] - buffers["both"] > 0.4 * 2 * block * 4
@@ -107,10 +112,10 @@ def test_auto_expands_a_phase_only_where_the_plan_fits(offload_dir, monkeypatch)
     from flexh2o.compress import choice
     monkeypatch.setattr(choice, "probe", lambda *a: {p: {"int4": 2.0, "generic": 1.0} for p in PHASES})
     rc = _rc(offload_dir, weight_kernel="auto")
-    tight = plan_memory(rc, kernel=KERNELS["both"]).total("gpu")
-    assert plan_memory(rc.with_(gpu_mem=tight), kernel=KERNELS["decode"]).overflow()  # expanding would not fit
+    tight = plan_memory(rc, forms=_forms(rc, KERNELS["both"])).total("gpu")
+    assert plan_memory(rc.with_(gpu_mem=tight), forms=_forms(rc, KERNELS["decode"])).overflow()  # expanding: no fit
     for gpu_mem, want in ((tight, KERNELS["both"]), (64 << 20, KERNELS["none"])):
         with Engine(rc.with_(gpu_mem=gpu_mem)) as eng:
             assert eng.kernel == want
-            assert eng.plan.bytes == plan_memory(rc.with_(gpu_mem=gpu_mem), kernel=want).bytes
+            assert eng.plan.bytes == plan_memory(rc.with_(gpu_mem=gpu_mem), forms=_forms(rc, want)).bytes
             eng.generate([[5, 6, 7], [8, 9], [10]], 3)  # runs within the plan of its phases

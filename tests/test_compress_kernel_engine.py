@@ -93,7 +93,7 @@ def test_kernel_order_keeps_the_bytes_and_the_kernel_gets_packed_weights(offload
     with Engine(_rc(TINY, [0, 0, 100, 0], offload_dir, "int4")) as eng:
         assert eng.tiers["disk"].used == sum(stored_bytes(s.shape, torch.float32, weight_spec(s.shape, SPEC))
                                              for s in unique)
-        tensors, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, {"decode": True}, "decode")
+        tensors, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, "decode")
         assert isinstance(tensors["model.decoder.layers.0.fc1.weight"], PackedWeight)
         assert isinstance(tensors["model.decoder.layers.0.fc1.bias"], torch.Tensor)
         eng.weights.release(tensors)
@@ -106,7 +106,7 @@ def test_phases_choose_their_path(opt_model, offload_dir):
     prompts = ragged_prompts(4, 12, TINY.vocab, seed=1)
     with Engine(_rc(TINY, PLACEMENTS["disk"], offload_dir, "auto")) as eng:
         assert set(eng.kernel) == {"prefill", "decode"}
-        eng.kernel = {"prefill": False, "decode": True}
+        eng.weights.forms = eng.forms.with_kernel({"decode"})
         gen = eng.generate(prompts, GEN, record_logits=True)
         assert set(eng.weights.seconds) == {"prefill", "decode"}
     got, want = torch.stack(gen.step_logits, 1), hf_step_logits(opt_model, prompts, gen.tokens)

@@ -230,6 +230,6 @@ def test_head_expanded_once(tiny):
         store = eng.weights
         assert head not in store.kernel_order and _same_bits(store.tensor(head), want)
         for layer in (0, len(store.specs) - 1):
-            tensors, copied = store.load_layer(layer, "cpu", torch.float32, {}, "decode")
+            tensors, copied = store.load_layer(layer, "cpu", torch.float32, "decode")
             assert tensors[head].data_ptr() == store.handles[head].data_ptr()
             store.release(tensors)

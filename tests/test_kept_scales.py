@@ -13,7 +13,8 @@ from flexh2o.engine import Engine
 from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import plan_memory
 from flexh2o.run_config import RunConfig
-from flexh2o.weights.forms import kept_scale_names, kept_scales_bytes
+from flexh2o.compress.choice import PHASES
+from flexh2o.weights.forms import WeightForms
 
 # vocab a multiple of 32: the tied token table is in the kernel's order too (the head runs it at decode)
 TINY = ModelConfig("tiny32", "opt", hidden=64, num_layers=2, num_heads=4, ffn=256, vocab=1024, max_positions=128)
@@ -49,12 +50,12 @@ def test_weights_in_memory_keep_their_scales_and_give_the_same_logits(offload_di
         assert names == _matmuls(rc)
         specs = {s.name: s for layer in rc.placement.weights.layer_specs for s in layer}  # the tied table once
         want_bytes = sum(scales_bytes(specs[n].shape, weight_spec(specs[n].shape, SPEC, n)) for n in names)
-        assert eng.plan.kept_scales == kept_scales_bytes(rc, rc.placement.weights, eng.kernel) == want_bytes > 0
+        assert eng.plan.kept_scales == eng.forms.kept_scales_bytes(rc.placement.weights) == want_bytes > 0
         kept = _logits(eng, prompts)
         built = eng.weights._scales  # what the run built and holds
         assert set(built) == names and sum(t.numel() * t.element_size() for t in built.values()) == want_bytes
-        a, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, BOTH, "decode")
-        b, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, BOTH, "decode")
+        a, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, "decode")
+        b, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, "decode")
         name = "model.decoder.layers.0.fc1.weight"
         assert a[name].scales_zeros is b[name].scales_zeros  # built once
         ct = eng.weights.tiers[name].load_compressed(eng.weights.handles[name], torch.device("cpu"))
@@ -72,10 +73,10 @@ def test_weights_in_memory_keep_their_scales_and_give_the_same_logits(offload_di
 
 def test_nothing_kept_for_weights_read_from_disk_or_without_the_kernel(offload_dir):
     disk = _rc(offload_dir, (0, 0, 100, 0))
-    assert kept_scale_names(disk, disk.placement.weights, BOTH) == frozenset()
-    assert plan_memory(disk, kernel=BOTH).kept_scales == 0
+    assert WeightForms.of_run(disk, PHASES).kept_scale_names(disk.placement.weights) == frozenset()
+    assert plan_memory(disk, forms=WeightForms.of_run(disk, PHASES)).kept_scales == 0
     mem = _rc(offload_dir)
-    assert kept_scale_names(mem, mem.placement.weights, {"prefill": True, "decode": False}) == frozenset()
+    assert WeightForms.of_run(mem, ["prefill"]).kept_scale_names(mem.placement.weights) == frozenset()
     generic = _rc(offload_dir, weight_kernel="generic")
     with Engine(generic) as eng:
         assert eng.plan.kept_scales == 0 and eng.weights.kept_scales == frozenset()
@@ -84,7 +85,7 @@ def test_nothing_kept_for_weights_read_from_disk_or_without_the_kernel(offload_d
 def test_a_lookup_builds_no_kernel_scales(offload_dir):
     """Layer 0's token table is looked up by row (the stored meta): no scales built for it."""
     with Engine(_rc(offload_dir)) as eng:
-        tensors, _ = eng.weights.load_layer(0, torch.device("cpu"), torch.float32, BOTH, "decode")
+        tensors, _ = eng.weights.load_layer(0, torch.device("cpu"), torch.float32, "decode")
         table = tensors["model.decoder.embed_tokens.weight"]
         assert isinstance(table, PackedWeight) and not table.kernel and table.scales_zeros is None
         eng.weights.release(tensors)

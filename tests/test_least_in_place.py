@@ -21,7 +21,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import load_profile
 from flexh2o.tuning.least import least_plan
 from flexh2o.tuning.search import search
-from flexh2o.weights.forms import compute_side_bytes
+from flexh2o.weights.forms import WeightForms
 
 MiB = 1 << 20
 TINY = ModelConfig("tiny", "opt", hidden=64, num_layers=2, num_heads=4, ffn=256, vocab=512, max_positions=64)
@@ -44,7 +44,7 @@ def test_plan_counts_what_the_weight_loads_copy(offload_dir, percent, dtype, com
             want = sum(s.numel * compute.itemsize for s, home in zip(specs, homes)  # independent of forms.py
                        if home == "disk" or dtype != compute)
             assert copied == want, (layer, homes)
-            assert compute_side_bytes(rc, rc.placement.weights, {}, "decode")[layer] == want
+            assert WeightForms.of_run(rc).compute_side_bytes(rc.placement.weights, "decode")[layer] == want
             eng.weights.release(tensors)
 
 

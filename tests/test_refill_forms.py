@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexh2o import engine as engine_module
+from flexh2o.planning import weight_forms
 from flexh2o.batch.run import run_requests
 from flexh2o.batch.stopping import StopRule
 from flexh2o.compress import CompressionSpec
@@ -47,7 +47,7 @@ def _rc(form: str, policy: str, b: int, nb: int, offload_dir: str) -> RunConfig:
 def int4_decode_only(monkeypatch):
     """Decode runs the int4 kernel, prefill the expanded weights (what --weight-kernel auto picks where the
     kernel pays only at decode's few rows)."""
-    monkeypatch.setattr(engine_module, "run_kernel_phases", lambda rc, usable: {"prefill": False, "decode": True})
+    monkeypatch.setattr(weight_forms, "kernel_phases", lambda *a, **k: {"prefill": False, "decode": True})
 
 
 @pytest.mark.parametrize("policy", sorted(BUDGETS))

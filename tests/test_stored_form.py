@@ -16,7 +16,7 @@ from flexh2o.models.common import StoredWeight
 from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import in_flight_bytes, largest_batch, plan_memory
 from flexh2o.run_config import RunConfig
-from flexh2o.weights.forms import compute_side_bytes
+from flexh2o.weights.forms import WeightForms
 
 TINY = ModelConfig("tiny", "opt", hidden=64, num_layers=2, num_heads=4, ffn=256, vocab=512, max_positions=64)
 SMALL_CHUNK = 40 * 64 * 4  # 40 rows of a 64-wide fp32 table: TINY's tables (512 x 64, 66 x 64) span chunks
@@ -91,9 +91,9 @@ def test_the_plan_reserves_what_the_loads_copy(monkeypatch, offload_dir, percent
     chunk = 40 * 64 * 4  # SMALL_CHUNK's 40 rows of the 64-wide head table in fp32
     with Engine(rc) as eng:
         for phase in ("prefill", "decode"):
-            want = compute_side_bytes(rc, rc.placement.weights, {}, phase)
+            want = WeightForms.of_run(rc).compute_side_bytes(rc.placement.weights, phase)
             for layer, specs in enumerate(rc.placement.weights.layer_specs):
-                tensors, copied = eng.weights.load_layer(layer, torch.device("cpu"), torch.float32, {}, phase)
+                tensors, copied = eng.weights.load_layer(layer, torch.device("cpu"), torch.float32, phase)
                 kept = {s.name for s in specs if isinstance(tensors[s.name], StoredWeight)}
                 big = {s.name for s in specs if len(s.shape) == 2 and layer in (0, TINY.num_layers + 1)}
                 assert kept == big, layer
@@ -119,10 +119,10 @@ def test_opt13b_streamed_in_fp32_is_sized_by_a_decoder_layer_and_the_read_arenas
     h, f = cfg.hidden, cfg.ffn
     block = (4 * h * h + 2 * h * f + 4 * h + f + h + 4 * h) * 4  # a decoder layer in fp32
     tables = (cfg.vocab + cfg.max_positions + 2) * h * 2  # token and position tables in bf16
-    sizes = compute_side_bytes(rc, rc.placement.weights, {}, "prefill")
+    sizes = WeightForms.of_run(rc).compute_side_bytes(rc.placement.weights, "prefill")
     assert max(sizes[1:-1]) == block == sizes[1] and sizes[0] == tables  # a lookup's table is its arena view
     assert sizes[-1] == cfg.vocab * h * 2 + 2 * h * 4 + common.STORED_CHUNK_BYTES  # head: bf16 table + fp32 chunk
-    assert in_flight_bytes(rc, rc.placement, {}, "prefill") == 2 * tables + 2 * block
+    assert in_flight_bytes(rc, rc.placement, WeightForms.of_run(rc), "prefill") == 2 * tables + 2 * block
     assert largest_batch(rc) == 0 and largest_batch(rc.with_(gpu_mem=820 * MiB)) >= 1
     assert plan_memory(rc.with_(compute_dtype=torch.bfloat16)).bytes["gpu"]["buffers"] < plan_memory(rc).bytes[
         "gpu"]["buffers"]  # in bf16 nothing is converted: still less

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +26,16 @@ ROUNDS = 3
 
 
 def kernel_phases(mode: str, shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict,
-                  fits: Callable[[dict], bool] = lambda kernel: True) -> dict:
-    """phase -> True where that phase's block matmuls run the kernel. rows: phase -> rows multiplied at once;
-    shape: the largest weight stored in the kernel's order; dtypes: phase -> its compute dtype. Under auto, the
-    probe's faster path, by `forced_by_memory`."""
+                  fits: Callable[[dict], bool] = lambda kernel: True, timer: Optional[Callable] = None) -> dict:
+    """phase -> True where that phase's block matmuls run the kernel: the one rule, whoever times the paths.
+    rows: phase -> rows multiplied at once; shape: the largest weight stored in the kernel's order; dtypes: phase ->
+    its compute dtype. Under auto, the faster path by `timer` (shape, rows, spec, dtypes) -> phase -> {"int4": s,
+    "generic": s} (by default `probe`, this machine's measurement), by `forced_by_memory`."""
     if mode not in MODES:
         raise ValueError(f"--weight-kernel {mode}: choose one of {', '.join(MODES)}")
     if mode != "auto":
         return {p: mode == "int4" for p in PHASES}
-    times = probe((min(shape[0], PROBE_ROWS), shape[1]), rows, spec, dtypes)
+    times = (timer or probe)((min(shape[0], PROBE_ROWS), shape[1]), rows, spec, dtypes)
     return forced_by_memory({p: times[p]["int4"] < times[p]["generic"] for p in PHASES}, fits)
 
 

@@ -8,10 +8,8 @@ from flexh2o.kv.cache import KVBlock, KVCache
 
 
 class Buffers:
-    def __init__(self, weights, cache: KVCache, tiers: dict, act_homes: tuple, device: torch.device,
-                 kernel: dict = None):
-        self.weights, self.cache, self.tiers = weights, cache, tiers
-        self.kernel = kernel or {}  # phase ("prefill", "decode") -> True where weights go to the int4 kernel
+    def __init__(self, weights, cache: KVCache, tiers: dict, act_homes: tuple, device: torch.device):
+        self.weights, self.cache, self.tiers = weights, cache, tiers  # weights: a WeightStore and its WeightForms
         self.act_homes, self.device = act_homes, device
         self.w: dict = {}  # layer -> (name -> tensor, bytes copied)
         self.c: dict = {}  # (layer, batch) -> KVBlock on the compute side
@@ -21,9 +19,9 @@ class Buffers:
     # ---- weights --------------------------------------------------------------------------------------------
     def load_weights(self, layer: int, step: int, dtype: torch.dtype) -> None:
         """A layer's weights on the compute side in `dtype` (the compute dtype of the step they serve), in the int4
-        kernel's form where that step's phase runs it."""
+        kernel's form where that step's phase runs it (the store's WeightForms)."""
         phase = "prefill" if step == 0 else "decode"
-        tensors, copied = self.weights.load_layer(layer, self.device, dtype, self.kernel, phase)
+        tensors, copied = self.weights.load_layer(layer, self.device, dtype, phase)
         self.tiers["gpu"].charge(copied)
         self.w[layer] = (tensors, copied)
 

@@ -59,7 +59,7 @@ class Run:
         slots = cfg.layer_slots(rc.kv.slots(t, gen_len, cfg.num_layers))  # per layer: windowed ones hold fewer
         cache = KVCache(eng.tiers, rc.placement.cache, rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim,
                         rc.dtype, rc.compress_cache)
-        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device, eng.kernel)
+        self.bufs = Buffers(eng.weights, cache, eng.tiers, rc.placement.activations, eng.device)
         evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
         self.plan = plan.start(eng.policy, rc, self.seqs, pipe)
         self.steps = self.plan.steps(rc, gen_len)  # the schedule's (a row source taking requests may run more)

@@ -1,7 +1,7 @@
 """Pre-flight plan: the bytes each tier needs (weights, KV cache, activations, buffers), before any allocation."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from flexh2o.kv.attention import prefill_chunk
@@ -11,7 +11,7 @@ from flexh2o.placement import TIERS, Placement, tier_words
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
-from flexh2o.weights.forms import compute_side_bytes, kept_scales_bytes, planned_kernel
+from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.stored_form import stays_stored
 from flexh2o.compress.codec import weight_spec
 
@@ -47,9 +47,31 @@ def act_block_bytes(rc: RunConfig) -> int:
 
 @dataclass
 class MemoryPlan:
+    """Bytes per tier and kind of one run as its WeightForms take the weights (`forms`); `with_forms` is the same
+    plan with other forms (only the weights in flight and the kept scales differ)."""
+
     rc: RunConfig
     bytes: dict = field(default_factory=lambda: {t: dict.fromkeys(KINDS, 0) for t in TIERS})
     kept_scales: int = 0  # bytes of int4-kernel scales kept built for the run (weights/forms.py), in gpu buffers
+    forms: Optional[WeightForms] = field(default=None, repr=False, compare=False)
+    where: Optional[Placement] = field(default=None, repr=False, compare=False)
+    working: int = field(default=0, repr=False, compare=False)  # gpu buffers besides the weights in flight
+
+    def with_forms(self, forms: WeightForms) -> "MemoryPlan":
+        """This plan as `forms` take the weights: the weights in flight at each phase, and the kept int4-kernel
+        scales where the gpu tier still has room for them after everything else."""
+        tiers = {t: dict(kinds) for t, kinds in self.bytes.items()}
+        tiers["gpu"]["buffers"] = self.working + max(in_flight_bytes(self.rc, self.where, forms, p) for p in PHASES)
+        plan = replace(self, bytes=tiers, kept_scales=0, forms=forms)
+        kept = forms.kept_scales_bytes(self.where.weights)
+        if kept and plan.overflow() is None and plan.total("gpu") + kept <= plan.capacity("gpu"):
+            plan.bytes["gpu"]["buffers"] += kept
+            plan.kept_scales = kept
+        return plan
+
+    def fits(self, forms: WeightForms) -> bool:
+        """Whether every tier fits this plan with the weights in `forms`."""
+        return self.with_forms(forms).overflow() is None
 
     def total(self, tier: str) -> int:
         return sum(self.bytes[tier].values())
@@ -85,25 +107,20 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
-def plan_memory(rc: RunConfig, placement: Optional[Placement] = None, kernel: Optional[dict] = None) -> MemoryPlan:
-    """Bytes per tier of `rc` (homes from `placement`, by default rc.placement). kernel: phase -> True where the
-    decoder blocks' matmuls run the int4 kernel (weights/forms.py); by default what the plan assumes before the
-    engine's probe (forms.planned_kernel)."""
-    where, plan = placement or rc.placement, MemoryPlan(rc)
+def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
+                forms: Optional[WeightForms] = None) -> MemoryPlan:
+    """Bytes per tier of `rc` (homes from `placement`, by default rc.placement) as `forms` take the weights
+    (weights/forms.py; by default what the plan assumes before the engine's choice, WeightForms.planned)."""
+    where = placement or rc.placement
+    plan = MemoryPlan(rc, where=where, working=working_bytes(rc))
     for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
         plan.bytes[tier]["weights"] += nbytes
     for tier, nbytes in cache_bytes_by_tier(rc, where).items():
         plan.bytes[tier]["cache"] = nbytes
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
-    kernel = planned_kernel(rc) if kernel is None else kernel
-    plan.bytes["gpu"]["buffers"] = working_bytes(rc, where, kernel)
     plan.bytes["cpu"]["buffers"] = host_bytes(rc)
-    kept = kept_scales_bytes(rc, where.weights, kernel)  # only where the gpu tier still has room for them
-    if kept and plan.overflow() is None and plan.total("gpu") + kept <= plan.capacity("gpu"):
-        plan.bytes["gpu"]["buffers"] += kept
-        plan.kept_scales = kept
-    return plan
+    return plan.with_forms(forms or WeightForms.planned(rc))
 
 
 def host_bytes(rc: RunConfig) -> int:
@@ -114,12 +131,10 @@ def host_bytes(rc: RunConfig) -> int:
     return rc.num_seqs * per_seq
 
 
-def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
-    """Compute-side buffers: two layers of weights in flight (the one computing and the prefetched one) as each
-    phase takes them (weights/forms.py: copied, expanded or in the int4 kernel's form), the cache blocks being
-    built or loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
+def working_bytes(rc: RunConfig) -> int:
+    """Compute-side buffers besides the weights in flight (`in_flight_bytes`): the cache blocks being built or
+    loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
     cfg, c = rc.model, rc.compute.itemsize
-    weights = max(in_flight_bytes(rc, where, kernel, p) for p in PHASES)
     g, cpu, _ = rc.percent.shares("cache")
     layout = CacheLayout.of_run(rc)
     block = layout.nbytes
@@ -137,15 +152,16 @@ def working_bytes(rc: RunConfig, where: Placement, kernel: dict) -> int:
     logits = b * cfg.vocab * 4 * 2
     acts = (1 if rc.percent.act_gpu == 100 else 2) * act_block_bytes(rc)  # a layer's output beside its input
     sub_batches = m * t * cfg.hidden * c if m < b else 0  # sub-batch outputs before they are joined
-    return weights + cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
+    return cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
 
 
-def in_flight_bytes(rc: RunConfig, where: Placement, kernel: dict, phase: str) -> int:
-    """Two layers of weights in flight at `phase` as they reach the compute side (weights/forms.py), and the weight
+def in_flight_bytes(rc: RunConfig, where: Placement, forms: WeightForms, phase: str) -> int:
+    """Two layers of weights in flight at `phase` (the one computing and the prefetched one) as `forms` bring them
+    to the compute side (weights/forms.py: copied, expanded or in the int4 kernel's form), and the weight
     store's two read arenas for the plain weights streamed from disk (storage/read_buffers.py: each the largest
     streamed layer's stored bytes, kept for the run): a streamed weight used as read (in the compute dtype, or a
     table kept stored) lives in its arena, so it is counted there once; a converted one is in both."""
-    sizes = compute_side_bytes(rc, where.weights, kernel, phase)
+    sizes = forms.compute_side_bytes(where.weights, phase)
     streamed, views = streamed_bytes(rc, where, phase)
     if not any(streamed):
         return 2 * max(sizes)

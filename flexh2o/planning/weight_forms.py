@@ -1,24 +1,31 @@
-"""Which phases of a run take the int4 kernel for the decoder blocks' matmuls (compress/choice.py decides from the
-largest block weight; a phase is expanded only where the memory plan fits it)."""
+"""A run's WeightForms (weights/forms.py), decided once: which phases' decoder-block matmuls run the int4 kernel,
+by the one rule of compress/choice.py given a timer (the engine passes its probe, choice.probe; the cost model a
+profile's rates, tuning/kernel_cost.py), the kernel also where expanding would not fit the memory plan."""
 from __future__ import annotations
 
+from typing import Callable
+
 from flexh2o.compress.choice import PHASES, kernel_phases
-from flexh2o.compress.codec import weight_spec
-from flexh2o.planning.memory_plan import plan_memory
-from flexh2o.weights.forms import in_kernel_order
+from flexh2o.weights.forms import WeightForms, kernel_layout
 
 
-def run_kernel_phases(rc, usable: bool) -> dict:
-    """phase -> True where the decoder blocks' matmuls run the int4 kernel; usable: the layout and the device allow
-    the kernel at all."""
+def weight_forms(rc, timer: Callable, fits: Callable[[WeightForms], bool], available: bool = True) -> WeightForms:
+    """rc's WeightForms. timer(shape, rows, spec, dtypes) -> phase -> {"int4": s, "generic": s} for one weight
+    (choice.probe's answer); fits(forms) -> whether the memory plan fits those forms; available: this torch runs
+    the kernel on rc.device (the cost model assumes it does)."""
+    forms = WeightForms.of_run(rc)
+    usable = forms.layout and available
+    if rc.weight_kernel == "int4" and not usable:
+        raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
+                         "(use --weight-kernel auto)")
     layers = rc.placement.weights.layer_specs
-    names = [s for layer in layers for s in layer if in_kernel_order(s, rc.compress_weight, usable)]
-    if not names:
-        return dict.fromkeys(PHASES, False)
-    blocks = [s for layer in layers[1:-1] for s in layer if s in names]  # the blocks' matmuls
-    probed = max(blocks or names, key=lambda s: s.shape[0] * s.shape[1])
+    ordered = [s for layer in layers for s in layer if usable and forms.in_kernel_order(s)]
+    if not ordered:
+        return forms
+    blocks = [s for layer in layers[1:-1] for s in layer if s in ordered]  # the blocks' matmuls
+    probed = max(blocks or ordered, key=lambda s: s.shape[0] * s.shape[1])
     rows = {"prefill": rc.prefill_rows() * rc.prompt_len, "decode": rc.gpu_batch_size}
-    dtypes = {"prefill": rc.compute_at(0), "decode": rc.compute_at(1)}
-    spec = weight_spec(probed.shape, rc.compress_weight, probed.name)  # a kept block's own grouping
-    return kernel_phases(rc.weight_kernel, probed.shape, rows, spec, dtypes,
-                         lambda kernel: plan_memory(rc, kernel=kernel).overflow() is None)
+    dtypes = {p: forms.compute_at(p) for p in PHASES}
+    chosen = kernel_phases(rc.weight_kernel, probed.shape, rows, forms.spec(probed), dtypes,
+                           lambda kernel: fits(forms.with_kernel(p for p in PHASES if kernel[p])), timer)
+    return forms.with_kernel(p for p in PHASES if chosen[p])

@@ -10,8 +10,9 @@ from typing import Optional
 from flexh2o.planning.memory_plan import MemoryPlan, plan_memory
 from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import Rates
-from flexh2o.tuning.kernel_cost import kernel_choice
+from flexh2o.tuning.kernel_cost import kernel_forms
 from flexh2o.tuning.step_cost import OPS, StepCost, contended
+from flexh2o.weights.forms import WeightForms
 
 __all__ = ["OPS", "Prediction", "contended", "predict", "predict_with"]
 
@@ -41,22 +42,22 @@ def predict(rc: RunConfig, hw: dict, plan: Optional[MemoryPlan] = None) -> Predi
     Decode steps computed in another dtype than prefill (rc.decode_dtype) take that dtype's rates."""
     rates = Rates.from_profile(hw, rc.compute)
     decode_rates = rates if rc.decode_compute == rc.compute else Rates.from_profile(hw, rc.decode_compute)
-    kernel = kernel_choice(rc, {"prefill": rates, "decode": decode_rates})
-    plan = plan or plan_memory(rc, kernel=kernel)
-    return predict_with(rc, rates, plan.bytes, decode_rates=decode_rates, kernel=kernel)
+    forms = kernel_forms(rc, {"prefill": rates, "decode": decode_rates})
+    plan = plan or plan_memory(rc, forms=forms)
+    return predict_with(rc, rates, plan.bytes, decode_rates=decode_rates, forms=forms)
 
 
 def predict_with(rc: RunConfig, rates: Rates, tier_bytes: dict, memo: Optional[dict] = None,
-                 decode_rates: Optional[Rates] = None, kernel: Optional[dict] = None) -> Prediction:
+                 decode_rates: Optional[Rates] = None, forms: Optional[WeightForms] = None) -> Prediction:
     """predict() from parts a search computes once: the rates, the bytes per tier (memory plan), and a memo of
     weight layouts. A decode phase in its own dtype is the same model with that compute dtype and its rates.
-    kernel: phase -> the int4 kernel runs (kernel_choice; by default chosen here)."""
-    if kernel is None:
-        kernel = kernel_choice(rc, {"prefill": rates, "decode": decode_rates or rates})
-    m = StepCost(rc, rates, memo, kernel)
+    forms: how the weights reach the compute side (kernel_forms; by default chosen here)."""
+    if forms is None:
+        forms = kernel_forms(rc, {"prefill": rates, "decode": decode_rates or rates})
+    m = StepCost(rc, rates, memo, forms)
     prefill, pre_terms, pre_busy = m.phase(prefill=True)
     md = m if rc.decode_compute == rc.compute else StepCost(rc.with_(compute_dtype=rc.decode_compute),
-                                                          decode_rates or rates, memo, kernel)
+                                                          decode_rates or rates, memo, forms)
     per_token, dec_terms, dec_busy = md.phase(prefill=False)
     decode = per_token * (rc.gen_len - 1)  # FlexGen's decode phase: the tokens after the first
     total = prefill + decode

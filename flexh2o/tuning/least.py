@@ -16,7 +16,8 @@ from flexh2o.placement import TIERS, Percent, Placement, tier_words
 from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory, streamed_bytes
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
-from flexh2o.weights.forms import PHASES, compute_side_bytes, planned_kernel
+from flexh2o.compress.choice import PHASES
+from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.stored_form import stays_stored
 from flexh2o.compress import weight_spec
 
@@ -78,8 +79,8 @@ def least_message(rc: RunConfig) -> Optional[str]:
 def in_flight(rc: RunConfig) -> str:
     """'; the buffers hold two layers of weights in flight, 2 x N (layer i at the compute dtype; its largest
     weight W (shape): N at the prefill compute dtype)' for the layer the plan sizes them by."""
-    kernel = planned_kernel(rc)
-    per_phase = [_converted(rc, compute_side_bytes(rc, rc.placement.weights, kernel, p), p) for p in PHASES]
+    forms = WeightForms.planned(rc)
+    per_phase = [_converted(rc, forms.compute_side_bytes(rc.placement.weights, p), p) for p in PHASES]
     sizes = max(per_phase, key=max)
     layer = max(range(len(sizes)), key=sizes.__getitem__)
     if not sizes[layer]:

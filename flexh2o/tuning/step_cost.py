@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress.choice import PHASES
 from flexh2o.compress.kernels import row_block
 from flexh2o.kv.layout import CacheLayout
 from flexh2o.planning.weight_layout import layout_of
@@ -30,6 +29,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import GRAIN, Rates
 from flexh2o.tuning.kernel_cost import EXPAND_PASSES
 from flexh2o.units import padded
+from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.stored_form import stored_of_run
 
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
@@ -81,13 +81,13 @@ class BlockFacts:
 class StepCost:
     """Everything predict() needs about one RunConfig, computed once."""
 
-    def __init__(self, rc: RunConfig, r: Rates, memo: Optional[dict] = None, kernel: Optional[dict] = None):
+    def __init__(self, rc: RunConfig, r: Rates, memo: Optional[dict] = None, forms: Optional[WeightForms] = None):
         self.rc, self.r, self.cfg = rc, r, rc.model
         self.cuda = torch.device(rc.device).type == "cuda"
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
         self.weights, self.params2d, self.packed, self.kernel_parts = layout_of(rc, memo)
         self.stored = stored_of_run(rc, memo)  # weights/stored_form.py
-        self.kernel = kernel or dict.fromkeys(PHASES, False)  # phase -> the blocks' matmuls run the int4 kernel
+        self.forms = forms or WeightForms.of_run(rc)  # where the blocks' matmuls run the int4 kernel
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
         merges = rc.kv.make(rc.model.num_layers).merges  # merging also stores the merged slot
@@ -149,7 +149,7 @@ class StepCost:
 
     def kernel_on(self, layer: int, prefill: bool) -> bool:
         """Whether the layer's matmul weights in the kernel's order run the kernel (the head's follow decode)."""
-        return self.kernel["decode" if layer > self.cfg.num_layers or not prefill else "prefill"]
+        return self.forms.runs_kernel("decode" if layer > self.cfg.num_layers or not prefill else "prefill")
 
     def weight_io(self, st: _Terms, layer: int, prefill: bool, t: int) -> None:
         """Weights of one layer, loaded once for all GPU batches, converted or expanded to the compute dtype where

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import CompressedTensor, CompressionSpec, weight_spec
+from flexh2o.compress import CompressedTensor
 from flexh2o.compress.codec import dequantize
 from flexh2o.compress.kernels import PackedWeight, kernel_scales
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
@@ -20,7 +20,7 @@ from flexh2o.models.common import StoredWeight, WeightSpec
 from flexh2o.placement import WeightHomes
 from flexh2o.storage.disk import DiskTier
 from flexh2o.storage.read_buffers import ReadArenas
-from flexh2o.weights.forms import in_kernel_order, packed_form
+from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.stored_form import stays_stored
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
@@ -42,14 +42,12 @@ def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
 class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
-    def __init__(self, homes: WeightHomes, tiers: dict, dtype: torch.dtype,
-                 compress: Optional[CompressionSpec] = None, kernel_order: bool = False,
-                 kept_scales: frozenset = frozenset()):
-        self.specs, self.homes = homes.layer_specs, homes
+    def __init__(self, homes: WeightHomes, tiers: dict, forms: WeightForms, kept_scales: frozenset = frozenset()):
+        self.specs, self.homes, self.forms = homes.layer_specs, homes, forms  # forms: how each weight is held
         self.kept_scales = kept_scales  # names whose kernel scales are built once and kept (weights/forms.py)
         self._scales: dict = {}  # name -> those scales, built at the weight's first load that runs the kernel
         self._compute_tier = tiers.get("gpu")  # charged for the kept scales (the compute side's memory)
-        self.dtype = dtype
+        self.dtype = forms.storage
         self.buffers = ConvertBuffers()
         self.tiers = {}  # name -> the tier object that holds it
         self.seconds: dict = {}  # phase -> {"read": s, "expand": s} spent in load_layer (summed over I/O threads)
@@ -57,11 +55,11 @@ class WeightStore:
         wrapped: dict = {}
         for specs in self.specs:
             for s in specs:
-                spec, home = weight_spec(s.shape, compress, s.name), self.homes[s.name]
+                spec, home = forms.spec(s), self.homes[s.name]
                 if spec is None:
                     self.tiers[s.name] = tiers[home]
                     continue
-                kind = KernelOrderTier if in_kernel_order(s, compress, kernel_order) else CompressedTier
+                kind = KernelOrderTier if forms.in_kernel_order(s) else CompressedTier
                 if kind is KernelOrderTier:
                     self.kernel_order.add(s.name)
                 if (kind, home, spec) not in wrapped:
@@ -71,7 +69,7 @@ class WeightStore:
         for layer in self.specs:
             for s in layer:
                 if s.name not in self.handles:
-                    self.handles[s.name] = self.tiers[s.name].alloc(s.shape, dtype)
+                    self.handles[s.name] = self.tiers[s.name].alloc(s.shape, self.dtype)
         self.reads = ReadArenas(max(sum(self.handles[s.name].padded for s in self._streamed(layer))
                                     for layer in range(len(self.specs))))
         self._readers: Optional[ThreadPoolExecutor] = None
@@ -103,47 +101,50 @@ class WeightStore:
                     seen.add(s.name)
                     yield s.name, s
 
-    def load_layer(self, layer: int, device, dtype: torch.dtype, kernel: Optional[dict] = None,
-                   phase: str = "") -> tuple:
+    def load_layer(self, layer: int, device, dtype: torch.dtype, phase: str = "") -> tuple:
         """(name -> tensor on device in dtype, bytes copied). Tensors already there come as they are; compressed ones
         are expanded (into reused buffers on the CPU), or, those in the kernel's order, come as PackedWeights where
-        weights/forms.py says so for `kernel` (phase -> the blocks' matmuls run the int4 kernel) at `phase`.
+        the store's WeightForms say so at `phase` (weights/forms.py).
         Plain weights homed on disk are read READS_IN_FLIGHT at once into one of two read arenas (ReadArenas),
         lent until release(). Large embedding and head tables in another dtype than `dtype` come as StoredWeights
         (weights/stored_form.py). Seconds spent reading and expanding add up in seconds[phase]."""
         out, copied, last = {}, 0, len(self.specs) - 2
-        on_cpu = torch.device(device).type == "cpu"
-        read_s = expand_s = 0.0
         start = time.perf_counter()
         token, streamed = self._read_streamed(layer)  # name -> future of the read into an arena's buffer
-        read_s += time.perf_counter() - start
+        spent = [time.perf_counter() - start, 0.0]  # seconds reading, expanding
         for s in self.specs[layer]:
-            tier, h = self.tiers[s.name], self.handles[s.name]
-            start = time.perf_counter()
-            kept = stays_stored(layer, last, s, self.dtype, dtype, isinstance(tier, CompressedTier))
-            if s.name in streamed:
-                t = streamed[s.name].result()
-                mid = time.perf_counter()
-                t = self._own(t, device, self.dtype if kept else dtype)
-            elif not isinstance(tier, CompressedTier):
-                t = tier.load(h, device)
-                mid = time.perf_counter()
-                if t.dtype != dtype and not kept:
-                    t = self.buffers.convert(t, dtype) if on_cpu else t.to(dtype)
-            else:
-                ct = tier.load_compressed(h, device)
-                mid = time.perf_counter()
-                form = packed_form(layer, last, s, kernel or {}, phase) if s.name in self.kernel_order else None
-                t = self._expanded(tier, ct, s, dtype, form, on_cpu)
-            read_s, expand_s = read_s + mid - start, expand_s + time.perf_counter() - mid
-            copied += _copied_bytes(t, h)  # kept scales too, as the plan's layers in flight count them
+            kept = stays_stored(layer, last, s, self.dtype, dtype, isinstance(self.tiers[s.name], CompressedTier))
+            read = streamed.get(s.name)  # its disk read, issued with the layer's
+            t = self._load_one(layer, s, read, device, self.dtype if kept else dtype, phase, spent)
+            copied += _copied_bytes(t, self.handles[s.name])  # kept scales too, as the plan's layers in flight count
             out[s.name] = StoredWeight(t, dtype) if kept else t  # converted by rows or chunks (stored_form.py)
         with self.buffers.lock:
             self._lent[id(out)] = token
             got = self.seconds.setdefault(phase, {"read": 0.0, "expand": 0.0})
-            got["read"] += read_s
-            got["expand"] += expand_s
+            got["read"] += spent[0]
+            got["expand"] += spent[1]
         return out, copied
+
+    def _load_one(self, layer: int, s, read, device, dtype: torch.dtype, phase: str, spent: list):
+        """One weight of `layer` on the compute side in `dtype` (load_layer; read: the future of its disk read
+        issued with the layer's, or None), its seconds reading and expanding added to `spent`."""
+        tier, h, on_cpu = self.tiers[s.name], self.handles[s.name], torch.device(device).type == "cpu"
+        start = time.perf_counter()
+        if not isinstance(tier, CompressedTier):
+            t = read.result() if read is not None else tier.load(h, device)
+            mid = time.perf_counter()
+            if read is not None:  # a view of its read arena where it is used as read
+                t = self._own(t, device, dtype)
+            elif t.dtype != dtype:
+                t = self.buffers.convert(t, dtype) if on_cpu else t.to(dtype)
+        else:
+            ct = read.result() if read is not None else tier.load_compressed(h, device)
+            mid = time.perf_counter()
+            form = self.forms.form(layer, len(self.specs) - 2, s, phase) if s.name in self.kernel_order else None
+            t = self._expanded(tier, ct, s, dtype, form, on_cpu)
+        spent[0] += mid - start
+        spent[1] += time.perf_counter() - mid
+        return t
 
     def _expanded(self, tier, ct, s, dtype: torch.dtype, form: Optional[bool], on_cpu: bool):
         """A compressed weight as the compute side takes it: a PackedWeight (form not None), else expanded."""
