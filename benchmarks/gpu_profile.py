@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from resident import add_flags, prompts_and_config  # noqa: E402
 
 from flexh2o.engine import Engine  # noqa: E402
-from flexh2o.kv import attention  # noqa: E402
+from flexh2o.kv import sdpa as attention  # noqa: E402  (its CUDA_SDPA is what sdpa reads)
 
 
 def _decode_s(eng, prompts, gen: int) -> float:

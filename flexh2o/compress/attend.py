@@ -25,62 +25,52 @@ import torch
 
 from flexh2o.compress.bits import unpack
 from flexh2o.compress.channel import ChannelKeys
-from flexh2o.compress.codec import CompressedTensor, expand_stored, first_slots
-from flexh2o.compress.recent import Recent
-from flexh2o.compress.rotation import Rotated, rotate, unrotate
+from flexh2o.compress.codec import CompressedTensor
+from flexh2o.compress.form import as_form
+from flexh2o.compress.recent import ring_logits, ring_mix  # noqa: F401  (the ring's read, for the fused readers)
 
 HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as int32: the high nibble of each byte of a word
 LOW = 0x0F0F0F0F  # the low nibble of each byte
 TOPS = -0x7F7F7F80  # 0x80808080: the top bit of each byte
 
 
+class LevelsRead:
+    """The torch read of a quantized form's levels (module docstring), as a cache form asks for it
+    (compress/form.py: CacheForm.logits and mix32 call channel_logits, group_logits, group_mix)."""
+
+    def channel_logits(self, q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
+        return _channel_logits(q, k)
+
+    def group_logits(self, q: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
+        return _group_logits(q, x)
+
+    def group_mix(self, p: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
+        return _group_mix(p, x)
+
+
+TORCH = LevelsRead()
+
+
 def is_rotated(form) -> bool:
     """Whether `form` holds its tokens rotated (read them with a rotated query; rotate the output back)."""
-    if isinstance(form, Recent):
-        return is_rotated(form.inner)
-    return isinstance(form, Rotated)
+    return as_form(form).rotated
 
 
 def cut(form, r0: int, r1: int, used: int):
     """Rows r0:r1 and the first `used` slots of a plain K or V (b, h, slots, d) or of a quantized form."""
-    if isinstance(form, torch.Tensor):
-        return form[r0:r1, :, :used]
-    rows = form if (r0, r1) == (0, form.shape[0]) else form.map(lambda t: t[r0:r1])
-    return first_slots(rows, used)
+    return as_form(form).cut(r0, r1, used).held()
 
 
 def logits(q: torch.Tensor, form) -> torch.Tensor:
     """q (b, h, g, d) in the compute dtype and the form's stored basis -> q . k of every slot (b, h, g, slots) fp32."""
-    if isinstance(form, torch.Tensor):
-        return torch.einsum("bhgd,bhsd->bhgs", q, form).float()
-    if isinstance(form, Recent):
-        return ring_logits(q, form, logits)
-    if isinstance(form, Rotated):
-        return logits(q, form.inner)
-    if isinstance(form, ChannelKeys) and not form.spec.fitted:
-        return _channel_logits(q, form)
-    if whole_groups(form):
-        return _group_logits(q, form)
-    return logits(q, expand_stored(form, q.dtype)[0])
+    return as_form(form).logits(q, TORCH)
 
 
 def mix(p: torch.Tensor, form, dtype: torch.dtype) -> torch.Tensor:
     """p (b, h, g, slots) fp32 -> sum over slots of p v (b, h, g, d) in `dtype`, in the form's stored basis. A
     quantized form's products are taken in fp32: a level product's rounding scales with its token's whole range,
     not with the value, so in bf16 a small channel of a token with a wide range would lose its few bits."""
-    if isinstance(form, torch.Tensor):
-        return torch.einsum("bhgs,bhsd->bhgd", p.to(dtype), form)
-    return _mix32(p, form).to(dtype)
-
-
-def _mix32(p: torch.Tensor, form) -> torch.Tensor:
-    if isinstance(form, Recent):
-        return ring_mix(p, form, _mix32)
-    if isinstance(form, Rotated):
-        return _mix32(p, form.inner)
-    if whole_groups(form):
-        return _group_mix(p, form)
-    return torch.einsum("bhgs,bhsd->bhgd", p, expand_stored(form, torch.float32)[0])
+    return as_form(form).mix(p, dtype, TORCH)
 
 
 class _Levels:
@@ -135,8 +125,7 @@ def _channel_logits(q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
 
 def whole_groups(form) -> bool:
     """Whether `form` is a CompressedTensor of whole groups along head_dim (no ragged tail): the levels read's."""
-    return (isinstance(form, CompressedTensor) and form.data.dim() == 5 and form.spec.dim(4) == 3
-            and form.data.shape[3] * form.spec.group_size == form.length)
+    return isinstance(form, CompressedTensor) and form.whole_groups()
 
 
 def _group_logits(q: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
@@ -170,35 +159,3 @@ def _group_mix(p: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
             out[..., c] = torch.einsum("bhgsG,bhsGc->bhgGc", ps * unit, part.float())
     out += torch.matmul(p, lo)[..., None]  # each group's minimum
     return out.view(b, h, g, groups * size)
-
-
-def _ring(r: Recent, slots: int) -> torch.Tensor:
-    """The slot of each ring entry (b, h, E), `slots` where it names none of the first `slots`."""
-    ok = (r.rslot >= 0) & (r.rslot < slots)
-    return torch.where(ok, r.rslot, slots).long()
-
-
-def ring_logits(q: torch.Tensor, r: Recent, inner_logits) -> torch.Tensor:
-    """logits over a form with its exact ring: `inner_logits(q, r.inner)` (this module's or a fused reader's) with
-    the ring's slots' logits replaced by the exact keys'."""
-    inner = inner_logits(q, r.inner)  # (b, h, g, s)
-    b, h, g, s = inner.shape
-    slot = _ring(r, s)
-    qm = unrotate(q.float()).to(q.dtype) if is_rotated(r.inner) else q  # qH . kH = q . k: the ring in its own basis
-    e = torch.matmul(qm, r.ring(q.dtype).transpose(-1, -2)).float()  # (b, h, g, E)
-    out = torch.cat([inner, inner.new_zeros(b, h, g, 1)], -1)  # the last column takes the entries naming no slot
-    out.scatter_(-1, slot[:, :, None].expand(b, h, g, slot.shape[-1]), e)
-    return out[..., :s]
-
-
-def ring_mix(p: torch.Tensor, r: Recent, inner_mix32) -> torch.Tensor:
-    """The fp32 value mix over a form with its exact ring: the ring's slots' probabilities moved onto its exact
-    values, `inner_mix32(p, r.inner)` (this module's or a fused reader's) over the rest."""
-    b, h, g, s = p.shape
-    slot = _ring(r, s)
-    idx = slot[:, :, None].expand(b, h, g, slot.shape[-1])
-    rest = torch.cat([p, p.new_zeros(b, h, g, 1)], -1)
-    held = rest.gather(-1, idx)  # (b, h, g, E): the probability of each entry's slot (0: none)
-    rest.scatter_(-1, idx, 0.0)
-    exact = torch.matmul(held, r.ring(torch.float32))  # (b, h, g, d), in the model's basis
-    return inner_mix32(rest[..., :s], r.inner) + (rotate(exact) if is_rotated(r.inner) else exact)

@@ -27,6 +27,7 @@ import torch
 
 from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
 from flexh2o.compress.codec import _round_down, _round_up
+from flexh2o.compress.form import CacheForm
 
 SLOT_PARTS = ("data", "index", "exact")  # indexed by slot at dimension 2; calib is per row and head
 FP8_MAX = 448.0  # the largest finite fp8 e4m3 value: fp8 outliers are clamped to it
@@ -72,10 +73,18 @@ class ChannelSpec:
                 "exact": ((b, h, s, n), torch.uint8 if self.fp8 else dtype),
                 "calib": ((b, h, d, self.calib_width), dtype)}
 
+    def form_parts(self, shape: tuple, dtype: torch.dtype) -> dict:
+        """The per-channel keys' scheme spec (compress/form.py): parts, each with whether it is written by slot."""
+        return {n: (s, dt, n in SLOT_PARTS) for n, (s, dt) in self.parts(shape, dtype).items()}
+
+    def build(self, tensors: dict, shape: tuple) -> "ChannelKeys":
+        return ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], self)
+
 
 @dataclass
-class ChannelKeys:
-    """Keys stored per channel (module docstring); `calib` is shared by every slot of a row and head."""
+class ChannelKeys(CacheForm):
+    """Keys stored per channel (module docstring), a cache form (compress/form.py); `calib` is shared by every slot
+    of a row and head."""
 
     data: torch.Tensor
     index: torch.Tensor
@@ -136,6 +145,10 @@ class ChannelKeys:
         if self.spec.fp8:
             exact = exact.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         self.data[index], self.index[index], self.exact[index] = data, idx.to(self.index.dtype), exact
+
+    def logits(self, q: torch.Tensor, read) -> torch.Tensor:
+        """Evenly spaced levels: the reader's read of them; fitted ones: expanded."""
+        return super().logits(q, read) if self.spec.fitted else read.channel_logits(q, self)
 
     def exact_values(self) -> torch.Tensor:
         """The outliers' values (b, h, slots, outliers) in fp32 (from their fp8 bit patterns with `fp8`)."""

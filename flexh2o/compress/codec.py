@@ -18,7 +18,7 @@ import torch
 
 from flexh2o.compress.bits import PACKABLE, pack, packed_width, unpack
 from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP
-from flexh2o.tensors import moved
+from flexh2o.compress.form import CacheForm, as_form
 
 BITS = (4, 8)  # weights (and FlexGen's cache); a cache's CacheGroupSpec also takes 2 and 3
 
@@ -71,9 +71,17 @@ class CompressionSpec:
 
 @dataclass(frozen=True)
 class CacheGroupSpec(CompressionSpec):
-    """A CompressionSpec of KV cache values (or FlexGen's keys): 2 and 3 bits allowed too."""
+    """A CompressionSpec of KV cache values (or FlexGen's keys), grouped along head_dim: 2 and 3 bits allowed too.
+    The grouped cache scheme's spec (compress/form.py's FormSpec): data and meta, each written slot by slot."""
 
     allowed: ClassVar[tuple] = PACKABLE
+
+    def form_parts(self, shape: tuple, dtype: torch.dtype) -> dict:
+        (ds, ddt), (ms, mdt) = self.layout(shape, dtype)
+        return {"data": (ds, ddt, True), "meta": (ms, mdt, True)}
+
+    def build(self, tensors: dict, shape: tuple) -> "CompressedTensor":
+        return CompressedTensor(tensors["data"], tensors["meta"], int(shape[-1]), self)
 
 
 def stored_parts(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec] = None) -> tuple:
@@ -104,9 +112,10 @@ def _numel(shape: tuple) -> int:
 
 
 @dataclass
-class CompressedTensor:
+class CompressedTensor(CacheForm):
     """A compressed tensor: `data` and `meta` as in the module docstring; `length` = original size of the grouped
-    dimension. Slicing dimensions before the grouped one works on data and meta alike (see `map`)."""
+    dimension. Slicing dimensions before the grouped one works on data and meta alike (see `map`). Grouped along
+    head_dim (the last dimension of a (b, h, slots, d) block) it is the grouped KV cache form (compress/form.py)."""
 
     data: torch.Tensor
     meta: torch.Tensor
@@ -130,6 +139,32 @@ class CompressedTensor:
     def map(self, fn: Callable) -> "CompressedTensor":
         """fn applied to data and meta (indexing of leading dimensions, .to(device), ...)."""
         return CompressedTensor(fn(self.data), fn(self.meta), self.length, self.spec)
+
+    # ---- as a cache form (grouped along head_dim): compress/form.py --------------------------------------------
+    def tensors(self) -> dict:
+        return {"data": self.data, "meta": self.meta}
+
+    def front(self, n: int) -> "CompressedTensor":
+        return self.map(lambda t: t[:, :, :n])
+
+    def assign(self, index: tuple, values: torch.Tensor) -> None:
+        ct = quantize(values, self.spec, self.dtype)
+        self.data[index] = ct.data
+        self.meta[index] = ct.meta
+
+    def expanded(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def whole_groups(self) -> bool:
+        """Grouped along head_dim of a block in whole groups (no ragged tail): what a levels read takes."""
+        return self.data.dim() == 5 and self.spec.dim(4) == 3 and self.data.shape[3] * self.spec.group_size == \
+            self.length
+
+    def logits(self, q: torch.Tensor, read) -> torch.Tensor:
+        return read.group_logits(q, self) if self.whole_groups() else super().logits(q, read)
+
+    def mix32(self, p: torch.Tensor, read) -> torch.Tensor:
+        return read.group_mix(p, self) if self.whole_groups() else super().mix32(p, read)
 
 
 def quantize(x: torch.Tensor, spec: CompressionSpec, dtype: Optional[torch.dtype] = None) -> CompressedTensor:
@@ -213,46 +248,26 @@ def _round_up(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def expand(x, dtype: torch.dtype) -> torch.Tensor:
-    """A plain tensor, a CompressedTensor or another quantized form with `expanded(dtype)` (compress/channel.py's
-    keys) as a plain tensor in `dtype` (for the compute side)."""
-    if hasattr(x, "expanded"):
-        return x.expanded(dtype)
-    return dequantize(x, dtype) if isinstance(x, CompressedTensor) else moved(x, dtype=dtype)
+    """A block's K or V (a plain tensor or a cache form, compress/form.py) as a plain tensor in `dtype`."""
+    return as_form(x).expanded(dtype)
 
 
 def expand_stored(x, dtype: torch.dtype) -> tuple:
-    """(x as `expand` gives it, False), or for a form that holds its tokens rotated (compress/rotation.py) (its
-    tokens still in the rotated basis, True): attention reads either basis alike when its query is rotated too and
-    its output rotated back (q.k = qH.kH and sum p v = (sum p vH) H^T, H orthonormal), one token per row instead of
-    every slot rotated back each step."""
-    if hasattr(x, "expanded_stored"):
-        return x.expanded_stored(dtype)
-    return expand(x, dtype), False
+    """(x expanded, False), or for a form that holds its tokens rotated (compress/rotation.py) (its tokens still in
+    the rotated basis, True): attention reads either basis alike when its query is rotated too and its output
+    rotated back (q.k = qH.kH and sum p v = (sum p vH) H^T, H orthonormal), one token per row instead of every slot
+    rotated back each step."""
+    return as_form(x).expanded_stored(dtype)
 
 
 def first_slots(x, n: int):
-    """The first n slots (dimension 2) of a KV cache form: another form's own `front` (compress/channel.py's keys,
-    the exact window's and the rotation's wrappers), a CompressedTensor's parts cut alike, or a plain tensor (itself
-    when it has n slots)."""
-    if hasattr(x, "front"):
-        return x.front(n)
-    if isinstance(x, CompressedTensor):
-        return x.map(lambda t: t[:, :, :n])
-    return x if n == x.shape[2] else x[:, :, :n]
+    """The first n slots (dimension 2) of a block's K or V, in its own form (a plain tensor: itself at n slots)."""
+    return as_form(x).front(n).held()
 
 
 def assign(dst, index, values: torch.Tensor) -> None:
-    """dst[index] = values for a plain tensor, or the quantized values for a CompressedTensor (its grouped
-    dimension is the last: `index` selects whole groups, e.g. one KV slot per row and head), or another quantized
-    form's own `assign` (compress/channel.py's keys)."""
-    if hasattr(dst, "assign"):
-        dst.assign(index, values)
-    elif isinstance(dst, CompressedTensor):
-        ct = quantize(values, dst.spec, dst.dtype)
-        dst.data[index] = ct.data
-        dst.meta[index] = ct.meta
-    else:
-        dst[index] = moved(values, dtype=dst.dtype)
+    """dst[index] = values for a block's K or V, stored as its form holds them (quantized for a quantized one)."""
+    as_form(dst).assign(index, values)
 
 
 def empty_like_layout(shape: tuple, dtype: torch.dtype, spec: Optional[CompressionSpec], device) -> object:

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, assign, expand, expand_stored, first_slots, \
-    quantize
-from flexh2o.compress.rotation import rotate
+from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, quantize
+from flexh2o.compress.form import PLAIN, CacheForm, as_form
+from flexh2o.compress.rotation import rotate, unrotate
 from flexh2o.tensors import flat_slots
 
 RING_PARTS = ("recent", "rslot")  # and rmeta with 8-bit entries
+ENTRY_NAMES = {"": "recent", "data": "recent", "meta": "rmeta"}  # the entries' form's parts -> the ring's names
 RING_BITS = (0, 8)  # 0: entries in the storage dtype (exact); 8: each entry quantized alone at 8 bits
 
 
@@ -43,10 +44,37 @@ def ring_spec(bits: int, head_dim: int):
     return CacheGroupSpec(bits, head_dim, -1) if check_ring_bits(bits) else None
 
 
+@dataclass(frozen=True)
+class RingSpec:
+    """The exact ring's scheme spec (compress/form.py): the inner scheme's parts, then `window` + `sinks` entries
+    per row and head, stored as `entries` says (None: the storage dtype; an 8-bit CacheGroupSpec: `ring_spec`)."""
+
+    inner: object
+    window: int
+    sinks: int
+    entries: object = None
+
+    def form_parts(self, shape: tuple, dtype: torch.dtype) -> dict:
+        b, h, _, d = shape
+        ring = (b, h, self.window + self.sinks)
+        out = dict(self.inner.form_parts(shape, dtype))
+        for name, (sh, dt, _) in (self.entries or PLAIN).form_parts(ring + (d,), dtype).items():
+            out[ENTRY_NAMES[name]] = (sh, dt, False)
+        out["rslot"] = (ring, torch.int32, False)
+        return out
+
+    def build(self, tensors: dict, shape: tuple) -> "Recent":
+        b, h, _, d = shape
+        names = ("data", "meta") if self.entries else ("",)
+        entries = (self.entries or PLAIN).build({n: tensors[ENTRY_NAMES[n]] for n in names},
+                                                (b, h, self.window + self.sinks, d))
+        return Recent(self.inner.build(tensors, shape), entries, tensors["rslot"], self.sinks)
+
+
 @dataclass
-class Recent:
-    """A quantized form (`inner`: a CompressedTensor or ChannelKeys) and its exact ring (module docstring); recent
-    a plain tensor, or a CompressedTensor with 8-bit entries."""
+class Recent(CacheForm):
+    """A quantized form (`inner`: a CompressedTensor or ChannelKeys, maybe Rotated) and its exact ring (module
+    docstring), a cache form (compress/form.py); recent a plain tensor, or a CompressedTensor with 8-bit entries."""
 
     inner: object
     recent: object
@@ -70,23 +98,28 @@ class Recent:
         return self.inner.spec
 
     @property
+    def rotated(self) -> bool:
+        return self.inner.rotated
+
+    @property
     def nbytes(self) -> int:
         return self.inner.nbytes + self.recent.nbytes + self.rslot.nbytes  # a tensor's or a CompressedTensor's
 
     def map(self, fn) -> "Recent":
         """fn applied to every part (indexing of rows or heads, .to(device))."""
-        ring = self.recent.map(fn) if isinstance(self.recent, CompressedTensor) else fn(self.recent)
-        return Recent(self.inner.map(fn), ring, fn(self.rslot), self.sinks)
+        return Recent(self.inner.map(fn), as_form(self.recent).map(fn).held(), fn(self.rslot), self.sinks)
+
+    def tensors(self) -> dict:
+        return {**self.inner.tensors(), **self.ring_tensors()}
 
     def ring_tensors(self) -> dict:
         """The ring's parts (name -> tensor): recent and rslot, and rmeta with 8-bit entries."""
-        if isinstance(self.recent, CompressedTensor):
-            return {"recent": self.recent.data, "rmeta": self.recent.meta, "rslot": self.rslot}
-        return {"recent": self.recent, "rslot": self.rslot}
+        entries = as_form(self.recent).tensors()
+        return {**{ENTRY_NAMES[n]: t for n, t in entries.items()}, "rslot": self.rslot}
 
     def ring(self, dtype: torch.dtype) -> torch.Tensor:
         """The entries' values (b, h, R + S, d) in `dtype`, in the model's basis."""
-        return expand(self.recent, dtype)
+        return as_form(self.recent).expanded(dtype)
 
     def _write(self, bi, hi, entry, values: torch.Tensor, keep=None) -> None:
         """Ring entries [bi, hi, entry] = values (..., d); where `keep` (broadcast to the index) is False the entry
@@ -103,16 +136,15 @@ class Recent:
 
     def front(self, n: int) -> "Recent":
         """The first n slots (the ring unchanged: entries naming a later slot are not read)."""
-        return Recent(first_slots(self.inner, n), self.recent, self.rslot, self.sinks)
+        return Recent(self.inner.front(n), self.recent, self.rslot, self.sinks)
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
-        if hasattr(self.inner, "calibrate"):
-            self.inner.calibrate(k, valid)
+        self.inner.calibrate(k, valid)
 
     def assign(self, index: tuple, values: torch.Tensor) -> None:
         """self[index] = values: quantized into the slots, and exact into the ring entries that name them (a merge
         rewriting a value still in the window)."""
-        assign(self.inner, index, values)
+        self.inner.assign(index, values)
         if not all(isinstance(i, torch.Tensor) for i in index):
             return  # a range of slots: prefill's packing, whose ring `remember_prompt` writes
         bi, hi, si = torch.broadcast_tensors(*index)
@@ -126,7 +158,7 @@ class Recent:
         """A decode step's new token of every row: quantized into its slots (`index`, as `assign` takes it) and
         remembered in the ring (`remember`: which also drops an entry naming the slot, so `assign`'s lookup of the
         entries naming the written slots is not needed)."""
-        assign(self.inner, index, values)
+        self.inner.assign(index, values)
         self.remember(slot, pos, values)
 
     def remember(self, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
@@ -167,12 +199,12 @@ class Recent:
         """The values (b, h, slots, d) in `dtype`: the quantized slots, the ring's exact values over theirs. No
         host sync: every entry writes one slot (an entry naming none writes slot 0 the value slot 0 ends with, so
         writes to a slot always agree)."""
-        return self._with_ring(expand(self.inner, dtype), dtype, False)
+        return self._with_ring(self.inner.expanded(dtype), dtype, False)
 
     def expanded_stored(self, dtype: torch.dtype) -> tuple:
         """expanded, in the basis the inner form stores (codec.expand_stored): the ring's exact values are rotated
         into it when the inner form's tokens are rotated. -> (values (b, h, slots, d), rotated)."""
-        x, rotated = expand_stored(self.inner, dtype)
+        x, rotated = self.inner.expanded_stored(dtype)
         return self._with_ring(x, dtype, rotated), rotated
 
     def _with_ring(self, x: torch.Tensor, dtype: torch.dtype, rotated: bool) -> torch.Tensor:
@@ -191,3 +223,43 @@ class Recent:
         x = x.contiguous()  # expand's own fresh tensor: already
         x.view(-1, d).index_copy_(0, flat_slots(b, h, s, slot), values.reshape(-1, d))  # writes to a slot agree
         return x
+
+    def logits(self, q: torch.Tensor, read) -> torch.Tensor:
+        """The inner form's logits with the ring's slots' replaced by the exact keys' (`ring_logits`)."""
+        return ring_logits(q, self, lambda q, inner: inner.logits(q, read))
+
+    def mix32(self, p: torch.Tensor, read) -> torch.Tensor:
+        """The ring's slots' probabilities on its exact values, the inner form's mix over the rest (`ring_mix`)."""
+        return ring_mix(p, self, lambda p, inner: inner.mix32(p, read))
+
+
+def _ring(r: Recent, slots: int) -> torch.Tensor:
+    """The slot of each ring entry (b, h, E), `slots` where it names none of the first `slots`."""
+    ok = (r.rslot >= 0) & (r.rslot < slots)
+    return torch.where(ok, r.rslot, slots).long()
+
+
+def ring_logits(q: torch.Tensor, r: Recent, inner_logits) -> torch.Tensor:
+    """logits over a form with its exact ring: `inner_logits(q, r.inner)` (a reader's) with the ring's slots'
+    logits replaced by the exact keys'."""
+    inner = inner_logits(q, r.inner)  # (b, h, g, s)
+    b, h, g, s = inner.shape
+    slot = _ring(r, s)
+    qm = unrotate(q.float()).to(q.dtype) if r.inner.rotated else q  # qH . kH = q . k: the ring in its own basis
+    e = torch.matmul(qm, r.ring(q.dtype).transpose(-1, -2)).float()  # (b, h, g, E)
+    out = torch.cat([inner, inner.new_zeros(b, h, g, 1)], -1)  # the last column takes the entries naming no slot
+    out.scatter_(-1, slot[:, :, None].expand(b, h, g, slot.shape[-1]), e)
+    return out[..., :s]
+
+
+def ring_mix(p: torch.Tensor, r: Recent, inner_mix32) -> torch.Tensor:
+    """The fp32 value mix over a form with its exact ring: the ring's slots' probabilities moved onto its exact
+    values, `inner_mix32(p, r.inner)` (a reader's) over the rest."""
+    b, h, g, s = p.shape
+    slot = _ring(r, s)
+    idx = slot[:, :, None].expand(b, h, g, slot.shape[-1])
+    rest = torch.cat([p, p.new_zeros(b, h, g, 1)], -1)
+    held = rest.gather(-1, idx)  # (b, h, g, E): the probability of each entry's slot (0: none)
+    rest.scatter_(-1, idx, 0.0)
+    exact = torch.matmul(held, r.ring(torch.float32))  # (b, h, g, d), in the model's basis
+    return inner_mix32(rest[..., :s], r.inner) + (rotate(exact) if r.inner.rotated else exact)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compress.codec import assign, expand, first_slots
+from flexh2o.compress.form import CacheForm
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,12 +56,26 @@ def unrotated_if(x: torch.Tensor, rotated: bool) -> torch.Tensor:
     return unrotate(x.float()).to(x.dtype) if rotated else x
 
 
-@dataclass
-class Rotated:
-    """A quantized form (`inner`: a CompressedTensor or compress/channel.py's ChannelKeys) that holds its tokens
-    rotated (module docstring); the same interface as the inner form, in the model's basis."""
+@dataclass(frozen=True)
+class RotatedSpec:
+    """The rotated scheme's spec (compress/form.py): the inner scheme's parts, holding its tokens rotated."""
 
     inner: object
+
+    def form_parts(self, shape: tuple, dtype: torch.dtype) -> dict:
+        return self.inner.form_parts(shape, dtype)
+
+    def build(self, tensors: dict, shape: tuple) -> "Rotated":
+        return Rotated(self.inner.build(tensors, shape))
+
+
+@dataclass
+class Rotated(CacheForm):
+    """A quantized form (`inner`: a CompressedTensor or compress/channel.py's ChannelKeys) that holds its tokens
+    rotated (module docstring); a cache form (compress/form.py) in the model's basis, read in its stored one."""
+
+    inner: object
+    rotated = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,28 +93,37 @@ class Rotated:
     def nbytes(self) -> int:
         return self.inner.nbytes
 
+    def tensors(self) -> dict:
+        return self.inner.tensors()
+
     def map(self, fn) -> "Rotated":
         """fn applied to every part (indexing of rows or heads, .to(device))."""
         return Rotated(self.inner.map(fn))
 
     def front(self, n: int) -> "Rotated":
         """The first n slots."""
-        return Rotated(first_slots(self.inner, n))
+        return Rotated(self.inner.front(n))
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
-        """Per-channel keys: their scales from the rotated prompt keys; a per-token form needs nothing."""
-        if hasattr(self.inner, "calibrate"):
-            self.inner.calibrate(rotate(k), valid)
+        """Per-channel keys: their scales from the rotated prompt keys (a per-token form needs nothing)."""
+        self.inner.calibrate(rotate(k), valid)
 
     def assign(self, index: tuple, values: torch.Tensor) -> None:
         """self[index] = values (..., d): rotated, then quantized as the inner form does."""
-        assign(self.inner, index, rotate(values))
+        self.inner.assign(index, rotate(values))
 
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
         """The tokens (b, h, slots, d) in `dtype`, dequantized (fp32) and rotated back."""
-        return unrotate(expand(self.inner, torch.float32)).to(dtype)
+        return unrotate(self.inner.expanded(torch.float32)).to(dtype)
 
     def expanded_stored(self, dtype: torch.dtype) -> tuple:
         """(the tokens (b, h, slots, d) in `dtype`, dequantized in fp32 and left in the rotated basis, True): see
         codec.expand_stored."""
-        return expand(self.inner, torch.float32).to(dtype), True
+        return self.inner.expanded(torch.float32).to(dtype), True
+
+    def logits(self, q: torch.Tensor, read) -> torch.Tensor:
+        """q in the rotated basis: the inner form's read."""
+        return self.inner.logits(q, read)
+
+    def mix32(self, p: torch.Tensor, read) -> torch.Tensor:
+        return self.inner.mix32(p, read)

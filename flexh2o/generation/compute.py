@@ -7,9 +7,11 @@ from typing import Optional
 
 import torch
 
-from flexh2o.kv import attention
+from flexh2o.kv import prefill as kv_prefill
 from flexh2o.kv.cache import KVBlock
+from flexh2o.kv.decode import DecodePath
 from flexh2o.kv.policies.base import KVPolicy
+from flexh2o.kv.policies.copies import PromptCopies
 from flexh2o.kv.step_rows import StepRows
 
 STEPS_KEPT = 64  # decode steps' positions remembered (the GPU batches of the step now computed are enough)
@@ -22,10 +24,29 @@ class LayerCompute:
         self.family, self.cfg, self.rc, self.policy = family, cfg, rc, policy
         self.slots, self.evicts = slots, evicts  # slots: per decoder layer (ModelConfig.layer_slots)
         self._steps: dict = {}  # id(pos of a decode step) -> (pos, what step_positions derives from it)
+        self._paths: dict = {}  # decoder layer -> its DecodePath, made once a run (decode_path)
 
     def shape(self, layer: int) -> tuple:
         """The model's facts of a layer's attention: (sliding window or None, logit soft-cap or None)."""
         return self.cfg.window(layer), self.cfg.attn_softcap
+
+    def decode_path(self, layer: int) -> DecodePath:
+        """How decoder layer `layer`'s decode steps run (kv/decode.py), chosen once a run from the layer's facts,
+        whether the run evicts and whether its cache is quantized."""
+        path = self._paths.get(layer)
+        if path is None:
+            path = self._paths[layer] = DecodePath.of(*self.shape(layer), self.evicts,
+                                                      self.rc.compress_cache is not None)
+        return path
+
+    def decode_attend(self, layer: int, q, k, v, cur, blk: KVBlock, policy: KVPolicy, at: StepRows):
+        """One decode step's attention of decoder layer `layer` over `blk` (its path: decode_path)."""
+        return self.decode_path(layer)(q, k, v, cur, blk, policy, layer, at)
+
+    def prefill_attend(self, layer: int, q, k, v, pos, blk: KVBlock):
+        """Prefill attention of decoder layer `layer`, the kept tokens packed into `blk` (kv/prefill.py)."""
+        return kv_prefill.prefill(q, k, v, pos, self.policy, layer, blk, self.rc.attn_chunk, self.evicts,
+                                  *self.shape(layer))
 
     def embed(self, w: dict, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.family.embed(self.cfg, w, ids, pos.clamp(min=0))
@@ -42,8 +63,7 @@ class LayerCompute:
         clamped, cur, at = self.step_positions(pos)
 
         def attend(q, k, v):
-            return attention.decode(q, k, v, cur, blk, policy, cache_layer, *self.shape(cache_layer),
-                                    evicts=self.evicts, at=at)
+            return self.decode_attend(cache_layer, q, k, v, cur, blk, policy, at)
         return self.family.block(self.cfg, w, cache_layer, x, clamped, attend)
 
     def step_positions(self, pos: torch.Tensor) -> tuple:
@@ -70,19 +90,23 @@ class LayerCompute:
             sl = slice(r, r + rows)
 
             def attend(q, k, v, sl=sl):
-                return attention.prefill(q, k, v, pos[sl], self.policy, cache_layer, blk.rows(sl),
-                                         self.rc.attn_chunk, self.evicts, 1, *self.shape(cache_layer))
+                return self.prefill_attend(cache_layer, q, k, v, pos[sl], blk.rows(sl))
             outs.append(self.family.block(self.cfg, w, cache_layer, x[sl], pos[sl].clamp(min=0), attend))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), blk
 
     def prefill_copies(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int) -> tuple:
         """prefill of one copy of the rows for `copies` copies over the same prompts (a LanePlan): the block has
-        copies x b rows (attention.prefill), the output stays b rows and the rows run in one piece."""
+        copies x b rows (kv/policies/copies.py), the output stays b rows and the rows run in one piece."""
         blk = self.empty_block(x.shape[0] * copies, cache_layer, x.device)
+        rows, (window, softcap) = PromptCopies(copies), self.shape(cache_layer)
 
-        def attend(q, k, v):
-            return attention.prefill(q, k, v, pos, self.policy, cache_layer, blk, self.rc.attn_chunk, self.evicts,
-                                     copies, *self.shape(cache_layer))
+        def attend(q, k, v):  # attention once over the b rows; each copy keeps its tokens with its own scores
+            scored = self.evicts and self.policy.needs_scores
+            weights, which = rows.weights(self.policy, pos) if scored else (None, rows.unscored(q.device))
+            out, score = kv_prefill.attend(q, k, v, pos, weights, self.rc.attn_chunk, window, softcap)
+            kv_prefill.keep(rows.rows(k), rows.rows(v), rows.rows(pos), rows.scores(score, which), self.policy,
+                            cache_layer, blk, window, self.evicts)
+            return out
         return self.family.block(self.cfg, w, cache_layer, x, pos.clamp(min=0), attend), blk
 
     def empty_block(self, rows: int, cache_layer: int, device) -> KVBlock:

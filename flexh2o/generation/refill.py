@@ -28,7 +28,6 @@ import torch
 
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.sequences import Sequences
-from flexh2o.kv import attention
 from flexh2o.kv.cache import KVBlock
 from flexh2o.kv.layout import FIELDS, CacheLayout
 
@@ -222,8 +221,8 @@ def _fits_one_pass(rc, ids: torch.Tensor) -> bool:
 def _one_pass(run, op, rows, ids, pos) -> None:
     """The decode tokens of the batch's b rows and the refilled rows' prompt tokens packed as one sequence
     (1, b + r t', h) through each layer's linears, norms and MLP; only attention is split: the b decode
-    tokens attend their block (attention.decode), the prompts their own tokens (attention.prefill, into a fresh
-    block whose rows then replace the refilled ones)."""
+    tokens attend their block (LayerCompute.decode_attend), the prompts their own tokens (prefill_attend, into a
+    fresh block whose rows then replace the refilled ones)."""
     step, layer, batch, bufs, lc = op.step, op.layer, op.batch, run.bufs, run.layers
     ids_d, pos_d = run.seqs.inputs(step, batch, run.eng.device)  # (b, 1)
     b, (r, t) = ids_d.shape[0], ids.shape
@@ -255,7 +254,6 @@ def _split_attend(lc, c: int, b: int, r: int, t: int, pos_d, pos_p, blk: KVBlock
     """attend(q, k, v) over a packed sequence (1, heads, b + r t, d): the first b tokens are one decode step of
     the block's rows, the rest r prompts of t tokens prefilled into `fresh`; the same calls, policy and model facts
     as LayerCompute.decode / prefill (generation/compute.py)."""
-    window, softcap = lc.shape(c)
 
     def parts(x):  # (1, n, b + r t, d) -> (b, n, 1, d), (r, n, t, d): the layouts split_heads gives each part
         x = x[0]
@@ -264,9 +262,8 @@ def _split_attend(lc, c: int, b: int, r: int, t: int, pos_d, pos_p, blk: KVBlock
     def attend(q, k, v):
         (qd, qp), (kd, kp), (vd, vp) = parts(q), parts(k), parts(v)
         _, cur, at = lc.step_positions(pos_d)  # made once a step (LayerCompute.step_positions)
-        od = attention.decode(qd, kd, vd, cur, blk, lc.policy, c, window, softcap, evicts=lc.evicts, at=at)
-        op = attention.prefill(qp, kp, vp, pos_p, lc.policy, c, fresh, lc.rc.attn_chunk, lc.evicts, 1, window,
-                               softcap)
+        od = lc.decode_attend(c, qd, kd, vd, cur, blk, lc.policy, at)
+        op = lc.prefill_attend(c, qp, kp, vp, pos_p, fresh)
         n, d = q.shape[1], q.shape[3]
         out = torch.empty(b + r * t, n, d, dtype=op.dtype, device=op.device)  # (tokens, n, d)
         out[:b] = od[:, :, 0].to(out.device)

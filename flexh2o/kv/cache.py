@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress.codec import assign, expand, first_slots
+from flexh2o.compress.form import as_form
 from flexh2o.kv.layout import FIELDS, CacheLayout, CacheQuant
 from flexh2o.tensors import flat_slots, row_extents
 
@@ -21,9 +21,9 @@ from flexh2o.tensors import flat_slots, row_extents
 class KVBlock:
     """One block on the compute side.
 
-    k, v: (b, kv_heads, slots, head_dim), plain or quantized as kv/layout.py says (a CompressedTensor grouped
-    along head_dim, one slot = whole groups; keys also as compress/channel.py's ChannelKeys): a slot is written
-    alone either way; pos int64 and score fp32: (b, kv_heads, slots).
+    k, v: (b, kv_heads, slots, head_dim), plain tensors or cache forms as kv/layout.py says (compress/form.py's
+    CacheForm, whatever the scheme; `as_form` reads a plain one as one too): a slot is written alone either way;
+    pos int64 and score fp32: (b, kv_heads, slots).
     """
 
     k: torch.Tensor
@@ -45,7 +45,8 @@ class KVBlock:
             slot = cur_pos.view(b, 1).expand(b, kv)
         else:
             slot = (self.pos < 0).to(torch.int8).argmax(-1)  # (b, kv) first free slot
-        plain = isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
+        form_k, form_v = as_form(self.k), as_form(self.v)
+        plain = not (form_k.quantized or form_v.quantized)
         if in_order and at is not None and plain and min(at) != max(at) and self._flat():
             return self._append_flat(k, v, cur_pos, slot, step)
         if in_order and at is not None and (plain or min(at) == max(at)):  # a quantized block too: slices, no puts
@@ -54,11 +55,8 @@ class KVBlock:
         else:
             index = (torch.arange(b, device=self.pos.device)[:, None],
                      torch.arange(kv, device=self.pos.device)[None, :], slot)
-        for x, val in ((self.k, k), (self.v, v)):  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
-            if hasattr(x, "append"):  # quantized with the newest tokens also kept exact (compress/recent.py)
-                x.append(index, slot, cur_pos, val)
-            else:
-                assign(x, index, val)  # a compressed block quantizes the new token's K/V here
+        for form, val in ((form_k, k), (form_v, v)):  # indexing, not scatter_: 16-bit scatter_ on CPU scans the block
+            form.append(index, slot, cur_pos, val)  # a quantized form quantizes the new token's K/V here
         self.pos[index] = cur_pos.view(b, 1).expand(b, kv)
         self.score[index] = 0.0
         self.written = slot
@@ -93,7 +91,7 @@ class KVBlock:
         if not len(rows):
             return
         target, mass = target.index_select(0, rows), mass.index_select(0, rows)  # (r, kv, s): those rows
-        if isinstance(self.v, torch.Tensor) and int((target >= 0).sum(-1).max()) <= 1:
+        if not as_form(self.v).quantized and int((target >= 0).sum(-1).max()) <= 1:
             changed = self._merge_single(rows, target, mass)  # decode: one evicted slot per row and head at most
         else:
             changed = self._merge_many(rows, target, mass)
@@ -120,21 +118,19 @@ class KVBlock:
         new = (vt * mt[..., None] + ve * me[..., None]) / torch.where(ok, total, 1.0)[..., None]
         bi, hj, _ = ok.nonzero(as_tuple=True)
         if len(bi):
-            assign(self.v, (rows[bi], hj, t[bi, hj, 0]), new[bi, hj, 0])
+            as_form(self.v).assign((rows[bi], hj, t[bi, hj, 0]), new[bi, hj, 0])
         return torch.zeros_like(src).scatter_(-1, t, ok)
 
     def _merge_many(self, rows: torch.Tensor, target: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
         """merge in general (prefill, or a compressed block) on the block's `rows` (target, mass: theirs), up to the
         last slot they use. -> changed (r, kv, s)."""
         n = max(row_extents(self.pos.index_select(0, rows)), default=0)
-
-        plain = isinstance(self.v, torch.Tensor)
-        sub = self.v.index_select(0, rows) if plain else self.v.map(lambda t: t.index_select(0, rows))
-        sub = first_slots(sub, n)
-        values, part = merged_values(expand(sub, torch.float32), target[:, :, :n], mass[:, :, :n])
+        form = as_form(self.v)
+        sub = form.map(lambda t: t.index_select(0, rows)).front(n)
+        values, part = merged_values(sub.expanded(torch.float32), target[:, :, :n], mass[:, :, :n])
         ri, hi, si = part.nonzero(as_tuple=True)
         if len(ri):
-            assign(self.v, (rows[ri], hi, si), values[ri, hi, si])
+            form.assign((rows[ri], hi, si), values[ri, hi, si])
         changed = torch.zeros_like(target, dtype=torch.bool)
         changed[:, :, :n] = part
         return changed
@@ -158,14 +154,13 @@ class KVBlock:
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         """Keys quantized per channel: calibrate their scales on the prompt's keys k (b, kv, t, d) at the tokens
-        marked in valid (b, kv, t) (prefill, before any key is written); other layouts need nothing."""
-        if hasattr(self.k, "calibrate"):
-            self.k.calibrate(k, valid)
+        marked in valid (b, kv, t) (prefill, before any key is written); other forms need nothing."""
+        as_form(self.k).calibrate(k, valid)
 
     def rows(self, sl: slice) -> "KVBlock":
         """A view of some sequences of the block."""
-        return KVBlock(*(x.map(lambda t: t[sl]) if hasattr(x, "map") else x[sl]
-                         for x in (self.k, self.v)), self.pos[sl], self.score[sl])
+        return KVBlock(*(as_form(x).map(lambda t: t[sl]).held() for x in (self.k, self.v)), self.pos[sl],
+                       self.score[sl])
 
     def front(self, n: int) -> "KVBlock":
         """A view of the first `n` slots of every row (all a decode step reads when no row uses a slot past them);
@@ -175,7 +170,7 @@ class KVBlock:
     def front_kv(self, n: int) -> tuple:
         """(k, v) of the first `n` slots of every row, in the block's own form (the plain tensors themselves when
         n is all of them)."""
-        return first_slots(self.k, n), first_slots(self.v, n)
+        return as_form(self.k).front(n).held(), as_form(self.v).front(n).held()
 
     def kept(self) -> torch.Tensor:
         """(b, kv_heads): tokens held per row."""

@@ -21,12 +21,13 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress.channel import SLOT_PARTS, ChannelKeys, ChannelSpec
-from flexh2o.compress.codec import CacheGroupSpec, CompressedTensor, CompressionSpec
+from flexh2o.compress.channel import ChannelSpec
+from flexh2o.compress.codec import CacheGroupSpec, CompressionSpec
 from flexh2o.compress.defaults import (DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT,  # noqa: F401  (re-exported)
                                        DEFAULT_ROTATE, DEFAULT_SINKS, KEY_SCHEMES)
-from flexh2o.compress.recent import Recent, check_ring_bits, ring_spec
-from flexh2o.compress.rotation import Rotated
+from flexh2o.compress.form import PLAIN, as_form
+from flexh2o.compress.recent import RingSpec, check_ring_bits, ring_spec
+from flexh2o.compress.rotation import RotatedSpec
 
 FIELDS = ("k", "v", "pos", "score")
 
@@ -77,6 +78,18 @@ class CacheQuant:
         if self.keys == "token":
             return self.value_spec
         return ChannelSpec(self.bits, self.outliers, self.keys == "fitted", self.exact_bits == 8)
+
+    def form_spec(self, field: str, slots: int, head_dim: int):
+        """The scheme spec (compress/form.py) of K ("k") or V ("v") in a block of `slots` slots: keys per channel or
+        per token, values per token; rotated with `rotate`; with its ring of the newest `recent` and first `sinks`
+        tokens (each cut to the slots) kept exact, or in 8 bits with `exact_bits`."""
+        spec = self.key_spec if field == "k" else self.value_spec
+        if self.rotate:
+            spec = RotatedSpec(spec)
+        window, sinks = min(self.recent, slots), min(self.sinks, slots)
+        if window + sinks:
+            spec = RingSpec(spec, window, sinks, ring_spec(self.exact_bits, head_dim))
+        return spec
 
     @staticmethod
     def of(spec) -> Optional["CacheQuant"]:
@@ -155,58 +168,17 @@ class CacheLayout:
     def kv_shape(self) -> tuple:
         return (self.batch, self.heads, self.slots, self.head_dim)
 
-    def spec_of(self, field: str):
-        """The quantization of K ("k") or V ("v"): None, a CacheGroupSpec or a ChannelSpec."""
-        if self.quant is None:
-            return None
-        return self.quant.key_spec if field == "k" else self.quant.value_spec
-
-    @property
-    def ring(self) -> int:
-        """Entries per row and head of K and V kept exact (0: none): the newest tokens' ring, then the sinks'."""
-        return self.window + self.sinks
-
-    @property
-    def ring_spec(self):
-        """How the ring's entries are stored: None (the storage dtype) or an 8-bit group spec (compress/recent.py)."""
-        return ring_spec(self.quant.exact_bits, self.head_dim) if self.quant is not None else None
-
-    @property
-    def window(self) -> int:
-        """Ring entries of the newest tokens (cut to the slots)."""
-        return min(self.quant.recent, self.slots) if self.quant is not None else 0
-
-    @property
-    def sinks(self) -> int:
-        """Entries of a row's first tokens (cut to the slots)."""
-        return min(self.quant.sinks, self.slots) if self.quant is not None else 0
+    def form_spec(self, field: str):
+        """The scheme spec of K ("k") or V ("v") (compress/form.py): plain, or as the run's CacheQuant says."""
+        return PLAIN if self.quant is None else self.quant.form_spec(field, self.slots, self.head_dim)
 
     def field_parts(self, field: str) -> tuple:
-        """The Parts of one field (a quantized K or V: its quantized parts, then its ring's)."""
-        parts = self._quant_parts(field)
-        if field not in ("k", "v") or not self.ring:
-            return parts
-        b, h, _, d = self.kv_shape
-        spec = self.ring_spec
-        if spec is None:
-            ring = (Part(field, "recent", (b, h, self.ring, d), self.dtype, False),)
-        else:
-            (ds, ddt), (ms, mdt) = spec.layout((b, h, self.ring, d), self.dtype)
-            ring = Part(field, "recent", ds, ddt, False), Part(field, "rmeta", ms, mdt, False)
-        return parts + ring + (Part(field, "rslot", (b, h, self.ring), torch.int32, False),)
-
-    def _quant_parts(self, field: str) -> tuple:
+        """The Parts of one field (K or V: its form's parts, a quantized one's ring last)."""
         if field in ("pos", "score"):
             dtype = torch.int64 if field == "pos" else torch.float32
             return (Part(field, "", self.kv_shape[:3], dtype, False),)
-        spec = self.spec_of(field)
-        if spec is None:
-            return (Part(field, "", self.kv_shape, self.dtype, True),)
-        if isinstance(spec, ChannelSpec):
-            return tuple(Part(field, n, s, dt, n in SLOT_PARTS)
-                         for n, (s, dt) in spec.parts(self.kv_shape, self.dtype).items())
-        (ds, ddt), (ms, mdt) = spec.layout(self.kv_shape, self.dtype)
-        return Part(field, "data", ds, ddt, True), Part(field, "meta", ms, mdt, True)
+        parts = self.form_spec(field).form_parts(self.kv_shape, self.dtype)
+        return tuple(Part(field, n, s, dt, sparse) for n, (s, dt, sparse) in parts.items())
 
     def parts(self) -> tuple:
         """Every stored tensor of the block, field by field."""
@@ -240,35 +212,15 @@ class CacheLayout:
 
     # ---- the block's tensors ----------------------------------------------------------------------------------
     def assemble(self, field: str, tensors: dict):
-        """A field's object from its parts' tensors (name -> tensor): a tensor, CompressedTensor or ChannelKeys."""
-        spec = self.spec_of(field) if field in ("k", "v") else None
-        if spec is None:
+        """A field's object from its parts' tensors (name -> tensor): a tensor, or K's or V's cache form."""
+        if field in ("pos", "score"):
             return tensors[""]
-        if isinstance(spec, ChannelSpec):
-            inner = ChannelKeys(tensors["data"], tensors["index"], tensors["exact"], tensors["calib"], spec)
-        else:
-            inner = CompressedTensor(tensors["data"], tensors["meta"], self.head_dim, spec)
-        if self.quant.rotate:
-            inner = Rotated(inner)
-        if not self.ring:
-            return inner
-        spec = self.ring_spec
-        ring = tensors["recent"] if spec is None else \
-            CompressedTensor(tensors["recent"], tensors["rmeta"], self.head_dim, spec)
-        return Recent(inner, ring, tensors["rslot"], self.sinks)
+        return self.form_spec(field).build(tensors, self.kv_shape)
 
     @staticmethod
     def split(obj) -> dict:
         """A field's object -> its parts' tensors (name -> tensor), as assemble takes them."""
-        if isinstance(obj, Recent):
-            return {**CacheLayout.split(obj.inner), **obj.ring_tensors()}
-        if isinstance(obj, Rotated):
-            return CacheLayout.split(obj.inner)
-        if isinstance(obj, ChannelKeys):
-            return obj.tensors()
-        if isinstance(obj, CompressedTensor):
-            return {"data": obj.data, "meta": obj.meta}
-        return {"": obj}
+        return as_form(obj).tensors()
 
     def empty(self, device) -> dict:
         """field -> a fresh object of the block on `device` (zeros; pos and a ring's slots -1)."""
