@@ -36,10 +36,16 @@ def _keys(gen, shape, dtype):
     return x.to(dtype), calib.to(dtype)
 
 
+@pytest.fixture(params=("one thread", "threads"))
+def threads(request, monkeypatch):
+    """Each kernel's one-thread build, and its build over numba's threads (what a prompt's many tokens take)."""
+    monkeypatch.setattr(fused_write, "PARALLEL_FROM", 0 if request.param == "threads" else 1 << 60)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", (2, 3, 4, 8))
 @pytest.mark.parametrize("outliers", (0, 1, 8))
-def test_channel_keys_equal_torch(kn, dtype, bits, outliers):
+def test_channel_keys_equal_torch(kn, threads, dtype, bits, outliers):
     gen = torch.Generator().manual_seed(bits * 10 + outliers)
     x, calib = _keys(gen, (3, 2, 40, 64), dtype)
     spec = ChannelSpec(bits, outliers)
@@ -53,7 +59,7 @@ def test_channel_keys_equal_torch(kn, dtype, bits, outliers):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", (2, 3, 4, 8))
 @pytest.mark.parametrize("group", (16, 32, 64))
-def test_groups_equal_torch(kn, dtype, bits, group):
+def test_groups_equal_torch(kn, threads, dtype, bits, group):
     gen = torch.Generator().manual_seed(bits + group)
     x = (torch.randn(3, 2, 17, 64, generator=gen) * 3).to(dtype)
     x[0, 0, 0, :group] = 1.5  # a constant group: scale 0

@@ -191,5 +191,6 @@ channel_logits = numba.njit([f"void({F4}, {F4}, {F4}, {F4}, {STRIDES}, {ix}[:, :
                              for ix in ("uint8", "int16")], **PAR)(_channel_logits)
 group_logits = numba.njit(f"void({F4}, {F4}, {STRIDES}, {F4}, {F4}, int64, {F4})", **PAR)(_group_logits)
 group_mix = numba.njit(f"void({A4}, {STRIDES}, {F4}, {F4}, int64, {F4})", **PAR)(_group_mix)
-ring_logits = numba.njit(f"void({F4}, {A4}, int32[:, :, :], {F4})", **PAR)(_ring_logits)
-ring_split = numba.njit(f"void({A4}, {A4}, int32[:, :, :], {F4}, {F4})", **PAR)(_ring_split)
+# the ring's: a few entries a row and head, on the calling thread (waking numba's pool costs more)
+ring_logits = numba.njit(f"void({F4}, {A4}, int32[:, :, :], {F4})", **OPTS)(_ring_logits)
+ring_split = numba.njit(f"void({A4}, {A4}, int32[:, :, :], {F4}, {F4})", **OPTS)(_ring_split)

@@ -5,7 +5,8 @@ The arithmetic is the torch code's, operation for operation, in fp32 without fas
 multiply-add): the levels, the outliers and the packed bytes equal compress/channel.py's `quantize_token` and
 compress/codec.py's `quantize` bit for bit (tests/test_kv_fused_write.py checks them against those and
 tests/reference_quant.py). Levels are packed as compress/bits.py says: value i of a row at bits
-[i bits, (i + 1) bits) of its little-endian bit stream. Work is split over tokens with numba's thread pool.
+[i bits, (i + 1) bits) of its little-endian bit stream. Work is split over tokens with numba's thread pool where there is enough
+of it.
 """
 from __future__ import annotations
 
@@ -95,6 +96,29 @@ def _group_levels(x, lo, scale, bits, data):
             put_levels(q, data[t, g], bits)
 
 
+def _group_quant32(x, bits, data, meta):
+    """_group_minmax and _group_levels in one pass for fp32 storage (where rounding a minimum down and a scale up
+    to the storage dtype changes nothing): meta (N, groups, 2) = (scale, minimum), scale = (max - min) / levels."""
+    tokens, d = x.shape
+    groups = meta.shape[1]
+    size = d // groups
+    top = np.float32((1 << bits) - 1)
+    for t in numba.prange(tokens):
+        q = np.empty(size, np.float32)
+        for g in range(groups):
+            lo = x[t, g * size]
+            hi = lo
+            for j in range(g * size + 1, (g + 1) * size):
+                lo = min(lo, x[t, j])
+                hi = max(hi, x[t, j])
+            scale = (hi - lo) / top
+            meta[t, g, 0] = scale
+            meta[t, g, 1] = lo
+            for j in range(size):
+                q[j] = level(x[t, g * size + j], lo, scale, top)
+            put_levels(q, data[t, g], bits)
+
+
 def _ring_put(rslot, recent, slot, pos, window, sinks, values):
     """A decode step's token into the exact ring (compress/recent.py's remember): rslot (b, h, E) int32, recent
     (b, h, E, w) the entries' bytes, slot (b, h) int32, pos (b,) the token's position, values (b, h, w) its bytes.
@@ -116,10 +140,15 @@ def _ring_put(rslot, recent, slot, pos, window, sinks, values):
 
 PAR = dict(parallel=True, **OPTS)
 X2 = "float32[:, ::1]"
-channel_quant = numba.njit(f"void({X2}, float32[:, :, ::1], int64, int64, uint8[:, ::1], int64[:, ::1], {X2})",
-                           **PAR)(_channel_quant)
-group_minmax = numba.njit(f"void({X2}, int64, float32[:, :, ::1])", **PAR)(_group_minmax)
-group_levels = numba.njit(f"void({X2}, {X2}, {X2}, int64, uint8[:, :, ::1])", **PAR)(_group_levels)
+CHANNEL = f"void({X2}, float32[:, :, ::1], int64, int64, uint8[:, ::1], int64[:, ::1], {X2})"
+MINMAX = f"void({X2}, int64, float32[:, :, ::1])"
+LEVELS = f"void({X2}, {X2}, {X2}, int64, uint8[:, :, ::1])"
+# each over numba's threads (a prompt's tokens), and on the calling thread alone (`_1`: a decode step's few tokens,
+# where waking the pool costs more than the work)
+channel_quant, channel_quant_1 = (numba.njit(CHANNEL, **o)(_channel_quant) for o in (PAR, OPTS))
+group_minmax, group_minmax_1 = (numba.njit(MINMAX, **o)(_group_minmax) for o in (PAR, OPTS))
+group_levels, group_levels_1 = (numba.njit(LEVELS, **o)(_group_levels) for o in (PAR, OPTS))
+QUANT32 = f"void({X2}, int64, uint8[:, :, ::1], float32[:, :, ::1])"
+group_quant32, group_quant32_1 = (numba.njit(QUANT32, **o)(_group_quant32) for o in (PAR, OPTS))
 ring_put = numba.njit("void(int32[:, :, :], uint8[:, :, :, :], int32[:, ::1], int64[::1], int64, int64, "
-                      "uint8[:, :, ::1])",
-                      **PAR)(_ring_put)
+                      "uint8[:, :, ::1])", **OPTS)(_ring_put)  # a decode step's: small

@@ -18,6 +18,9 @@ import torch
 from flexh2o.compress.channel import FP8_MAX, ChannelKeys
 from flexh2o.compress.codec import CompressedTensor, _round_down, _round_up
 
+PARALLEL_FROM = 1 << 17  # values written at once from which the kernels run on numba's threads (a decode step's
+# new tokens, 32 rows x 12 heads x 64 values, run on the calling thread: waking the pool costs more than they do)
+
 
 def kernels():
     """The write kernels module where the fused read runs here and they pass their self-check, else None."""
@@ -47,8 +50,10 @@ def _self_check(kn) -> None:
         spec = ChannelSpec(bits, 4)
         got, want = _channel(kn, x, calib, spec, torch.float32), quantize_token(x, calib, spec, torch.float32)
         cspec = CacheGroupSpec(bits, 16, -1)
-        got_v, want_v = _groups(kn, x, cspec, torch.bfloat16), quantize(x, cspec, torch.bfloat16)
-        pairs = list(zip(got, want)) + [(got_v.data, want_v.data), (got_v.meta, want_v.meta)]
+        pairs = list(zip(got, want))
+        for dtype in (torch.float32, torch.bfloat16):  # one pass; rounded to the storage dtype by torch
+            got_v, want_v = _groups(kn, x, cspec, dtype), quantize(x, cspec, dtype)
+            pairs += [(got_v.data, want_v.data), (got_v.meta, want_v.meta)]
         if not all(torch.equal(a, b) for a, b in pairs):
             raise RuntimeError(f"the write kernels disagree with the torch code at {bits} bits")
 
@@ -76,8 +81,8 @@ def _channel(kn, x: torch.Tensor, calib: torch.Tensor, spec, dtype: torch.dtype)
     data = torch.empty(xf.shape[0], d * spec.bits // 8, dtype=torch.uint8)
     index = torch.empty(xf.shape[0], n, dtype=torch.int64)
     exact = torch.empty(xf.shape[0], n)
-    _threads(kn)
-    kn.channel_quant(xf.numpy(), cf.numpy(), per, spec.bits, data.numpy(), index.numpy(), exact.numpy())
+    quant = _pick(kn, "channel_quant", xf.numel())
+    quant(xf.numpy(), cf.numpy(), per, spec.bits, data.numpy(), index.numpy(), exact.numpy())
     return data.view(lead + (-1,)), index.view(lead + (n,)), exact.view(lead + (n,)).to(dtype)
 
 
@@ -96,14 +101,17 @@ def _groups(kn, x: torch.Tensor, spec, dtype: torch.dtype) -> CompressedTensor:
     lead, d = tuple(x.shape[:-1]), x.shape[-1]
     groups = d // spec.group_size
     xf = x.float().reshape(-1, d).contiguous()  # (N, d)
+    data = torch.empty(xf.shape[0], groups, spec.group_size * spec.bits // 8, dtype=torch.uint8)
+    if dtype == torch.float32:  # nothing to round to the storage dtype: one pass
+        meta = torch.empty(xf.shape[0], groups, 2)
+        _pick(kn, "group_quant32", xf.numel())(xf.numpy(), spec.bits, data.numpy(), meta.numpy())
+        return CompressedTensor(data.view(lead + data.shape[1:]), meta.view(lead + meta.shape[1:]), d, spec)
     span = torch.empty(xf.shape[0], groups, 2)
-    _threads(kn)
-    kn.group_minmax(xf.numpy(), spec.group_size, span.numpy())
+    _pick(kn, "group_minmax", xf.numel())(xf.numpy(), spec.group_size, span.numpy())
     lo = _round_down(span[..., 0], dtype)  # (N, groups), as codec.quantize rounds them
     scale = _round_up((span[..., 1] - lo.float()) / spec.levels, dtype)
-    data = torch.empty(xf.shape[0], groups, spec.group_size * spec.bits // 8, dtype=torch.uint8)
-    kn.group_levels(xf.numpy(), lo.float().contiguous().numpy(), scale.float().contiguous().numpy(), spec.bits,
-                    data.numpy())
+    levels = _pick(kn, "group_levels", xf.numel())
+    levels(xf.numpy(), lo.float().contiguous().numpy(), scale.float().contiguous().numpy(), spec.bits, data.numpy())
     meta = torch.stack([scale, lo], -1)
     return CompressedTensor(data.view(lead + data.shape[1:]), meta.view(lead + meta.shape[1:]), d, spec)
 
@@ -150,11 +158,15 @@ def ring_put(rslot: torch.Tensor, recent, slot: torch.Tensor, pos: torch.Tensor,
     b, h, e, _ = recent.shape
     vals = values.to(recent.dtype).contiguous().view(torch.uint8).view(b, h, -1)  # (b, h, d * itemsize)
     raw = recent.view(torch.uint8).view(b, h, e, vals.shape[-1])  # the entries' bytes
-    _threads(kn)
     kn.ring_put(rslot.numpy(), raw.numpy(), slot.to(torch.int32).contiguous().numpy(),
                 pos.to(torch.int64).contiguous().numpy(), window, sinks, vals.numpy())
     return True
 
 
-def _threads(kn) -> None:
+def _pick(kn, name: str, values: int):
+    """Kernel `name` over numba's threads (as many as torch uses) for PARALLEL_FROM values or more, else its
+    one-thread build."""
+    if values < PARALLEL_FROM:
+        return getattr(kn, name + "_1")
     kn.numba.set_num_threads(max(1, min(torch.get_num_threads(), kn.numba.config.NUMBA_NUM_THREADS)))
+    return getattr(kn, name)
