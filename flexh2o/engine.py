@@ -15,8 +15,7 @@ from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.run import Generation
 from flexh2o.generation.run import Run as _Run
-from flexh2o.planning.memory_plan import plan_memory
-from flexh2o.planning.weight_forms import weight_forms
+from flexh2o.planning.weight_forms import run_plan
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
 from flexh2o.storage.factory import make_tiers
@@ -30,20 +29,15 @@ class Engine:
 
     def __init__(self, rc: RunConfig, on_progress: Optional[Callable] = None):
         return_freed_blocks()  # freed transients leave the process, so its memory is what the plan counts
-        least = plan_memory(rc, forms=WeightForms.least(rc))  # the run's one plan, first at its least memory
-        least.check()
-        forms = weight_forms(rc, choice.probe, least.fits, kernel_available(rc.device))  # weights/forms.py
-        self.plan = least.with_forms(forms)  # as the phases take the weights
-        self.plan.check()
+        self.plan = run_plan(rc, choice.probe, kernel_available(rc.device))  # the one plan, with its WeightForms
         self.rc, self.cfg = rc, rc.model
         self.family = models.family(rc.model)
         self.device = torch.device(rc.device)
         self.policy = rc.kv.make(rc.model.num_layers)  # the run's one policy object
-        self.tiers = make_tiers(rc, need_disk=least.total("disk") > 0)
+        self.tiers = make_tiers(rc, need_disk=self.plan.total("disk") > 0)
         self.weights = None
         try:  # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
-            kept = forms.kept_scale_names(rc.placement.weights) if self.plan.kept_scales else frozenset()
-            self.weights = WeightStore(rc.placement.weights, self.tiers, forms, kept)
+            self.weights = WeightStore(rc.placement.weights, self.tiers, self.plan.forms, self.plan.kept_scales > 0)
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:

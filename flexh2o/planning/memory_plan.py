@@ -111,7 +111,7 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
                 forms: Optional[WeightForms] = None) -> MemoryPlan:
     """Bytes per tier of `rc` (homes from `placement`, by default rc.placement) as `forms` take the weights
     (weights/forms.py; by default what the plan assumes before the engine's choice, WeightForms.planned)."""
-    where = placement or rc.placement
+    where, forms = placement or rc.placement, forms or WeightForms.planned(rc)
     plan = MemoryPlan(rc, where=where, working=working_bytes(rc))
     for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
         plan.bytes[tier]["weights"] += nbytes
@@ -120,7 +120,7 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)
     plan.bytes["cpu"]["buffers"] = host_bytes(rc)
-    return plan.with_forms(forms or WeightForms.planned(rc))
+    return plan.with_forms(forms)
 
 
 def host_bytes(rc: RunConfig) -> int:
@@ -135,6 +135,7 @@ def working_bytes(rc: RunConfig) -> int:
     """Compute-side buffers besides the weights in flight (`in_flight_bytes`): the cache blocks being built or
     loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
     cfg, c = rc.model, rc.compute.itemsize
+    b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
     g, cpu, _ = rc.percent.shares("cache")
     layout = CacheLayout.of_run(rc)
     block = layout.nbytes
@@ -142,7 +143,6 @@ def working_bytes(rc: RunConfig) -> int:
     cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
     if layout.expands(rc.compute):  # decode reads K and V of one block in the compute dtype
         cache += layout.expanded_bytes(rc.compute)
-    b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
     chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk, rc.device)
     qkv = 4 * m * t * cfg.token_width * c  # q, k, v, attention output (sub-batch)
     probs = 3 if rc.kv.needs_scores else 1  # scoring policies materialise fp32 probabilities

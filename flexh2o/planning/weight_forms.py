@@ -1,12 +1,24 @@
 """A run's WeightForms (weights/forms.py), decided once: which phases' decoder-block matmuls run the int4 kernel,
 by the one rule of compress/choice.py given a timer (the engine passes its probe, choice.probe; the cost model a
-profile's rates, tuning/kernel_cost.py), the kernel also where expanding would not fit the memory plan."""
+profile's rates, tuning/kernel_cost.py), the kernel also where expanding would not fit the memory plan; and the
+run's one memory plan, as those forms take the weights (`run_plan`)."""
 from __future__ import annotations
 
 from typing import Callable
 
 from flexh2o.compress.choice import PHASES, kernel_phases
-from flexh2o.weights.forms import WeightForms, kernel_layout
+from flexh2o.planning.memory_plan import MemoryPlan, plan_memory
+from flexh2o.weights.forms import WeightForms
+
+
+def run_plan(rc, timer: Callable, available: bool = True) -> MemoryPlan:
+    """The run's one memory plan, with its WeightForms (plan.forms): refused (ValueError) where even the least
+    memory the run may take does not fit, before anything is timed; then as the chosen forms take the weights."""
+    least = plan_memory(rc, forms=WeightForms.least(rc))
+    least.check()
+    plan = least.with_forms(weight_forms(rc, timer, least.fits, available))
+    plan.check()
+    return plan
 
 
 def weight_forms(rc, timer: Callable, fits: Callable[[WeightForms], bool], available: bool = True) -> WeightForms:

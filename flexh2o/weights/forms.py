@@ -83,9 +83,9 @@ class WeightForms:
     @staticmethod
     def of_run(rc, kernel=()) -> "WeightForms":
         """rc's forms with the int4 kernel at the phases named in `kernel` (where the layout allows it)."""
-        layout = kernel_layout(rc)
+        in_place, layout = in_place_homes(rc.device), kernel_layout(rc)
         return WeightForms(rc.dtype, (rc.compute_at(0), rc.compute_at(1)), rc.compress_weight, layout,
-                           frozenset(kernel) if layout else frozenset(), in_place_homes(rc.device))
+                           frozenset(kernel) if layout else frozenset(), in_place)
 
     @staticmethod
     def planned(rc) -> "WeightForms":

@@ -42,9 +42,12 @@ def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
 class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
-    def __init__(self, homes: WeightHomes, tiers: dict, forms: WeightForms, kept_scales: frozenset = frozenset()):
-        self.specs, self.homes, self.forms = homes.layer_specs, homes, forms  # forms: how each weight is held
-        self.kept_scales = kept_scales  # names whose kernel scales are built once and kept (weights/forms.py)
+    def __init__(self, homes: WeightHomes, tiers: dict, forms: WeightForms, keep_scales: bool = False):
+        """forms: how each weight is held and reaches the compute side; keep_scales: the memory plan has room to
+        keep the int4 kernel's scales built (MemoryPlan.kept_scales)."""
+        self.specs, self.homes, self.forms = homes.layer_specs, homes, forms
+        # names whose kernel scales are built once and kept (weights/forms.py)
+        self.kept_scales = forms.kept_scale_names(homes) if keep_scales else frozenset()
         self._scales: dict = {}  # name -> those scales, built at the weight's first load that runs the kernel
         self._compute_tier = tiers.get("gpu")  # charged for the kept scales (the compute side's memory)
         self.dtype = forms.storage
@@ -53,13 +56,13 @@ class WeightStore:
         self.seconds: dict = {}  # phase -> {"read": s, "expand": s} spent in load_layer (summed over I/O threads)
         self.kernel_order: set = set()  # names stored in the int4 kernel's order (compress/kernels.py)
         wrapped: dict = {}
-        for specs in self.specs:
-            for s in specs:
-                spec, home = forms.spec(s), self.homes[s.name]
+        for specs, held in zip(self.specs, forms.table(homes)):
+            for s, w in zip(specs, held):  # w: the weight's WeightForm
+                spec, home = w.spec, self.homes[s.name]
                 if spec is None:
                     self.tiers[s.name] = tiers[home]
                     continue
-                kind = KernelOrderTier if forms.in_kernel_order(s) else CompressedTier
+                kind = KernelOrderTier if w.kernel_order else CompressedTier
                 if kind is KernelOrderTier:
                     self.kernel_order.add(s.name)
                 if (kind, home, spec) not in wrapped:
