@@ -94,3 +94,45 @@ def test_the_build_goes_to_the_cache_directory_once(monkeypatch, tmp_path):
         assert len(built) == 1 and built[0].name.startswith(f"expand4-{isa}-") and built[0].suffix == ".so"
     finally:
         expand_native._library.cache_clear()
+
+
+def _torch_scales(meta: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's scales and zeros as torch ops compute them (kernels.kernel_scales' fallback)."""
+    m = meta.to(torch.float32).clone()
+    m[..., 1].add_(m[..., 0], alpha=8)
+    return m.to(torch.bfloat16).transpose(0, 1).contiguous()  # (groups, N, 2)
+
+
+@needs_build
+@pytest.mark.parametrize("meta_dtype", expand_native.META_DTYPES)
+@pytest.mark.parametrize("rows, groups", [(32, 1), (96, 4), (1024, 16), (160, 64)])
+def test_native_scales_are_the_torch_ones_bit_for_bit(meta_dtype, rows, groups):
+    """scales_into and kernel_scales against the torch ops: scale rounded to bf16, minimum + 8 scale in fp32 (8 scale
+    exact, one rounding) then rounded to nearest even, so equal bit for bit (tolerance 0); scales spanning 2^-30..2^30
+    and minimums of either sign, zeros and a constant group's 0 scale included."""
+    g = torch.Generator().manual_seed(rows + groups)
+    meta = torch.randn(rows, groups, 2, generator=g) * torch.exp2(torch.randint(-30, 31, (rows, groups, 2),
+                                                                                  generator=g).float())
+    meta[0, 0] = torch.tensor([0.0, -1.5])
+    meta = meta.to(meta_dtype)
+    out = torch.full((groups, rows, 2), float("nan"), dtype=torch.bfloat16)  # every value must be written
+    assert expand_native.scales_into(meta, out)
+    want = _torch_scales(meta)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(kernels.kernel_scales(meta).view(torch.int16), want.view(torch.int16))
+
+
+def test_scales_of_other_meta_or_without_a_compiler_come_from_torch(monkeypatch, tmp_path):
+    """fp16 meta (not read by the C code), and any meta where nothing is built: kernel_scales is the torch ops'."""
+    meta = torch.randn(64, 8, 2, generator=torch.Generator().manual_seed(3))
+    half = meta.to(torch.float16)
+    assert not expand_native.scales_into(half, torch.empty(8, 64, 2, dtype=torch.bfloat16))
+    assert torch.equal(kernels.kernel_scales(half), _torch_scales(half))
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    expand_native._library.cache_clear()
+    try:
+        assert not expand_native.scales_into(meta, torch.empty(8, 64, 2, dtype=torch.bfloat16))
+        assert torch.equal(kernels.kernel_scales(meta), _torch_scales(meta))
+    finally:
+        expand_native._library.cache_clear()

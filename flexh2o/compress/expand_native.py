@@ -5,7 +5,9 @@ of an fp32 buffer, scales and shifts it in place and converts it to the compute 
 expanded weight, two of them strided. Here each (group, row block) tile of bytes is transposed in a small buffer,
 then every output row's group is written once, as fp32, bf16 or fp16, with the same arithmetic as the codec's
 `dequantize` (level as fp32, times the scale, plus the minimum: two fp32 roundings, no fused multiply-add; then
-one round to nearest even into bf16 or fp16), so the result is bitwise the reference's.
+one round to nearest even into bf16 or fp16), so the result is bitwise the reference's. The int4 kernel's scales
+and zeros, built from the meta at each load of a weight the kernel multiplies, are written here in one pass too
+(`scales_into`).
 
 The C source is compiled once per machine, instruction set and source into the cache directory with the system's
 C compiler and loaded with ctypes (the call releases the GIL, so a weight load on an I/O thread expands while the
@@ -30,11 +32,45 @@ from flexh2o.paths import cache_dir
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 static inline uint16_t to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : r);
+}
+
+/* n fp32 values rounded to nearest even into bf16 (NaN -> 0x7fc0, as torch), 8 at a time where AVX2 is built. */
+static void store_bf16(const float *v, uint16_t *o, int64_t n) {
+    int64_t t = 0;
+#ifdef __AVX2__
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0x7fc0);
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; t + 8 <= n; t += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_loadu_ps(v + t));
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+        r = _mm256_blendv_epi8(r, qnan, nan);
+        __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i *)(o + t), p);
+    }
+#endif
+    for (; t < n; t++) o[t] = to_bf16(v[t]);
+}
+
+/* n fp32 values rounded to nearest even into fp16 (vcvtps2ph where F16C is built, else the compiler's _Float16). */
+static void store_fp16(const float *v, uint16_t *o, int64_t n) {
+    int64_t t = 0;
+#ifdef __F16C__
+    for (; t + 8 <= n; t += 8)
+        _mm_storeu_si128((__m128i *)(o + t), _mm256_cvtps_ph(_mm256_loadu_ps(v + t), _MM_FROUND_TO_NEAREST_INT));
+    for (; t < n; t++) o[t] = _cvtss_sh(v[t], _MM_FROUND_TO_NEAREST_INT);
+#elif defined(__FLT16_MAX__)
+    for (; t < n; t++) { _Float16 h = (_Float16)v[t]; memcpy(o + t, &h, 2); }
+#endif
 }
 
 /* An 8 x 8 tile of bytes transposed (rows `ss` apart in src, `ds` apart in dst) by three rounds of swaps. */
@@ -75,35 +111,41 @@ static void expand_block(const uint8_t *src, const float *meta, int64_t K, int64
                 int64_t r = row0 + rows[half];
                 float s = meta[(r * G + gi) * 2], m = meta[(r * G + gi) * 2 + 1];
                 int shift = half ? 4 : 0;
-                if (kind == 1) {
-                    uint16_t *o = (uint16_t *)out + r * K + gi * g;
-                    for (int64_t t = 0; t < g; t++) {
-                        float v = (float)((q[t] >> shift) & 15) * s;
-                        o[t] = to_bf16(v + m);
-                    }
-                } else if (kind == 2) {
-#ifdef __FLT16_MAX__
-                    _Float16 *o = (_Float16 *)out + r * K + gi * g;
-                    for (int64_t t = 0; t < g; t++) {
-                        float v = (float)((q[t] >> shift) & 15) * s;
-                        o[t] = (_Float16)(v + m);
-                    }
-#endif
-                } else {
-                    float *o = (float *)out + r * K + gi * g;
-                    for (int64_t t = 0; t < g; t++) {
-                        float v = (float)((q[t] >> shift) & 15) * s;
-                        o[t] = v + m;
-                    }
+                float vals[256];
+                float *o = kind == 0 ? (float *)out + r * K + gi * g : vals;
+                for (int64_t t = 0; t < g; t++) {
+                    float v = (float)((q[t] >> shift) & 15) * s;
+                    o[t] = v + m;
                 }
+                if (kind == 1) store_bf16(vals, (uint16_t *)out + r * K + gi * g, g);
+                else if (kind == 2) store_fp16(vals, (uint16_t *)out + r * K + gi * g, g);
             }
         }
     }
 }
 
-/* Which outputs this build writes: fp32 and bf16 always, fp16 where the compiler has _Float16. */
+static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* The int4 kernel's scales and zeros: meta (N, G, 2) (scale, minimum) as fp32 (kind 0) or bf16 (kind 1) ->
+   out (G, N, 2) bf16 (scale, minimum + 8 scale), as torch computes them (fp32, 8 scale exact: one rounding). */
+int scales4(const void *meta, int kind, int64_t N, int64_t G, uint16_t *out, int threads) {
+    if (kind < 0 || kind > 1) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < G; g++) {
+            int64_t i = (n * G + g) * 2;
+            float s = kind ? from_bf16(((const uint16_t *)meta)[i]) : ((const float *)meta)[i];
+            float m = kind ? from_bf16(((const uint16_t *)meta)[i + 1]) : ((const float *)meta)[i + 1];
+            out[(g * N + n) * 2] = to_bf16(s);
+            out[(g * N + n) * 2 + 1] = to_bf16(m + 8.0f * s);
+        }
+    }
+    return 0;
+}
+
+/* Which outputs this build writes: fp32 and bf16 always, fp16 where F16C is built or the compiler has _Float16. */
 int expand4_kinds(void) {
-#ifdef __FLT16_MAX__
+#if defined(__F16C__) || defined(__FLT16_MAX__)
     return 3;
 #else
     return 2;
@@ -129,6 +171,7 @@ ISA_FLAGS = (("AVX512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # in the C code's order of `kind`
 MAX_GROUP = 256  # the C tile holds a group of up to this many inputs for 32 byte rows
 MAX_BLOCK = 64
+META_DTYPES = (torch.float32, torch.bfloat16)  # the meta `scales_into` reads, in the C code's order of `kind`
 
 
 def _isa() -> str:
@@ -154,6 +197,9 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     lib.expand4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                             ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.expand4_kinds.restype = ctypes.c_int
+    lib.scales4.restype = ctypes.c_int
+    lib.scales4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_int]
     return lib
 
 
@@ -176,7 +222,7 @@ def _build(path: str, flags: list) -> None:
 
 
 def out_dtypes() -> tuple:
-    """The dtypes the C expansion writes on this machine (fp32 and bf16, fp16 where the compiler has _Float16);
+    """The dtypes the C expansion writes on this machine (fp32 and bf16, fp16 where F16C is built or the compiler has _Float16);
     () where it cannot be built or loaded for torch's instruction set."""
     lib = _library(_isa())
     return OUT_DTYPES[:lib.expand4_kinds()] if lib is not None else ()
@@ -204,3 +250,16 @@ def expand_into(packed: torch.Tensor, meta: torch.Tensor, group_size: int, block
     if got:
         raise ValueError(f"expand4: unsupported block {block} / group {group_size} / {out.dtype} for a ({n}, {k}) "
                          f"weight")
+
+
+def scales_into(meta: torch.Tensor, out: torch.Tensor) -> bool:
+    """The int4 kernel's scales and zeros of meta (N, groups, 2) (scale, minimum) written into `out` (groups, N, 2)
+    bf16 in one pass, bit for bit compress/kernels.kernel_scales' torch ops; False (nothing written) where the
+    library is not built or the meta is not fp32 or bf16 on the CPU."""
+    lib = _library(_isa())
+    if lib is None or meta.dtype not in META_DTYPES or meta.device.type != "cpu" or not out.is_contiguous():
+        return False
+    m = meta.contiguous()
+    n, groups = m.shape[:2]
+    return lib.scales4(m.data_ptr(), META_DTYPES.index(m.dtype), n, groups, out.data_ptr(),
+                       torch.get_num_threads()) == 0

@@ -94,6 +94,9 @@ def kernel_scales(meta: torch.Tensor) -> torch.Tensor:
     (scale, zero) bf16 pair is moved as one 32-bit word in the transposition: a weight's every load (each decode
     step's, for weights in memory) runs this, and transposing pairs of 16-bit values took over twice as long."""
     n, groups = meta.shape[:2]
+    out = torch.empty(groups, n, 2, dtype=torch.bfloat16)
+    if expand_native.scales_into(meta, out):  # one pass of C where it is built, the same bits
+        return out
     m = meta.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # never meta itself (Q4_K: fp32)
     m[..., 1].add_(m[..., 0], alpha=8)  # 8 scale is exact: one rounding, as lo + 8 * scale
     pairs = m.to(torch.bfloat16).view(torch.int32).view(n, groups)
