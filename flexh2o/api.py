@@ -1,8 +1,9 @@
 """The Python API: `LLM(model, **options).generate(prompts, SamplingParams(...))`.
 
 Options are flexh2o-run's flags as keywords (`percent=(0, 100, 100, 0)`, `kv_policy="h2o"`, `hh_ratio=0.2`,
-`gpu_batch_size=8`, ...): each is turned into its flag and parsed by flexh2o-run's own parser and checks, so the
-names, defaults and refusals are the command line's (cli/run.py declares them once). Prompts become requests
+`gpu_batch_size=8`, ...): they fill an EngineArgs (cli/engine_args.py, where every option is declared once and
+flexh2o-run's flags are generated from), each value what its flag would parse it to, checked by flexh2o-run's own
+checks, so the names, defaults and refusals are the command line's. Prompts become requests
 through the same code as a .jsonl --prompt-file's lines (requests.py), and run like a request job: each row stops at
 EOS (unless ignore_eos), a stop string or max_tokens. The first generate() call builds the engine (weights loaded
 once) and later calls reuse it while their run fits its plan (`serves`); `close()` or a with-block frees it.
@@ -36,7 +37,8 @@ class SamplingParams:
 
 
 def option_argv(parser: argparse.ArgumentParser, options: dict) -> list:
-    """Keyword options -> flexh2o-run arguments (ValueError naming an unknown keyword)."""
+    """Keyword options -> the flexh2o-run arguments that give them (ValueError naming an unknown keyword): the
+    command line of an LLM's options (EngineArgs.from_options fills them without one)."""
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     argv = []
     for key, value in options.items():
@@ -73,9 +75,8 @@ def _api_names(method):
 def api_message(text: str) -> str:
     """`text` (a CLI or request-file message) in the API's names."""
     import re
-    from flexh2o.cli.run import build_parser
-    flags = sorted({s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}, key=len,
-                   reverse=True)
+    from flexh2o.cli.engine_args import EngineArgs
+    flags = sorted({f.flag for f in EngineArgs.flags()} | {"--help"}, key=len, reverse=True)
     for flag in flags:
         name = flag[2:].replace("-", "_")
         text = re.sub(re.escape(flag) + r"(?: (?=[A-Z0-9.-])|(?=\)))", name + "=", text)  # hh_ratio=1.5, (tokenizer=)
@@ -89,16 +90,15 @@ class LLM:
     @_api_names
     def __init__(self, model: str = "opt-125m", **options):
         from flexh2o.cli.checks import check_run_flags
+        from flexh2o.cli.engine_args import EngineArgs
         from flexh2o.cli.flexgen_flags import flexgen_options
-        from flexh2o.cli.run import build_parser
         from flexh2o.prompts import load_tokenizer
         path, tokenizer = _model_source(model)
         if path is not None:
             options = {"path": path, "tokenizer": tokenizer, **options}
         else:
             options = {"model": model, **options}
-        parser = build_parser()
-        self.args = parser.parse_args(option_argv(parser, options))
+        self.args = EngineArgs.from_options(options, NOT_OPTIONS)
         check_run_flags(self.args)
         _budget_warning(self.args.kv_budget)
         self.opts = flexgen_options(self.args)

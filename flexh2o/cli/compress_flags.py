@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from flexh2o.cli.flags import add_flags, declare
 from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, \
     DEFAULT_ROTATE, DEFAULT_SINKS, KEY_SCHEMES
 
@@ -12,8 +13,10 @@ if TYPE_CHECKING:
     from flexh2o.compress import CompressionSpec
 
 
-def add_compression_flags(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
+def compression_flags() -> tuple:
+    """The compression Flags (flexh2o-run, -plan, -eval)."""
+    flags: list = []
+    a = declare(flags)
     a("--compress-weight", action="store_true", help="keep weights group-wise quantized in every tier (FlexGen)")
     a("--compress-cache", action="store_true", help="keep the KV cache quantized in every tier: values per token "
       "in groups along head_dim (FlexGen), keys as --cache-keys says")
@@ -51,6 +54,12 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
       help="--compress-weight on a CPU: auto (weights grouped along the input dimension, each phase runs torch's "
            "int4 kernel where a probe at start measures it faster), int4 (always), off (FlexGen's grouping along "
            "dimension 0, always expanded)")
+    return tuple(flags)
+
+
+def add_compression_flags(p: argparse.ArgumentParser) -> None:
+    """compression_flags() added to parser `p`."""
+    add_flags(p, compression_flags())
 
 
 def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from flexh2o.cli.flags import add_flags, declare
+
 FEWER_BATCH_STEPS = 5  # steps of a --debug-mode fewer_batch run when --cut-gen-len is not given
 
 
@@ -20,8 +22,10 @@ def str2bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
 
 
-def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
+def flexgen_flags() -> tuple:
+    """FlexGen's flags and the H2O port's (each accepted with its meaning, or refused: flexgen_options)."""
+    flags: list = []
+    a = declare(flags)
     a("--cut-gen-len", type=int, help="run only this many generation steps and project the decode time to "
       "--gen-len (FlexGen's shortened runs; the report marks the figures projected)")
     a("--debug-mode", choices=["fewer_batch", "breakdown"], help=f"fewer_batch: a shortened run (--cut-gen-len, "
@@ -35,6 +39,12 @@ def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
     a("--verbose", type=int, default=2, help="0: no summary on stdout; 1 or more: the summary (FlexGen's default 2)")
     a("--hh-long-seq", type=str2bool, nargs="?", const=True, default=False, help="the H2O port's long-sequence "
       "mode: refused (see the README)")
+    return tuple(flags)
+
+
+def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
+    """flexgen_flags() added to parser `p`."""
+    add_flags(p, flexgen_flags())
 
 
 @dataclass(frozen=True)

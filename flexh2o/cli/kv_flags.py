@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from flexh2o.cli.checks import check_kv_flags
+from flexh2o.cli.flags import Flag, add_flags
 from flexh2o.kv.policies import POLICIES, policy_class, policy_params
 from flexh2o.kv.spec import RATIO_FLOOR, KVSpec, ratio_tokens
 
@@ -27,22 +28,26 @@ class PolicyNames:
         return True
 
 
+def kv_flags(budgets: bool = True) -> tuple:
+    """The Flags of the KV cache: with `budgets`, --kv-policy, --hh-ratio, --recent-ratio, --kv-budget and
+    --exact-ratio; then every policy parameter's (--num-sinks first: every script)."""
+    head = (
+        Flag("--kv-policy", choices=PolicyNames(), default=None, help="default: h2o with --hh-ratio/--kv-budget, "
+             "else full"),
+        Flag("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same; together at "
+             f"least {RATIO_FLOOR} tokens unless --exact-ratio"),
+        Flag("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)"),
+        Flag("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head, obeyed exactly "
+             f"(one warning line under {RATIO_FLOOR})"),
+        Flag("--exact-ratio", action="store_true", help="keep exactly --hh-ratio/--recent-ratio of the prompt, even "
+             f"below the {RATIO_FLOOR} tokens a budget from ratios otherwise keeps at least (for reproductions)"),
+    ) if budgets else ()
+    return head + tuple(Flag(p.flag, type=p.type, default=p.default, help=p.help) for p in policy_params())
+
+
 def add_kv_flags(p: argparse.ArgumentParser, budgets: bool = True) -> None:
-    """Every policy parameter's flag (--num-sinks first: every script); with `budgets`, also --kv-policy,
-    --hh-ratio, --recent-ratio, --kv-budget."""
-    a = p.add_argument
-    if budgets:
-        a("--kv-policy", choices=PolicyNames(), default=None, help="default: h2o with --hh-ratio/--kv-budget, "
-          "else full")
-        a("--hh-ratio", type=float, help="heavy budget = int(ratio * prompt_len); recent the same; together at "
-          f"least {RATIO_FLOOR} tokens unless --exact-ratio")
-        a("--recent-ratio", type=float, help="recent budget = int(ratio * prompt_len)")
-        a("--kv-budget", type=int, help="total KV budget in tokens per sequence, layer and head, obeyed exactly "
-          f"(one warning line under {RATIO_FLOOR})")
-        a("--exact-ratio", action="store_true", help="keep exactly --hh-ratio/--recent-ratio of the prompt, even "
-          f"below the {RATIO_FLOOR} tokens a budget from ratios otherwise keeps at least (for reproductions)")
-    for param in policy_params():
-        a(param.flag, type=param.type, default=param.default, help=param.help)
+    """kv_flags(budgets) added to parser `p`."""
+    add_flags(p, kv_flags(budgets))
 
 
 def policy_values(args: argparse.Namespace) -> dict:

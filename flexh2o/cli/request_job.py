@@ -15,11 +15,14 @@ import sys
 from typing import Optional
 
 from flexh2o.batch.openai_job import is_openai_batch, load_openai_batch
+from flexh2o.cli.flags import add_flags, declare
 from flexh2o.requests import Defaults, fit_positions, load_requests, request_from, requests_from_prompts
 
 
-def add_request_flags(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
+def request_flags() -> tuple:
+    """The Flags of request jobs (--top-k, --prompt, --chat, --ignore-eos, --eos-id, --resume, --no-refill)."""
+    flags: list = []
+    a = declare(flags)
     a("--top-k", type=int, default=0, help="with --temperature > 0: sample from the k likeliest tokens (before "
       "--top-p); 0 = all")
     a("--prompt", action="append", default=None, metavar="TEXT", help="a prompt as text (repeatable): answered as "
@@ -35,6 +38,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     a("--no-refill", action="store_true", help="request jobs: answer the requests in FlexGen's fixed batches of "
       "num_seqs (a batch ends once all its rows have finished) instead of refilling each finished row with the next "
       "request inside the block schedule")
+    return tuple(flags)
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    """request_flags() added to parser `p`."""
+    add_flags(p, request_flags())
 
 
 def is_request_job(args) -> bool:
