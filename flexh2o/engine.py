@@ -49,8 +49,8 @@ class Engine:
 
     @property
     def forms(self) -> WeightForms:
-        """How the run's weights are held and reach the compute side (the weight store's)."""
-        return self.weights.forms
+        """How the run's weights are held and reach the compute side (its plan's, which the weight store holds)."""
+        return self.plan.forms
 
     @property
     def kernel(self) -> dict:
