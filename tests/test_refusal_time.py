@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -97,6 +98,18 @@ def test_search_reports_progress_over_every_weight_split():
                    progress=lambda done, total: calls.append((done, total)))
     total = len(weight_splits(50))
     assert found and calls == [(i, total) for i in range(1, total + 1)]
+
+
+def test_the_console_script_refuses_with_the_same_line(capsys, offload_dir):
+    """From the console script (argv from the command line) a refusal leaves at once, without the interpreter's
+    teardown (cli/run.py's Refusal): the same one line as in-process, exit status 2, nothing on stdout, and the
+    offload directory as it was."""
+    argv = CAPS + ["--offload-dir", offload_dir]
+    want = _refusal(capsys, argv)
+    before = sorted(os.listdir(offload_dir)) if os.path.isdir(offload_dir) else None
+    p = subprocess.run([sys.executable, "-m", "flexh2o.cli.run", *argv], capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout, p.stderr) == (2, "", want + "\n")
+    assert (sorted(os.listdir(offload_dir)) if os.path.isdir(offload_dir) else None) == before
 
 
 def test_seconds_read_as_a_person_would():

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from flexh2o import config as model_configs
 from flexh2o.cli.checks import check_output_path, check_run_flags
 from flexh2o.cli.console import Parser, run_main
+from flexh2o.errors import one_line
 from flexh2o.cli.help_text import model_help
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.flexgen_flags import add_flexgen_flags, flexgen_options, str2bool
@@ -87,7 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_main("flexh2o-run", lambda: _run(_parse(argv)), "interrupted; offload files removed")
+    return run_main("flexh2o-run", lambda: _body(argv), "interrupted; offload files removed")
+
+
+class Refusal(ValueError):
+    """The plan does not fit (check_fits), found before anything is built: no tier, file or thread exists yet."""
+
+
+def _body(argv: Optional[list]) -> int:
+    """The run; from the console script (argv None) a Refusal is printed as run_main prints an error and the process
+    exits 2 at once: nothing is left to clean, and the interpreter's teardown of torch took ~0.3 s of a 2 s refusal."""
+    try:
+        return _run(_parse(argv))
+    except Refusal as e:
+        if argv is not None:
+            raise
+        print(f"flexh2o-run: error: {one_line(e)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
 
 
 def _parse(argv: Optional[list]):
@@ -143,7 +162,10 @@ def _run(args) -> int:
     check_output_path(opts.log_file, "--log-file")
     if not launched_by_torchrun():  # under torchrun each stage plans its own layers (pipeline/job.py)
         # before anything is built from the sizes (the prompts included); a refusal's search shows a bar on a tty
-        check_fits(rc, hw, progress=opts.verbose > 0 and sys.stderr.isatty())
+        try:
+            check_fits(rc, hw, progress=opts.verbose > 0 and sys.stderr.isatty())
+        except ValueError as e:
+            raise Refusal(str(e)) from None
     if prompts is not None and len(prompts) > rc.num_seqs and not is_request_job(args):  # job.py: in rounds
         print(f"flexh2o-run: {rounds_line(len(prompts), rc.num_seqs, 'prompts')}", file=sys.stderr)
     if prompts is None:
