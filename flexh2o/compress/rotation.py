@@ -109,8 +109,12 @@ class Rotated(CacheForm):
         self.inner.calibrate(rotate(k), valid)
 
     def assign(self, index: tuple, values: torch.Tensor) -> None:
-        """self[index] = values (..., d): rotated, then quantized as the inner form does."""
-        self.inner.assign(index, rotate(values))
+        """self[index] = values (..., d): rotated, then quantized as the inner form does (by compress/fused_write.py's
+        kernels where they run: the same bytes)."""
+        from flexh2o.compress import fused_write  # (it reads compress/fused_attend.py's reader, which imports this)
+        x = rotate(values)
+        if not fused_write.assign(self.inner, index, x):
+            self.inner.assign(index, x)
 
     def expanded(self, dtype: torch.dtype) -> torch.Tensor:
         """The tokens (b, h, slots, d) in `dtype`, dequantized (fp32) and rotated back."""
