@@ -27,7 +27,7 @@ from flexh2o.compress.bits import unpack
 from flexh2o.compress.channel import ChannelKeys
 from flexh2o.compress.codec import CompressedTensor
 from flexh2o.compress.form import as_form
-from flexh2o.compress.recent import ring_logits, ring_mix  # noqa: F401  (the ring's read, for the fused readers)
+from flexh2o.compress.recent import ring_logits, ring_mix
 
 HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as int32: the high nibble of each byte of a word
 LOW = 0x0F0F0F0F  # the low nibble of each byte
@@ -36,7 +36,14 @@ TOPS = -0x7F7F7F80  # 0x80808080: the top bit of each byte
 
 class LevelsRead:
     """The torch read of a quantized form's levels (module docstring), as a cache form asks for it
-    (compress/form.py: CacheForm.logits and mix32 call channel_logits, group_logits, group_mix)."""
+    (compress/form.py: CacheForm.logits and mix32 call channel_logits, group_logits, group_mix, and the exact
+    ring's form ring_logits, ring_mix around its inner form's read); a fused reader overrides what it runs."""
+
+    def ring_logits(self, q: torch.Tensor, r, inner_logits) -> torch.Tensor:
+        return ring_logits(q, r, inner_logits)
+
+    def ring_mix(self, p: torch.Tensor, r, inner_mix32) -> torch.Tensor:
+        return ring_mix(p, r, inner_mix32)
 
     def channel_logits(self, q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
         return _channel_logits(q, k)

@@ -24,8 +24,7 @@ import torch
 
 from flexh2o.compress import attend
 from flexh2o.compress.channel import ChannelKeys
-from flexh2o.compress.recent import Recent
-from flexh2o.compress.rotation import Rotated
+from flexh2o.compress.form import as_form
 
 ENV = "FLEXH2O_CACHE_KERNEL"
 MODES = ("auto", "fused", "torch")
@@ -117,26 +116,29 @@ def _cpu(*ts) -> bool:
     return all(t.device.type == "cpu" for t in ts)
 
 
+class _FusedLevels(attend.LevelsRead):
+    """The levels read of the compiled kernels `kn` for a block on the CPU (compress/form.py's forms ask for it);
+    elsewhere attend.py's."""
+
+    def __init__(self, kn):
+        self.kn = kn
+
+    def channel_logits(self, q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
+        return _channel_logits(self.kn, q, k) if _cpu(q, k.data) else super().channel_logits(q, k)
+
+    def group_logits(self, q: torch.Tensor, x) -> torch.Tensor:
+        return _group_logits(self.kn, q, x) if _cpu(q, x.data) else super().group_logits(q, x)
+
+    def group_mix(self, p: torch.Tensor, x) -> torch.Tensor:
+        return _group_mix(self.kn, p, x) if _cpu(p, x.data) else super().group_mix(p, x)
+
+
 def _logits(kn, q: torch.Tensor, form) -> torch.Tensor:
-    if isinstance(form, Recent):
-        return attend.ring_logits(q, form, functools.partial(_logits, kn))
-    if isinstance(form, Rotated):
-        return _logits(kn, q, form.inner)
-    if isinstance(form, ChannelKeys) and not form.spec.fitted and _cpu(q, form.data):
-        return _channel_logits(kn, q, form)
-    if attend.whole_groups(form) and _cpu(q, form.data):
-        return _group_logits(kn, q, form)
-    return attend.logits(q, form)
+    return as_form(form).logits(q, _FusedLevels(kn))
 
 
 def _mix32(kn, p: torch.Tensor, form) -> torch.Tensor:
-    if isinstance(form, Recent):
-        return attend.ring_mix(p, form, functools.partial(_mix32, kn))
-    if isinstance(form, Rotated):
-        return _mix32(kn, p, form.inner)
-    if attend.whole_groups(form) and _cpu(p, form.data):
-        return _group_mix(kn, p, form)
-    return attend.mix(p, form, torch.float32)
+    return as_form(form).mix32(p, _FusedLevels(kn))
 
 
 @functools.lru_cache(maxsize=64)

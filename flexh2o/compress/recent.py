@@ -225,12 +225,14 @@ class Recent(CacheForm):
         return x
 
     def logits(self, q: torch.Tensor, read) -> torch.Tensor:
-        """The inner form's logits with the ring's slots' replaced by the exact keys' (`ring_logits`)."""
-        return ring_logits(q, self, lambda q, inner: inner.logits(q, read))
+        """The inner form's logits with the ring's slots' replaced by the exact keys' (the reader's ring_logits:
+        compress/attend.py's is `ring_logits` below)."""
+        return read.ring_logits(q, self, lambda q, inner: inner.logits(q, read))
 
     def mix32(self, p: torch.Tensor, read) -> torch.Tensor:
-        """The ring's slots' probabilities on its exact values, the inner form's mix over the rest (`ring_mix`)."""
-        return ring_mix(p, self, lambda p, inner: inner.mix32(p, read))
+        """The ring's slots' probabilities on its exact values, the inner form's mix over the rest (the reader's
+        ring_mix: compress/attend.py's is `ring_mix` below)."""
+        return read.ring_mix(p, self, lambda p, inner: inner.mix32(p, read))
 
 
 def _ring(r: Recent, slots: int) -> torch.Tensor:
