@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every process (default: torch's choice)")
     ap.add_argument("--hardware", help="hardware profile for flexh2o-run's predictions (default: flexh2o-run's)")
-    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "compare.jsonl"))
+    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "peers", "compare.jsonl"))
     args = ap.parse_args(argv)
     env = bench_env(args.threads)
     systems = (args.systems or ",".join(s for s in SYSTEMS if s != "h2o-q4" and not (args.mem_cap and

@@ -9,7 +9,7 @@ The defaults (opt-125m, prompt 16, gen 32, --gpu-mem 360MB: batches 17 / 177 ful
 under a minute on this 2-core machine when it is quiet, three rounds in about 6 minutes:
 
     flock /work/team/bench.lock env OMP_WAIT_POLICY=PASSIVE python benchmarks/compress_disk.py --repeats 3 \
-        --out benchmarks/results/compress_disk.jsonl
+        --out benchmarks/results/compression/compress_disk.jsonl
 """
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="check that every command parses; run nothing")
     p.add_argument("--no-flexgen", action="store_true", help="skip FlexGen 0.1.8 (its pip install needs a network)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_check"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu-check", "latest"))
     args = p.parse_args(argv)
     if args.dry_run:
         problems = check_parses(args.out)

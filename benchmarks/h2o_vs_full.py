@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=240, help="seconds per run")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS (default: torch's choice)")
     ap.add_argument("--hardware", help="hardware profile for flexh2o-run's predictions (default: flexh2o-run's)")
-    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "h2o_vs_full.jsonl"))
+    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "h2o-vs-full", "h2o_vs_full.jsonl"))
     args = ap.parse_args(argv)
     env = bench_env(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)

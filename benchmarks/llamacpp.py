@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1200)
-    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "llamacpp.jsonl"))
+    ap.add_argument("--log-file", default=os.path.join(HERE, "results", "peers", "llamacpp.jsonl"))
     args = ap.parse_args(argv)
     gguf = args.gguf or smollm2_gguf()
     try:

@@ -8,7 +8,7 @@ configurations alternate within each round, and medians over the rounds are repo
 seeded dummy weights (--path _DUMMY_): nothing is downloaded.
 
     flock /work/team/bench.lock python benchmarks/pipeline.py --model opt-350m --cap 1300MB --repeats 3 \
-        --out benchmarks/results/pipeline.jsonl
+        --out benchmarks/results/pipeline-stages/pipeline.jsonl
 """
 from __future__ import annotations
 

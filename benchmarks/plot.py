@@ -1,6 +1,6 @@
 """Plots from benchmark records (JSON lines of flexh2o-run --log-file, sweep.py, compare.py, the peers).
 
-    python benchmarks/plot.py benchmarks/results/cpu_scaled.jsonl --out-dir benchmarks/plots
+    python benchmarks/plot.py benchmarks/results/paper-sweep/cpu_scaled.jsonl --out-dir benchmarks/plots
 
 Writes <stem>_vs_batch.png (total throughput vs sequences per run), <stem>_vs_budget.png (throughput vs KV budget in
 tokens per sequence) and, when records carry predicted figures, <stem>_measured_vs_predicted.png. Needs matplotlib

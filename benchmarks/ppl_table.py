@@ -1,7 +1,7 @@
 """Markdown perplexity tables for benchmarks/ACCURACY.md from `flexh2o-eval ppl` result files (parts of one table,
 e.g. one file per text and budget group), with the best policy per text and budget and the targets it was measured against.
 
-    python benchmarks/ppl_table.py benchmarks/results/ppl1024_*.json [--key ppl_late]
+    python benchmarks/ppl_table.py benchmarks/results/ppl-by-policy/ppl1024_*.json [--key ppl_late]
 
 Targets checked per text and budget: the best policy other than h2o and streaming against min(h2o, streaming), and
 every policy against the full cache at 128 tokens (+5%).

@@ -2,7 +2,7 @@
 weight-only quantized kernels (aten._weight_int4pack_mm_for_cpu, aten._weight_int8pack_mm), per phase (decode:
 few rows; prefill: hundreds), one thread, methods alternated in rounds, medians.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/quant_kernels.py --out benchmarks/results/quant_kernels.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/quant_kernels.py --out benchmarks/results/compression/quant_kernels.json
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The accuracy runs of the quantized KV cache: one `flexh2o-eval ppl` per (text, scheme, bits), run one
-after another (nice 19: the evals are not timed), each writing benchmarks/results/<prefix>_<text>_<scheme><bits>.json.
+after another (nice 19: the evals are not timed), each writing
+benchmarks/results/quantized-kv-cache/<prefix>_<text>_<scheme><bits>.json.
 
     python benchmarks/quant_runs.py --texts hamlet,macbeth --bits 4,3,2,8 --schemes new,flexgen [--dry]
     python benchmarks/quant_runs.py --prefix acc26f --full-only --group 32 ...   # the full cache alone
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         for bits in (int(b) for b in args.bits.split(",")):
             for scheme in args.schemes.split(","):
                 tag = f"{scheme}{bits}" + (f"g{args.group}" if args.group != 64 else "")
-                out = f"benchmarks/results/{args.prefix}_{text}_{tag}.json"
+                out = f"benchmarks/results/quantized-kv-cache/{args.prefix}_{text}_{tag}.json"
                 cmd = command(text, quant(scheme, bits, args.recent, args.group), args) + ["--out", out]
                 print(" ".join(cmd), flush=True)
                 if args.dry or os.path.exists(out):

@@ -1,7 +1,8 @@
 """Markdown tables for the quantized-cache runs (benchmarks/quant_runs.py's result files), against the plain
 cache of a 1024-token policy table (same model, dtype, windows and prefix). Nothing is typed in by hand.
 
-    python benchmarks/quant_table.py [--prefix acc26r] [--plain benchmarks/results/issue11_table_s9.json]
+    python benchmarks/quant_table.py [--prefix acc26r] \
+        [--plain benchmarks/results/ppl-by-policy/table_2026-12-02-a4eb387.json]
 
 Tables: (1) the full cache per scheme and bits against the plain full cache; (2) h2o and the other policy at the
 fixed budgets; (3) equal bytes: at the bytes of 64, 128 and 256 fp16 tokens, the best policy of each (scheme, bits)
@@ -25,7 +26,7 @@ FP16 = (64, 128, 256)
 def load(prefix: str) -> dict:
     """(text, scheme, bits) -> result dict, from benchmarks/results/<prefix>_<text>_<scheme><bits>.json."""
     out = {}
-    for path in glob.glob(os.path.join("benchmarks", "results", f"{prefix}_*.json")):
+    for path in glob.glob(os.path.join("benchmarks", "results", "quantized-kv-cache", f"{prefix}_*.json")):
         m = re.fullmatch(rf"{prefix}_([a-z_]+)_(new|flexgen|fitted|rotated)(\d)\.json", os.path.basename(path))
         if m:
             with open(path) as fh:
@@ -45,7 +46,7 @@ def rows_of(res: dict, text: str = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix", default="acc26r")
-    p.add_argument("--plain", default="benchmarks/results/issue11_table_s9.json")
+    p.add_argument("--plain", default="benchmarks/results/ppl-by-policy/table_2026-12-02-a4eb387.json")
     p.add_argument("--recent", type=int, default=16)
     args = p.parse_args(argv)
     runs = load(args.prefix)

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS (default: torch's choice)")
-    ap.add_argument("--log-file", default=os.path.join(os.path.dirname(__file__), "results", "readme_dtypes.jsonl"))
+    ap.add_argument("--log-file", default=os.path.join(os.path.dirname(__file__), "results", "dtype-choice",
+                                                        "readme_dtypes.jsonl"))
     args = ap.parse_args(argv)
     env = bench_env(args.threads)
     got = {v: [] for v in VARIANTS}

@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--offload-dir", default=None)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "memory-over-a-long-run", "soak.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "plots", "soak.png"))
     ap.add_argument("--replot", action="store_true", help="only redraw --plot from the record at --out")
     args = ap.parse_args()

@@ -1,6 +1,7 @@
 """Run a grid of flexh2o-run points described in a JSON file under configs/, one process per point.
 
-    python benchmarks/sweep.py flexh2o/configs/cpu_scaled.json --out benchmarks/results/cpu_scaled.jsonl --timeout 300
+    python benchmarks/sweep.py flexh2o/configs/cpu_scaled.json --out benchmarks/results/paper-sweep/cpu_scaled.jsonl \
+        --timeout 300
 
 Config file: {"description": ..., "defaults": {flag: value}, "groups": [{flag: value | [values] | [{flags}]}]}.
 Keys are flexh2o-run flags with '_' for '-' (true = bare flag, null/false = left out, "percent" a string); "label"
@@ -99,7 +100,8 @@ COLUMNS = (("label", "label"), ("model", "model"), ("len", "len"), ("percent", "
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run a flexh2o sweep grid (resumable).")
     ap.add_argument("config", help="JSON sweep file (see flexh2o/configs/)")
-    ap.add_argument("--out", help="results file (JSON lines); default benchmarks/results/<config name>.jsonl")
+    ap.add_argument("--out", help="results file (JSON lines); default "
+                    "benchmarks/results/paper-sweep/<config name>.jsonl")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per point")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every point (default: torch's choice)")
     ap.add_argument("--retry-failed", action="store_true", help="rerun points recorded as timeout/error/refused")
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
         config.setdefault("defaults", {})[key.replace("-", "_")] = json.loads(value) if value in (
             "true", "false", "null") else value
     name = os.path.splitext(os.path.basename(args.config))[0]
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{name}.jsonl")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "paper-sweep",
+                                    f"{name}.jsonl")
     points = [p for p in expand(config) if not args.only or args.only in p.get("label", "")]
     env = bench_env(args.threads)
     done = load_done(out)

@@ -1,8 +1,9 @@
 """Markdown tables for benchmarks/RESULTS.md, computed from the result files (nothing typed in by hand).
 
-    python benchmarks/tables.py                      # every known file under benchmarks/results/
-    python benchmarks/tables.py --compare benchmarks/results/compare_disk.jsonl
-    python benchmarks/tables.py --h2o-vs-full none --sweep none --compare --runs benchmarks/results/policy_auto.jsonl
+    python benchmarks/tables.py                      # the known files under benchmarks/results/<question>/
+    python benchmarks/tables.py --compare benchmarks/results/peers/compare_disk.jsonl
+    python benchmarks/tables.py --h2o-vs-full none --sweep none --compare \
+        --runs benchmarks/results/cost-model-vs-measured/policy_auto.jsonl
 
 h2o_vs_full.jsonl: its last full/h2o pair. <sweep>.jsonl: every point. compare*.jsonl: the latest run (run_id) in the
 file, medians over its rounds and the ratios of the medians. "decode / disk bound" divides the time the disk tier
@@ -221,9 +222,9 @@ def runs(path: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Markdown tables from benchmark result files.")
     res = os.path.join(HERE, "results")
-    ap.add_argument("--h2o-vs-full", default=os.path.join(res, "h2o_vs_full.jsonl"))
-    ap.add_argument("--sweep", default=os.path.join(res, "cpu_scaled.jsonl"))
-    ap.add_argument("--compare", nargs="*", default=[os.path.join(res, f"compare_{v}.jsonl")
+    ap.add_argument("--h2o-vs-full", default=os.path.join(res, "h2o-vs-full", "h2o_vs_full.jsonl"))
+    ap.add_argument("--sweep", default=os.path.join(res, "paper-sweep", "cpu_scaled.jsonl"))
+    ap.add_argument("--compare", nargs="*", default=[os.path.join(res, "peers", f"compare_{v}.jsonl")
                                                      for v in ("disk", "memory")])
     ap.add_argument("--runs", nargs="*", default=[], help="files of plain flexh2o-run records")
     args = ap.parse_args(argv)
