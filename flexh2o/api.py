@@ -137,7 +137,7 @@ class LLM:
         from flexh2o.batch.progress import Progress
         from flexh2o.batch.run import run_requests
         from flexh2o.cli.request_job import stop_rule
-        from flexh2o.cli.run import build_run_config
+        from flexh2o.cli.configure import build_run_config
         prompts = _prompt_list(prompts)
         per = _per_prompt(params, len(prompts))
         reqs = self.requests(prompts, per, chat)
