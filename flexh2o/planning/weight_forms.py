@@ -31,7 +31,7 @@ def weight_forms(rc, timer: Callable, fits: Callable[[WeightForms], bool], avail
         raise ValueError(f"--weight-kernel int4: this torch has no int4 kernel for device {rc.device} "
                          "(use --weight-kernel auto)")
     layers = rc.placement.weights.layer_specs
-    ordered = [s for layer in layers for s in layer if usable and forms.in_kernel_order(s)]
+    ordered = [s for layer in layers for s in layer if forms.in_kernel_order(s)] if usable else []
     if not ordered:
         return forms
     blocks = [s for layer in layers[1:-1] for s in layer if s in ordered]  # the blocks' matmuls

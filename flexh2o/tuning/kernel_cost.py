@@ -15,7 +15,7 @@ EXPAND_PASSES = 1.8  # expanding a compressed tensor costs this many dtype conve
 def kernel_forms(rc: RunConfig, rates: dict) -> WeightForms:
     """rc's WeightForms as the engine decides them, from the profile's rates (phase -> Rates): the faster of expand
     + matmul and the kernel for one weight at the phase's rows, the kernel also where expanding would not fit."""
-    return weight_forms(rc, rates_timer(rc, rates), plan_memory(rc, forms=WeightForms.least(rc)).fits)
+    return weight_forms(rc, rates_timer(rc, rates), lambda forms: plan_memory(rc, forms=forms).overflow() is None)
 
 
 def rates_timer(rc: RunConfig, rates: dict) -> Callable:
