@@ -25,6 +25,7 @@ import torch
 from flexh2o.compress import attend
 from flexh2o.compress.channel import ChannelKeys
 from flexh2o.compress.form import as_form
+from flexh2o.compress.rotation import rotate, unrotate
 
 ENV = "FLEXH2O_CACHE_KERNEL"
 MODES = ("auto", "fused", "torch")
@@ -131,6 +132,34 @@ class _FusedLevels(attend.LevelsRead):
 
     def group_mix(self, p: torch.Tensor, x) -> torch.Tensor:
         return _group_mix(self.kn, p, x) if _cpu(p, x.data) else super().group_mix(p, x)
+
+    def ring_logits(self, q: torch.Tensor, r, inner_logits) -> torch.Tensor:
+        if not _cpu(q, r.rslot):
+            return super().ring_logits(q, r, inner_logits)
+        return _ring_logits(self.kn, q, r, inner_logits)
+
+    def ring_mix(self, p: torch.Tensor, r, inner_mix32) -> torch.Tensor:
+        return _ring_mix(self.kn, p, r, inner_mix32) if _cpu(p, r.rslot) else super().ring_mix(p, r, inner_mix32)
+
+
+def _ring_logits(kn, q: torch.Tensor, r, inner_logits) -> torch.Tensor:
+    """recent.ring_logits with the ring's slots' logits written by one kernel over the inner read's: each from the
+    exact keys and the query rotated back to their basis, in fp32."""
+    out = inner_logits(q, r.inner).contiguous()  # (b, h, g, s) fp32
+    qf = q.float()
+    qm = (unrotate(qf) if r.inner.rotated else qf).contiguous()  # (b, h, g, d)
+    kn.ring_logits(qm.numpy(), r.ring(torch.float32).numpy(), r.rslot.numpy(), out.numpy())
+    return out
+
+
+def _ring_mix(kn, p: torch.Tensor, r, inner_mix32) -> torch.Tensor:
+    """recent.ring_mix with the ring's share split off by one kernel: the rest mixed by the inner read, the exact
+    values' share (model basis) rotated into the inner form's basis and added."""
+    b, h, g, s = p.shape
+    ring = r.ring(torch.float32)  # (b, h, E, d)
+    rest, exact = torch.empty(b, h, g, s), torch.empty(b, h, g, ring.shape[-1])
+    kn.ring_split(p.float().numpy(), ring.numpy(), r.rslot.numpy(), rest.numpy(), exact.numpy())
+    return inner_mix32(rest, r.inner) + (rotate(exact) if r.inner.rotated else exact)
 
 
 def _logits(kn, q: torch.Tensor, form) -> torch.Tensor:

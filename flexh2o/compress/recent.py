@@ -165,8 +165,11 @@ class Recent(CacheForm):
         """A decode step's new token of every row (pos (b,)) went into `slot` (b, h) with values (b, h, d): it takes
         ring entry pos % R (the token R positions older leaves the window), or sink entry R + pos when pos < S, and
         an entry naming the same slot (an evicted token's) is dropped."""
+        from flexh2o.compress import fused_write  # (it reads compress/fused_attend.py's reader, which imports this)
         b, h, _ = self.rslot.shape
         r, s = self.window, self.sinks
+        if fused_write.ring_put(self.rslot, self.recent, slot, pos, r, s, values):  # one kernel, the same writes
+            return
         self.rslot.masked_fill_(self.rslot == slot[..., None].to(self.rslot.dtype), -1)
         bi = torch.arange(b, device=slot.device)[:, None]
         hi = torch.arange(h, device=slot.device)[None, :]
