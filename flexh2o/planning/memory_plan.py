@@ -12,7 +12,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
 from flexh2o.weights.forms import WeightForms
-from flexh2o.weights.stored_form import stays_stored
+from flexh2o.weights.stored_form import read_by_rows, stays_stored
 from flexh2o.compress.codec import weight_spec
 
 KINDS = ("weights", "cache", "activations", "buffers")
@@ -172,14 +172,17 @@ def streamed_bytes(rc: RunConfig, where: Placement, phase: str) -> tuple:
     """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those used
     as read at `phase`) (file padding left out)."""
     compute = rc.compute_at(0 if phase == "prefill" else 1)
-    key = ("streamed", rc.dtype, compute, rc.compress_weight)  # all it reads besides the homes (a search asks often)
-    return where.weights.derived(key, lambda homes: _streamed(homes, rc.dtype, compute, rc.compress_weight))
+    on_cpu = not rc.device.startswith("cuda")
+    key = ("streamed", rc.dtype, compute, rc.compress_weight, on_cpu)  # all it reads besides the homes
+    return where.weights.derived(key, lambda homes: _streamed(homes, rc.dtype, compute, rc.compress_weight, on_cpu))
 
 
-def _streamed(homes, dtype, compute, compress) -> tuple:
+def _streamed(homes, dtype, compute, compress, on_cpu: bool) -> tuple:
+    """Tables read by rows (weights/stored_form.read_by_rows) are not read into an arena."""
     last, streamed, views = len(homes.layer_specs) - 2, [], []
     for i, layer in enumerate(homes.layer_specs):
-        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None]
+        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None
+                and not read_by_rows(i, last, s, False, "disk", on_cpu)]
         streamed.append(sum(s.numel for s in disk) * dtype.itemsize)
         views.append(sum(s.numel for s in disk if dtype == compute
                          or stays_stored(i, last, s, dtype, compute, False)) * dtype.itemsize)

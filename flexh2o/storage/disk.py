@@ -167,6 +167,20 @@ class DiskTier(Tier):
             return out
         return out.to(device=device, dtype=want)
 
+    def read_spans(self, handle: DiskHandle, spans: list) -> None:
+        """Read parts of a tensor's file, e.g. a table's rows: spans [(offset, buf)], each offset a multiple of ALIGN
+        and each buf an aligned uint8 buffer of a multiple of ALIGN bytes within the padded file (one open)."""
+        with self._io_errors("reading", handle):
+            fd = self._open(handle.path, os.O_RDONLY)
+            try:
+                for offset, buf in spans:
+                    _read_all(fd, buf, offset)
+                self._evict(fd, sync=False)
+            finally:
+                os.close(fd)
+        with self._lock:
+            self.bytes_loaded += sum(buf.numel() for _, buf in spans)
+
     def store(self, handle: DiskHandle, tensor: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
         """Write the whole tensor. `slots` is ignored on purpose: one slot of a (b, h, s, d) cache is h*d elements per
         batch row, scattered in b*h runs far smaller than the 4096-byte direct-I/O block, so per-slot writes would
@@ -256,11 +270,11 @@ def _free_bytes(directory: str) -> int:
         return 0
 
 
-def _read_all(fd: int, buf: torch.Tensor) -> None:
-    """Fill `buf` from offset 0, looping on short reads; os.preadv releases the GIL."""
+def _read_all(fd: int, buf: torch.Tensor, offset: int = 0) -> None:
+    """Fill `buf` from the file's `offset`, looping on short reads; os.preadv releases the GIL."""
     view, pos = _memview(buf), 0
     while pos < len(view):
-        n = os.preadv(fd, [view[pos:]], pos)
+        n = os.preadv(fd, [view[pos:]], offset + pos)
         if n == 0:
             raise EOFError(f"disk tier: file ended after {pos} of {len(view)} bytes")
         pos += n

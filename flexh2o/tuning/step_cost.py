@@ -30,7 +30,7 @@ from flexh2o.tuning.hardware import GRAIN, Rates
 from flexh2o.tuning.kernel_cost import EXPAND_PASSES
 from flexh2o.units import padded
 from flexh2o.weights.forms import WeightForms
-from flexh2o.weights.stored_form import stored_of_run
+from flexh2o.weights.stored_form import disk_table_reads, disk_tables_of_run, stored_of_run
 
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
 ATT_PASSES = 7  # read+write passes over each fp32 attention probability (scale, mask, softmax, casts)
@@ -87,6 +87,7 @@ class StepCost:
         self.w, self.c = rc.dtype.itemsize, rc.compute.itemsize
         self.weights, self.params2d, self.packed, self.kernel_parts = layout_of(rc, memo)
         self.stored = stored_of_run(rc, memo)  # weights/stored_form.py
+        self.tables = disk_tables_of_run(rc, memo)  # tables read from disk by rows and chunks (DiskTable)
         self.forms = forms or WeightForms.of_run(rc)  # where the blocks' matmuls run the int4 kernel
         self.cache_counts = rc.placement.cache_counts()
         self.act_counts = rc.placement.activation_counts()
@@ -156,9 +157,13 @@ class StepCost:
         the int4 kernel does not run them (weights/forms.py): lookups expand the row blocks they read and the head
         its blocks, per GPU batch; plain tables kept stored likewise (their rows; the head per GPU batch)."""
         r = self.r
+        table, shapes = self.tables[layer]
         for tier, nbytes, on_disk, files in self.weights[layer]:
-            if tier == "disk":
-                st.add("disk.weights_read", _div(on_disk, r.disk_read, "disk_read_bw") + files * r.read_latency)
+            if tier == "disk":  # less the tables read by rows and chunks, per GPU batch (stored_form.disk_table_reads)
+                reads, spans = disk_table_reads(layer, shapes, self.rc.dtype, self.rc.gpu_batch_size * t,
+                                                self.rc.num_gpu_batches)
+                st.add("disk.weights_read", _div(on_disk - table + reads, r.disk_read, "disk_read_bw")
+                       + (files - len(shapes) + spans) * r.read_latency)
             if self.cuda and tier != "gpu":
                 st.add("h2d.weights", _div(nbytes, r.h2d, "h2d_bw"))
             if self.w != self.c and not self.packed[layer]:  # a memory pass: host (CPU run) or device

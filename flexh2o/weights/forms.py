@@ -30,7 +30,7 @@ import torch
 from flexh2o.compress.choice import PHASES
 from flexh2o.compress.codec import CompressionSpec, stored_bytes, weight_spec
 from flexh2o.compress.kernels import kernel_shape_ok, kernel_spec_ok, packed_bytes, rows_buffer_bytes, scales_bytes
-from flexh2o.weights.stored_form import stays_stored, stored_weight_bytes
+from flexh2o.weights.stored_form import read_by_rows, stays_stored, stored_weight_bytes
 
 
 def kernel_layout(rc) -> bool:
@@ -138,6 +138,8 @@ class WeightForms:
     def _at(self, layer: int, num_layers: int, s, home: str, spec, ordered: bool, phase: str) -> tuple:
         """(form, compute-side bytes apart from its home) of one weight at `phase`."""
         compute, in_place = self.compute_at(phase), home in self.in_place
+        if spec is None and read_by_rows(layer, num_layers, s, False, home, "cpu" in self.in_place):  # a DiskTable
+            return "stored", stored_weight_bytes(layer, s, self.storage, compute, False, by_rows=True)
         if spec is None and stays_stored(layer, num_layers, s, self.storage, compute, False):
             return "stored", stored_weight_bytes(layer, s, self.storage, compute, in_place)  # stored_form.py
         if spec is None:

@@ -21,7 +21,7 @@ from flexh2o.placement import WeightHomes
 from flexh2o.storage.disk import DiskTier
 from flexh2o.storage.read_buffers import ReadArenas
 from flexh2o.weights.forms import WeightForms
-from flexh2o.weights.stored_form import stays_stored
+from flexh2o.weights.stored_form import DiskTable, read_by_rows, stays_stored
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 READS_IN_FLIGHT = 8  # a layer's disk reads issued at once (queue depth; the link is not filled by one read at a time)
@@ -73,6 +73,10 @@ class WeightStore:
             for s in layer:
                 if s.name not in self.handles:
                     self.handles[s.name] = self.tiers[s.name].alloc(s.shape, self.dtype)
+        last = len(self.specs) - 2
+        self._tables = {s.name for i, layer in enumerate(self.specs) for s in layer  # read by rows (stored_form.py)
+                        if read_by_rows(i, last, s, isinstance(self.tiers[s.name], CompressedTier), self.homes[s.name],
+                                        tiers["gpu"].device.type == "cpu")}
         self.reads = ReadArenas(max(sum(self.handles[s.name].padded for s in self._streamed(layer))
                                     for layer in range(len(self.specs))))
         self._readers: Optional[ThreadPoolExecutor] = None
@@ -118,6 +122,9 @@ class WeightStore:
         spent = [time.perf_counter() - start, 0.0]  # seconds reading, expanding
         for s in self.specs[layer]:
             kept = stays_stored(layer, last, s, self.dtype, dtype, isinstance(self.tiers[s.name], CompressedTier))
+            if s.name in self._tables:
+                out[s.name] = DiskTable(None, dtype, self.tiers[s.name], self.handles[s.name])  # read by rows, chunks
+                continue
             read = streamed.get(s.name, packed.get(s.name))  # its disk read, issued with the layer's
             t = self._load_one(layer, s, read, device, self.dtype if kept else dtype, phase, spent)
             copied += _copied_bytes(t, self.handles[s.name])  # kept scales too, as the plan's layers in flight count
@@ -174,7 +181,8 @@ class WeightStore:
 
     def _streamed(self, layer: int) -> list:
         """The layer's plain weights homed on the disk tier: read whole into a read arena."""
-        return [s for s in self.specs[layer] if isinstance(self.tiers[s.name], DiskTier)]
+        return [s for s in self.specs[layer]
+                if isinstance(self.tiers[s.name], DiskTier) and s.name not in self._tables]
 
     def _pool(self) -> ThreadPoolExecutor:
         """The READS_IN_FLIGHT threads every disk read of a layer is issued to (made at the first)."""
