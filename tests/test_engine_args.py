@@ -69,3 +69,10 @@ def test_a_parser_with_more_options_gives_its_run_options():
     parser = cli.build_parser()
     parser.add_argument("--port", type=int, default=8000)
     assert EngineArgs.from_namespace(parser.parse_args(["--port", "1", "--gen-len", "4"])) == EngineArgs(gen_len=4)
+
+
+def test_a_repeated_flag_takes_each_value():
+    """--prompt (repeatable): prompt=[...] is each --prompt given once; one string is one prompt."""
+    parsed = EngineArgs.from_namespace(cli.build_parser().parse_args(["--prompt", "a b", "--prompt", "c"]))
+    assert EngineArgs.from_options({"prompt": ["a b", "c"]}) == parsed
+    assert EngineArgs.from_options({"prompt": "a b"}).prompt == ["a b"]

@@ -58,6 +58,8 @@ class Flag:
             return True if given else self.default
         if self.action is argparse.BooleanOptionalAction:
             return bool(given)
+        if self.action == "append":  # a repeated flag: each value given once
+            return [self._one(v) for v in (given if isinstance(given, (list, tuple)) else [given])]
         if not isinstance(given, (list, tuple)):
             return [self._one(given)] if self.nargs in MANY else self._one(given)
         if self.nargs in MANY and given:
