@@ -52,11 +52,9 @@ class _Terms(dict):
 
 
 def _div(nbytes: float, rate: Optional[float], what: str) -> float:
-    if nbytes == 0:
-        return 0.0
-    if rate is None or rate <= 0:
+    if nbytes != 0 and (rate is None or rate <= 0):
         raise ValueError(f"the hardware profile has no {what} figure, but this placement needs it")
-    return nbytes / rate
+    return nbytes / rate if nbytes != 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -104,9 +102,7 @@ class StepCost:
 
     # ---- per layer ---------------------------------------------------------------------------------------------
     def layer(self, layer: int, prefill: bool) -> _Terms:
-        st = _Terms()
-        nb = self.rc.num_gpu_batches
-        t = self.rc.prompt_len if prefill else 1
+        st, nb, t = _Terms(), self.rc.num_gpu_batches, self.rc.prompt_len if prefill else 1
         self.weight_io(st, layer, prefill, t)
         if layer == 0:
             self.matmul(st, layer, t, prefill, nb)
