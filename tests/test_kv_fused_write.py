@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @pytest.fixture(scope="module")
 def kn():
     fused_attend.chosen("fused")  # numba's threading layer set as the fused reader sets it
-    got = fused_write._loaded()
+    got = fused_write._loaded("auto")
     assert got is not None, "the write kernels failed their self-check"
     return got
 

@@ -22,12 +22,12 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import attend
+from flexh2o.compress import attend, fused_check
 from flexh2o.compress.channel import ChannelKeys
 from flexh2o.compress.form import as_form
 from flexh2o.compress.rotation import rotate, unrotate
 
-ENV = "FLEXH2O_CACHE_KERNEL"
+ENV = fused_check.ENV
 MODES = ("auto", "fused", "torch")
 
 
@@ -74,7 +74,6 @@ def chosen(mode: str) -> Reader:
     if mode == "torch":
         return Reader("torch", f"{ENV}=torch")
     try:
-        from flexh2o.compress import fused_check
         kernels, why = fused_check.load(_self_check)
     except Exception as e:  # numba missing or broken, no threading layer, a kernel that disagrees: attend.py
         if mode == "fused":

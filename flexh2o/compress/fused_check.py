@@ -6,6 +6,7 @@ import os
 
 import torch
 
+ENV = "FLEXH2O_CACHE_KERNEL"  # auto, fused or torch: how the quantized cache is read and written (fused_attend)
 SAFE_LAYER = "threadsafe"  # numba's OpenMP or TBB pool: safe when two threads call kernels at once (workqueue is not)
 
 

@@ -4,17 +4,19 @@ of a dozen torch ops each (a decode step's new token: each op's thread wake-up c
 prompt's tokens: the outliers' top-k and the passes of the levels). The results equal the torch code's bit for bit
 (compress/channel.py's quantize_token, compress/codec.py's quantize, compress/recent.py's remember).
 
-The kernels run where compress/fused_attend.py's reader is the fused one (FLEXH2O_CACHE_KERNEL, numba present,
-its self-check passed) and a self-check here agrees with the torch code; each function returns None where they do
-not apply (another device, fitted levels, ragged groups, 8-bit ring entries), and the caller runs the torch code.
+The kernels run unless FLEXH2O_CACHE_KERNEL=torch (compress/fused_attend.py's switch), where numba loads and a
+self-check here agrees with the torch code; each function returns None where they do not apply (another device,
+fitted levels, ragged groups, 8-bit ring entries), and the caller runs the torch code.
 """
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
 
+from flexh2o.compress import fused_check
 from flexh2o.compress.channel import FP8_MAX, ChannelKeys
 from flexh2o.compress.codec import CompressedTensor, _round_down, _round_up
 
@@ -23,18 +25,21 @@ PARALLEL_FROM = 1 << 17  # values written at once from which the kernels run on 
 
 
 def kernels():
-    """The write kernels module where the fused read runs here and they pass their self-check, else None."""
-    from flexh2o.compress import fused_attend
-    return _loaded() if fused_attend.reader().kernels is not None else None
+    """The write kernels module, or None under FLEXH2O_CACHE_KERNEL=torch, without numba, or where they fail their
+    self-check (decided once a process and mode; numba's threads set up as the fused reader sets them)."""
+    return _loaded(os.environ.get(fused_check.ENV, "auto"))
 
 
-@functools.lru_cache(maxsize=1)
-def _loaded():
+@functools.lru_cache(maxsize=4)
+def _loaded(mode: str):
+    if mode == "torch":
+        return None
     try:
+        fused_check.load(lambda kn: None)  # numba's thread-safe threading layer and passive threads, once
         from flexh2o.compress import fused_quant_kernels as kn
         _self_check(kn)
         return kn
-    except Exception:  # a kernel that fails or disagrees: the torch code writes the cache
+    except Exception:  # numba missing or broken, a kernel that fails or disagrees: the torch code writes the cache
         return None
 
 
