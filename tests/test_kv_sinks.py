@@ -64,8 +64,11 @@ def test_vatp_matches_reference_with_sinks(combo, q, vatp_data, vatp_reference, 
 
 
 def test_the_suite_data_has_a_near_tie_for_vatp(quant_reference):
-    """Why vatp has data of its own: on the suite's, its reference rounds a level within float noise of a half."""
-    assert quant_reference.margin("opt", "vatp", SINKS) < 1e-6
+    """Why vatp has data of its own: on the suite's, its reference rounds a level within NEAR_HALF of a half, which
+    test_vatp_matches_reference_with_sinks refuses. Where that level lies inside NEAR_HALF moves with the CPU path's
+    order of summation (4.8e-7 of a step natively and under avx2 on a Zen 4, 1.7e-6 under ATEN_CPU_CAPABILITY=default),
+    always well inside the bound."""
+    assert quant_reference.margin("opt", "vatp", SINKS) < NEAR_HALF
 
 
 def test_the_sinks_move_the_logits(data, quant_reference):
