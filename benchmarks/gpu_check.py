@@ -1,7 +1,7 @@
 """The GPU check, ready for the first machine with a CUDA device (under 8 minutes on one GPU):
 
-1. the CUDA-marked tests (tests/test_cuda.py: engine on CUDA equals the CPU run, every placement) and the
-   engine-vs-transformers equivalence on CUDA for two placements (tests/test_gpu_equivalence.py);
+1. the CUDA-marked tests (tests/generation/test_cuda.py: engine on CUDA equals the CPU run, every placement) and the
+   engine-vs-transformers equivalence on CUDA for two placements (tests/generation/test_gpu_equivalence.py);
 2. OPT-6.7B (dummy weights) 512+32 with the paper's T4 settings (flexh2o/configs/paper/h2o_t4_throughput.json:
    FlexGen --percent 100 0 100 0 100 0 batch 2, H2O 20% batch 4 with heavy = recent = 0.1 x 512) under
    --gpu-mem 16GB: flexh2o full, flexh2o h2o, and FlexGen 0.1.8 itself with the same flags where
@@ -31,7 +31,7 @@ FLEXGEN_FLAGS = {"--model", "--path", "--offload-dir", "--prompt-len", "--gen-le
                  "--gpu-batch-size", "--num-gpu-batches", "--percent", "--sep-layer", "--pin-weight",
                  "--cpu-cache-compute", "--attn-sparsity", "--compress-weight", "--compress-cache", "--log-file",
                  "--no-log", "--verbose", "--overlap"}
-TESTS = ["tests/test_cuda.py", "tests/test_gpu_equivalence.py", "tests/test_cuda_jobs.py"]
+TESTS = ["tests/generation/test_cuda.py", "tests/generation/test_gpu_equivalence.py", "tests/generation/test_cuda_jobs.py"]
 
 
 def flexh2o_argv(system: str, out: str) -> list:

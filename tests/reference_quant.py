@@ -5,7 +5,7 @@ Each function takes the K or V of one layer, x (T, kv, d), and prompt_len (the f
 returns what a cache holding every token of x would give back. Given a list `margins`, each call also appends the
 smallest distance of a level it rounded (unclamped, before rounding) from a rounding half (`near_half`): the engine
 computes K and V in another order of summation, a few fp32 ulps away, so a level within float noise of a half may
-round the other way there (one step's difference in one value; tests/test_kv_sinks.py's vatp case met one).
+round the other way there (one step's difference in one value; tests/kv/test_kv_sinks.py's vatp case met one).
 Given a set `ties`, each call also adds the tokens (positions along x's first dimension) holding a level within
 `tie_bound` of a half: the rounding of those the data decides, not the definition (`first_unsure_step`).
 """
@@ -27,8 +27,8 @@ def near_half(level: torch.Tensor, levels: int) -> float:
 # fp32's unit roundoff, and how many of them the engine's and the reference's K/V may be apart relative to the
 # magnitudes a level is computed from (|x| + |lo|): both compute each K/V value from the same fp32 operations in other
 # orders of summation (hidden-64 dot products, a 16-term rotation, two layers), each within a few units of the exact
-# value; measured: 9.3e-8 apart where |x| + |lo| ~ 0.5 (tests/test_kv_sinks.py's vatp token: 3 units, 3.1e-6 of a
-# 4-bit step). 8 units is about 3x that, the headroom NEAR_HALF takes in tests/test_kv_sinks.py and test_kv_rotate.py.
+# value; measured: 9.3e-8 apart where |x| + |lo| ~ 0.5 (tests/kv/test_kv_sinks.py's vatp token: 3 units, 3.1e-6 of a
+# 4-bit step). 8 units is about 3x that, the headroom NEAR_HALF takes in tests/kv/test_kv_sinks.py and test_kv_rotate.py.
 FP32_UNIT = 2.0 ** -24
 TIE_UNITS = 8
 
@@ -46,7 +46,7 @@ def _add_ties(ties: Optional[set], x, level, lo, step, levels: int) -> None:
     """Add to `ties` the positions (x's first dimension) with a level (inside [0, levels]) within tie_bound of a
     rounding half: the engine may round it the other way (one step in one value). Not at 8 bits: there a flip moves
     one value by 1/255 of its range, against 1/3 at 2 bits and 1/7 at 3 bits, whose flips moved later logits by at
-    most 3.1e-3 and 2.4e-3 under h2o (tests/test_kv_rotate.py); scaled, 3.6e-5 and 6.6e-5, under the suite's 1e-4
+    most 3.1e-3 and 2.4e-3 under h2o (tests/kv/test_kv_rotate.py); scaled, 3.6e-5 and 6.6e-5, under the suite's 1e-4
     (and 8-bit levels lie within tie_bound of a half in most tokens, which would leave nothing to compare)."""
     if ties is None or levels >= 255:
         return

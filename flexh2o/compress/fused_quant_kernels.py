@@ -3,7 +3,7 @@ imported only there, lazily, where compress/fused_attend.py's reader is the fuse
 
 The arithmetic is the torch code's, operation for operation, in fp32 without fastmath (no reassociation, no fused
 multiply-add): the levels, the outliers and the packed bytes equal compress/channel.py's `quantize_token` and
-compress/codec.py's `quantize` bit for bit (tests/test_kv_fused_write.py checks them against those and
+compress/codec.py's `quantize` bit for bit (tests/kv/test_kv_fused_write.py checks them against those and
 tests/reference_quant.py). Levels are packed as compress/bits.py says: value i of a row at bits
 [i bits, (i + 1) bits) of its little-endian bit stream. Work is split over tokens with numba's thread pool where
 there is enough of it (fused_write.PARALLEL_FROM).

@@ -5,7 +5,7 @@ Used by compress/fused_attend.py for blocks on a CUDA device once `available()` 
 the device agrees with compress/attend.py's read; decided once a process); never imported on the CPU path. A level
 of channel c sits at bit c * bits of its group's bytes, so each tile loads the byte holding it and the next one (3
 bits can straddle two) and shifts: no unpacked copy. Arithmetic in fp32. Not yet run on a GPU here (the tests that
-check it against the expanded read skip without CUDA: tests/test_kv_fused_cuda.py).
+check it against the expanded read skip without CUDA: tests/kv/test_kv_fused_cuda.py).
 """
 from __future__ import annotations
 

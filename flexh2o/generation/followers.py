@@ -11,7 +11,7 @@ take the leader's logits. The step at which a lane stops being dormant it is *wo
 layer, the leader's rows of the block (keys, values, positions, scores: the state after the previous step) are
 copied into its rows, and from then on it runs as in any batch. Dormant lanes inside the computed rows are woken
 at once, so the rows computed are always the lanes' own. The rows' figures are those of a run without followers
-(tests/test_followers.py): the same tokens in the same slots, up to the rounding a different batch gives.
+(tests/generation/test_followers.py): the same tokens in the same slots, up to the rounding a different batch gives.
 """
 from __future__ import annotations
 

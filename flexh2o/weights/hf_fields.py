@@ -1,7 +1,7 @@
 """What flexh2o does with each field of a Hugging Face config.json, per model type: every field is read (USED), has
 to hold a value that changes nothing (REQUIRE: refused otherwise, in one line naming field and value), or does not
 affect the computation (INERT, with the reason). A field in none of them is refused: nothing is dropped silently.
-tests/test_hf_fields.py walks every field of each supported transformers config class through these tables."""
+tests/weights/test_hf_fields.py walks every field of each supported transformers config class through these tables."""
 from __future__ import annotations
 
 from flexh2o.models import by_hf_model_type, families
