@@ -117,18 +117,31 @@ class _Methods:
         """The options given as keywords (flexh2o-run's flags' names: gen_len=8, percent=(0, 100, 100, 0)), each
         what its flag parses the value to, the rest their defaults. ValueError naming an unknown keyword (or one
         of `not_options`, the options a caller does not take)."""
-        flags = {f.dest: f for f in cls.flags() if f.dest not in not_options}
+        flags = {f.dest: f for f in run_flags() if f.dest not in not_options}
         for key in options:
             if key not in flags:
                 raise ValueError(f"unknown option {key!r}: LLM takes flexh2o-run's flags as keywords "
                                  f"({', '.join(sorted(flags))})")
-        return cls(**{key: flags[key].value(value) for key, value in options.items()})
+        names = {f.name for f in fields(cls)}
+        extra = {f.dest: f.default for f in flags.values() if f.dest not in names}  # parameters of later policies
+        return cls._made({**extra, **{key: flags[key].value(value) for key, value in options.items()}})
 
     @classmethod
     def from_namespace(cls, ns):
-        """The options argparse parsed (a parser made from these flags, perhaps with more of its own)."""
+        """The options argparse parsed (a parser made from run_flags, perhaps with more of its own)."""
+        live = {f.dest for f in run_flags()}
+        return cls._made({k: v for k, v in vars(ns).items() if k in live})
+
+    @classmethod
+    def _made(cls, values: dict):
+        """An EngineArgs of `values`; a KV policy registered after this class was made (its Params are flags from
+        then on: kv_flags reads the registry) keeps its parameters as attributes beside the fields."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        args = cls(**{k: v for k, v in values.items() if k in names})
+        for k, v in values.items():
+            if k not in names:
+                setattr(args, k, v)
+        return args
 
 
 EngineArgs = make_dataclass("EngineArgs", [(f.dest, object, f.field()) for f in run_flags()], bases=(_Methods,),

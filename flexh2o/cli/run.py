@@ -13,7 +13,7 @@ from flexh2o import config as model_configs
 from flexh2o.cli.checks import check_output_path, check_run_flags
 from flexh2o.cli.configure import auto_policy, build_run_config, dtype_note
 from flexh2o.cli.console import Parser, run_main
-from flexh2o.cli.engine_args import EngineArgs
+from flexh2o.cli.engine_args import EngineArgs, run_flags
 from flexh2o.cli.flags import add_flags
 from flexh2o.cli.flexgen_flags import flexgen_options
 from flexh2o.cli.kv_flags import budget_warning
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-run", description="High-throughput offloaded generation with H2O KV eviction.")
-    add_flags(p, EngineArgs.flags())  # one option per field
+    add_flags(p, run_flags())  # one option per field (and per KV policy parameter registered now)
     return p
 
 
