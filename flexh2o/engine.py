@@ -5,11 +5,11 @@ layer compute, the rows of each compute op as the run's BatchPlan says (generati
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Callable, Optional
 
 import torch
 
-from flexh2o import models
 from flexh2o.compress import choice
 from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.batch_plan import BatchPlan
@@ -18,7 +18,7 @@ from flexh2o.generation.run import Run as _Run
 from flexh2o.planning.weight_forms import run_plan
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
-from flexh2o.storage.factory import make_tiers
+from flexh2o.storage.factory import close_tiers, make_tiers
 from flexh2o.storage.freed_memory import return_freed_blocks
 from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.store import WeightStore
@@ -31,21 +31,20 @@ class Engine:
         return_freed_blocks()  # freed transients leave the process, so its memory is what the plan counts
         self.plan = run_plan(rc, choice.probe, kernel_available(rc.device))  # the one plan, with its WeightForms
         self.rc, self.cfg = rc, rc.model
-        self.family = models.family(rc.model)
         self.device = torch.device(rc.device)
         self.policy = rc.kv.make(rc.model.num_layers)  # the run's one policy object
         self.tiers = make_tiers(rc, need_disk=self.plan.total("disk") > 0)
         self.weights = None
-        try:  # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
+        with ExitStack() as undo:  # what is built is released if a later part fails (from then on: close())
+            undo.callback(close_tiers, self.tiers)
+            # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
             self.weights = WeightStore(rc.placement.weights, self.tiers, self.plan.forms, self.plan.kept_scales > 0)
+            undo.callback(self.weights.close)
             if rc.path == "_DUMMY_":
                 self.weights.fill_dummy(rc.seed, on_progress)
             else:
-                from flexh2o.weights.format import CheckpointReader
-                self.weights.fill_from(CheckpointReader(rc.path), on_progress)
-        except BaseException:
-            self.close()
-            raise
+                self.weights.fill_from(rc.checkpoint, on_progress)
+            undo.pop_all()
 
     @property
     def forms(self) -> WeightForms:
@@ -61,8 +60,7 @@ class Engine:
         if self.weights is not None:
             self.weights.close()
             self.weights = None
-        for tier in self.tiers.values():
-            tier.close()
+        close_tiers(self.tiers)
 
     def __enter__(self):
         return self

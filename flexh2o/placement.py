@@ -190,6 +190,14 @@ class Placement:
             self._memo["counts"] = tuple(tuple(sorted((t, row.count(t)) for t in set(row))) for row in self.cache)
         return self._memo["counts"]
 
+    def cache_bytes_by_tier(self, block_bytes: tuple) -> dict:
+        """tier -> bytes of the cache blocks homed there, given one block's bytes of each decoder layer."""
+        out = dict.fromkeys(TIERS, 0)
+        for layer, row in enumerate(self.cache_counts()):
+            for tier, n in row:
+                out[tier] += n * block_bytes[layer]
+        return out
+
     def activation_counts(self) -> tuple:
         """((tier, activation blocks homed there), ...)."""
         return tuple(sorted((t, self.activations.count(t)) for t in set(self.activations)))

@@ -1,6 +1,7 @@
 """RunConfig: everything one run needs, validated once, built by the CLI (or by tests and benchmarks directly)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
@@ -15,6 +16,7 @@ from flexh2o.kv.spec import KVSpec
 from flexh2o.models import family_module, layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.storage.freed_memory import MAPPED_FROM
+from flexh2o.weights.format import CheckpointReader
 
 PREFILL_BYTES = 32 << 20  # on CUDA: target size of one prefill sub-batch's transient buffers
 
@@ -48,6 +50,8 @@ class RunConfig:
     compress_cache: Optional[CacheQuant] = None  # K and V (kv/layout.py); a CompressionSpec is FlexGen's scheme
     weight_kernel: str = "auto"  # weights grouped along dim 1: the int4 kernel per phase by a probe, always, or never
     pin_weight: bool = True  # pin the cpu tier's memory when compute is on CUDA (FlexGen's --pin-weight)
+    checkpoint: Optional[CheckpointReader] = field(default=None, compare=False, repr=False)  # path's, opened once
+
 
     def __post_init__(self):
         object.__setattr__(self, "compress_cache", CacheQuant.of(self.compress_cache))
@@ -67,6 +71,7 @@ class RunConfig:
         if self.max_positions and self.model.family == "opt" and self.max_positions > self.model.max_positions:
             raise ValueError("OPT has learned positions: it cannot run past its "
                              f"{self.model.max_positions}-token table")
+        object.__setattr__(self, "checkpoint", opened(self.path, self.checkpoint))
 
     @property
     def num_seqs(self) -> int:
@@ -128,3 +133,13 @@ class RunConfig:
         if "placement" in self.__dict__ and not {"model", "percent", "num_gpu_batches"} & set(kw):
             new.__dict__["placement"] = self.__dict__["placement"]
         return new
+
+
+def opened(path: str, checkpoint: Optional[CheckpointReader]) -> Optional[CheckpointReader]:
+    """The converted checkpoint at `path`, opened and validated once (`checkpoint` where it is already that one:
+    `with_` and `replace` carry it over); None for seeded dummy weights."""
+    if path == "_DUMMY_":
+        return None
+    if checkpoint is not None and checkpoint.path == os.path.abspath(path):
+        return checkpoint
+    return CheckpointReader(path)

@@ -13,11 +13,11 @@ if TYPE_CHECKING:
     from flexh2o.run_config import RunConfig
 
 
-def build_run_config(args, cfg, prompts) -> RunConfig:
+def build_run_config(args, cfg, prompts, checkpoint=None) -> RunConfig:
     """The RunConfig of `args` (EngineArgs, or flexh2o-serve's parsed flags) for model config `cfg` and `prompts`
     (token-id lists, or None: synthetic ones of --prompt-len), its dtypes chosen and an 'auto' batch the largest
-    that fits."""
-    rc, auto = _given_config(args, cfg, prompts)
+    that fits. checkpoint: args.path's CheckpointReader where the caller has opened it (else opened here, once)."""
+    rc, auto = _given_config(args, cfg, prompts, checkpoint)
     choose = getattr(args, "policy", "given") != "auto"  # --policy auto chooses the dtypes with its search
     if choose:
         rc = choose_dtypes(args, rc)
@@ -33,13 +33,13 @@ def build_run_config(args, cfg, prompts) -> RunConfig:
     return rc
 
 
-def _given_config(args, cfg, prompts) -> tuple:
+def _given_config(args, cfg, prompts, checkpoint) -> tuple:
     """(the RunConfig of the flags as given, at batch 1 for 'auto'; whether the batch is 'auto'), each flag's
     refusal in this order."""
     from flexh2o.cli.capacities import capacities
     from flexh2o.placement import Percent
-    from flexh2o.run_config import RunConfig
-    from flexh2o.weights.kept_run import with_checkpoint
+    from flexh2o.run_config import RunConfig, opened
+    from flexh2o.weights.kept_run import with_kept_blocks
     if args.prompt_len < 1 or args.gen_len < 1:
         raise ValueError("--prompt-len and --gen-len must be at least 1")
     if args.max_seqs is not None and (args.max_seqs < 1 or args.policy != "auto"):
@@ -55,13 +55,15 @@ def _given_config(args, cfg, prompts) -> tuple:
         raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {given})")
     gbs = 1 if auto else int(given)
     packed = compression_specs(args, device)
-    packed = (with_checkpoint(packed[0], args.path), packed[1])  # a converted GGUF's kept blocks stay as they are
+    checkpoint = opened(args.path, checkpoint)
+    if checkpoint is not None:  # a converted GGUF's kept blocks stay as they are
+        packed = (with_kept_blocks(packed[0], checkpoint), packed[1])
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,
                    gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, offload_dir=args.offload_dir,
                    compress_weight=packed[0], compress_cache=packed[1], pin_weight=args.pin_weight,
-                   weight_kernel=weight_kernel_mode(args))
+                   weight_kernel=weight_kernel_mode(args), checkpoint=checkpoint)
     return rc, auto
 
 

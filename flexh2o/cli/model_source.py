@@ -35,12 +35,13 @@ def resolve_source(args, prog: str) -> None:
         args.path, args.model = src.path, None
 
 
-def converted_config(path: str):
-    """The config of a converted checkpoint, its index checked against it (tensor shapes, file sizes) before
-    anything is planned from it; a mismatch names --path."""
+def open_checkpoint(path: str):
+    """The converted checkpoint at --path opened (its CheckpointReader, read by the run's RunConfig and engine),
+    its index checked against its config (tensor shapes, file sizes) before anything is planned from it; a
+    mismatch names --path."""
     from flexh2o.weights.format import CheckpointReader
     try:
-        return CheckpointReader(path).config
+        return CheckpointReader(path)
     except ValueError as e:
         raise ValueError(f"--path {path}: {e}") from None
 

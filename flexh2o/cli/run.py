@@ -65,19 +65,21 @@ def _parse(argv: Optional[list]):
 
 
 def _inputs(args) -> tuple:
-    """(model config, tokenizer, requests of a .jsonl --prompt-file or None, prompts or None): the model source
-    resolved (a Hugging Face folder or .gguf: its cached conversion), the prompts read and checked."""
-    from flexh2o.cli.model_source import converted_config, resolve_source
+    """(model config, tokenizer, requests of a .jsonl --prompt-file or None, prompts or None, the opened checkpoint
+    or None): the model source resolved (a Hugging Face folder or .gguf: its cached conversion), the prompts read
+    and checked."""
+    from flexh2o.cli.model_source import open_checkpoint, resolve_source
     from flexh2o.prompts import load_prompts, load_tokenizer
     resolve_source(args, "flexh2o-run")
-    cfg = converted_config(args.path) if args.path != "_DUMMY_" else model_configs.from_name(args.model or "opt-125m")
+    checkpoint = open_checkpoint(args.path) if args.path != "_DUMMY_" else None
+    cfg = checkpoint.config if checkpoint else model_configs.from_name(args.model or "opt-125m")
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = load_request_file(args, cfg, tokenizer)  # a .jsonl --prompt-file (cli/request_job.py)
     if reqs is not None:  # a request's own temperature may read --top-p
         check_sampling(args.top_p, args.top_k, [r.temperature for r in reqs])
     prompts = ([list(r.prompt_ids) for r in reqs] if reqs is not None
                else load_prompts(args.prompt_file, cfg.vocab, tokenizer) if args.prompt_file else None)
-    return cfg, tokenizer, reqs, prompts
+    return cfg, tokenizer, reqs, prompts, checkpoint
 
 
 def _dry_run(args, rc: RunConfig, hw, hw_label, predicted) -> int:
@@ -105,8 +107,8 @@ def _run(args) -> int:
 
     opts = flexgen_options(args)  # FlexGen's flags: refused, or their meaning for this run
     sweep(args.offload_dir)  # stale run dirs of killed runs go first, before free space is measured
-    cfg, tokenizer, reqs, prompts = _inputs(args)
-    rc = build_run_config(args, cfg, prompts)
+    cfg, tokenizer, reqs, prompts, checkpoint = _inputs(args)
+    rc = build_run_config(args, cfg, prompts, checkpoint)
     if args.dry_run and launched_by_torchrun():  # each rank: its own stage's plan (no cost-model prediction)
         dtype_note(args)
         print(describe_stage_plan(rc, args.stage_layers), flush=True)

@@ -240,8 +240,7 @@ def _one_pass(run, op, rows, ids, pos) -> None:
         c, blk = op.cache_layer, bufs.block(layer, batch)
         fresh = lc.empty_block(r, c, ids.device)
         attend = _split_attend(lc, c, b, r, t, pos_d, pos, blk, fresh)
-        bufs.a[batch] = run.eng.family.block(run.cfg, w, c, bufs.a[batch], _pack(pos_d, pos).clamp(min=0),
-                                             attend)
+        bufs.a[batch] = lc.family.block(run.cfg, w, c, bufs.a[batch], _pack(pos_d, pos).clamp(min=0), attend)
         put_rows(blk, rows, fresh)
 
 

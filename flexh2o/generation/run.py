@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from flexh2o import models
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.buffers import Buffers
 from flexh2o.generation.compute import LayerCompute
@@ -63,7 +64,7 @@ class Run:
         evicts = rc.kv.evicts(t, gen_len, cfg.num_layers)
         self.plan = plan.start(eng.policy, rc, self.seqs, pipe)
         self.steps = self.plan.steps(rc, gen_len)  # the schedule's (a row source taking requests may run more)
-        self.layers = LayerCompute(eng.family, cfg, rc, eng.policy, slots, evicts)
+        self.layers = LayerCompute(models.family(cfg), cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
 
     # ---- the schedule's ops -------------------------------------------------------------------------------

@@ -159,6 +159,13 @@ class CacheLayout:
         return tuple(by_slots[s] for s in slots)
 
     @staticmethod
+    def layer_bytes_of_run(rc) -> tuple:
+        """Bytes of one block of each decoder layer (layers_of_run's, each distinct layout sized once)."""
+        layouts = CacheLayout.layers_of_run(rc)
+        sizes = {lay: lay.nbytes for lay in set(layouts)}
+        return tuple(sizes[lay] for lay in layouts)
+
+    @staticmethod
     def _of_run(rc, slots: int) -> "CacheLayout":
         cfg = rc.model
         return CacheLayout(rc.gpu_batch_size, cfg.kv_heads, slots, cfg.head_dim, rc.dtype,

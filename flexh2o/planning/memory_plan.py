@@ -24,22 +24,6 @@ def cache_block_bytes(rc: RunConfig) -> int:
     return CacheLayout.of_run(rc).nbytes
 
 
-def layer_block_bytes(rc: RunConfig) -> tuple:
-    """One cache block of each decoder layer, as its layout says (a windowed layer's holds fewer slots)."""
-    layouts = CacheLayout.layers_of_run(rc)
-    sizes = {lay: lay.nbytes for lay in set(layouts)}
-    return tuple(sizes[lay] for lay in layouts)
-
-
-def cache_bytes_by_tier(rc: RunConfig, where: Placement) -> dict:
-    """tier -> bytes of the cache blocks homed there, each block of its own layer's size."""
-    out, blocks = dict.fromkeys(TIERS, 0), layer_block_bytes(rc)
-    for layer, row in enumerate(where.cache_counts()):
-        for tier, n in row:
-            out[tier] += n * blocks[layer]
-    return out
-
-
 def act_block_bytes(rc: RunConfig) -> int:
     """Hidden states of one GPU batch between layers (prefill is the largest)."""
     return rc.gpu_batch_size * rc.prompt_len * rc.model.hidden * rc.compute.itemsize
@@ -111,11 +95,15 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
                 forms: Optional[WeightForms] = None) -> MemoryPlan:
     """Bytes per tier of `rc` (homes from `placement`, by default rc.placement) as `forms` take the weights
     (weights/forms.py; by default what the plan assumes before the engine's choice, WeightForms.planned)."""
-    where, forms = placement or rc.placement, forms or WeightForms.planned(rc)
+    return plan_for(rc, placement or rc.placement, forms or WeightForms.planned(rc))
+
+
+def plan_for(rc: RunConfig, where: Placement, forms: WeightForms) -> MemoryPlan:
+    """Bytes per tier of `rc` with the homes of `where` as `forms` take the weights."""
     plan = MemoryPlan(rc, where=where, working=working_bytes(rc))
     for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
         plan.bytes[tier]["weights"] += nbytes
-    for tier, nbytes in cache_bytes_by_tier(rc, where).items():
+    for tier, nbytes in where.cache_bytes_by_tier(CacheLayout.layer_bytes_of_run(rc)).items():
         plan.bytes[tier]["cache"] = nbytes
     for tier in where.activations:
         plan.bytes[tier]["activations"] += act_block_bytes(rc)

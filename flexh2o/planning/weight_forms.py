@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import Callable
 
 from flexh2o.compress.choice import PHASES, kernel_phases
-from flexh2o.planning.memory_plan import MemoryPlan, plan_memory
+from flexh2o.planning.memory_plan import MemoryPlan, plan_for
 from flexh2o.weights.forms import WeightForms
 
 
 def run_plan(rc, timer: Callable, available: bool = True) -> MemoryPlan:
     """The run's one memory plan, with its WeightForms (plan.forms): refused (ValueError) where even the least
     memory the run may take does not fit, before anything is timed; then as the chosen forms take the weights."""
-    least = plan_memory(rc, forms=WeightForms.least(rc))
+    least = plan_for(rc, rc.placement, WeightForms.least(rc))
     least.check()
     plan = least.with_forms(weight_forms(rc, timer, least.fits, available))
     plan.check()

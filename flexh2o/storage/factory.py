@@ -19,3 +19,9 @@ def make_tiers(rc, need_disk: bool) -> dict:
         from flexh2o.storage.offload_dir import make_run_dir
         tiers["disk"] = DiskTier(make_run_dir(rc.offload_dir), rc.disk_mem)
     return tiers
+
+
+def close_tiers(tiers: dict) -> None:
+    """Close every tier of `tiers` (the disk tier removes its run directory); closing twice is harmless."""
+    for tier in tiers.values():
+        tier.close()

@@ -17,11 +17,13 @@ from flexh2o.weights.format import CheckpointReader
 
 def with_checkpoint(spec: Optional[CompressionSpec], path: str) -> Optional[CompressionSpec]:
     """A run's weight compression: --compress-weight's `spec` (or None) joined with the blocks the converted
-    checkpoint at `path` keeps (compress/kept.py), an 8-bit head stored plain; `spec` itself for dummy weights or a
-    checkpoint without blocks."""
-    if path == "_DUMMY_":
-        return spec
-    reader = CheckpointReader(path)
+    checkpoint at `path` keeps (`with_kept_blocks`); `spec` itself for dummy weights."""
+    return spec if path == "_DUMMY_" else with_kept_blocks(spec, CheckpointReader(path))
+
+
+def with_kept_blocks(spec: Optional[CompressionSpec], reader: CheckpointReader) -> Optional[CompressionSpec]:
+    """`spec` joined with the blocks the opened checkpoint `reader` keeps (compress/kept.py), an 8-bit head stored
+    plain; `spec` itself for a checkpoint without blocks."""
     kept = dict(reader.kept())
     for name in head_weights(reader.config):
         if name in kept and kept[name].bits == 8:
