@@ -1,4 +1,4 @@
-"""How fast this machine is right now, for comparing timed runs of one session: one decode step's matmuls of a
+"""How fast this machine is right now, for comparing timed runs taken hours apart: one decode step's matmuls of a
 model (every 2-D weight of its decoder layers and head, `F.linear` in the model's dtype) at a few row counts, one
 thread, median of repeats. Run it beside a long benchmark (before and after) and quote it with the timing.
 

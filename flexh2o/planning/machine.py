@@ -55,7 +55,7 @@ def _cpuinfo(fields: dict) -> tuple:
 
 def cpu_record(path: str = "/proc/cpuinfo") -> dict:
     """The CPU for a table's record: model name, family and model numbers (one model name covers several
-    generations: "AMD EPYC" was a Zen 3 in one session and a Zen 4 in the next) and the flags of FLAGS it has."""
+    generations: "AMD EPYC" was a Zen 3 on one day and a Zen 4 on the next) and the flags of FLAGS it has."""
     fields = _cpuinfo_fields(path)
     model, flags = _cpuinfo(fields)
     return {"cpu_model": model, "cpu_family": fields.get("cpu family"), "cpu_model_number": fields.get("model"),
