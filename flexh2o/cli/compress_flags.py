@@ -1,13 +1,15 @@
 """The compression flags shared by flexh2o-run and flexh2o-eval, and the CompressionSpecs they make. The flags'
-defaults come from compress/defaults.py (no torch: --help imports none); the specs are made where torch is."""
+defaults come from compress/defaults.py (no torch: --help imports none); the specs are made where torch is. The
+quantized cache's scheme flags are generated from kv/cache_quant.CacheQuant's fields (each declares its flag): a
+scheme's field there is its flag here, with no change to this file."""
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING
 
-from flexh2o.cli.flags import add_flags, declare
-from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, \
-    DEFAULT_ROTATE, DEFAULT_SINKS, KEY_SCHEMES
+from flexh2o.cli.flags import Flag, add_flags, declare
+from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS
+from flexh2o.kv.cache_quant import flagged, from_flags
 
 if TYPE_CHECKING:
     from flexh2o.compress import CompressionSpec
@@ -20,28 +22,7 @@ def compression_flags() -> tuple:
     a("--compress-weight", action="store_true", help="keep weights group-wise quantized in every tier (FlexGen)")
     a("--compress-cache", action="store_true", help="keep the KV cache quantized in every tier: values per token "
       "in groups along head_dim (FlexGen), keys as --cache-keys says")
-    a("--cache-keys", choices=list(KEY_SCHEMES), default=DEFAULT_KEYS,
-      help=f"--compress-cache's keys: token (FlexGen's groups along head_dim), channel (per-channel scales "
-           f"calibrated on the prompt, each token quantized alone, --key-outliers values a token kept exact) or "
-           f"fitted (as channel, with each channel's levels fitted to the prompt's values by k-means: KVQuant's "
-           f"non-uniform levels); default {DEFAULT_KEYS}")
-    a("--key-outliers", type=int, default=DEFAULT_OUTLIERS,
-      help=f"key values per token kept exact under --cache-keys channel or fitted (default {DEFAULT_OUTLIERS})")
-    a("--cache-recent", type=int, default=DEFAULT_RECENT, metavar="N",
-      help=f"--compress-cache: the newest N tokens of each sequence also kept exact in the storage dtype (both "
-           f"key schemes; a token is read quantized once it leaves them; eviction still sees every token; the "
-           f"plan counts their bytes); 0: none (FlexGen's scheme); default {DEFAULT_RECENT}")
-    a("--cache-sinks", type=int, default=DEFAULT_SINKS, metavar="N",
-      help=f"--compress-cache: the first N tokens of each sequence (attention sinks) also kept exact in the storage "
-           f"dtype while they are kept; the plan counts their bytes; 0: none; default {DEFAULT_SINKS}")
-    a("--cache-exact-bits", type=int, choices=[8], default=None, metavar="8",
-      help="--compress-cache: store what the cache keeps exact in 8 bits instead of the storage dtype (the key "
-           "outliers as fp8 e4m3, each --cache-recent and --cache-sinks token quantized alone at 8 bits): about half "
-           "their bytes, so more tokens fit the same bytes (benchmarks/ACCURACY.md); default: the storage dtype")
-    a("--cache-rotate", action=argparse.BooleanOptionalAction, default=DEFAULT_ROTATE,
-      help="--compress-cache: quantize K and V times a Hadamard matrix along head_dim (rotated back when read; "
-           "QuaRot's rotation, which spreads a token's outlier channels over all of them; no extra bytes); "
-           f"default {str(DEFAULT_ROTATE).lower()} ({'on' if DEFAULT_ROTATE else 'off'})")
+    flags += cache_scheme_flags()
     a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=DEFAULT_BITS,
       help=f"bits a value under --compress-* (default {DEFAULT_BITS}; 2 and 3: the cache only)")
     a("--compress-group-size", type=int, default=DEFAULT_GROUP, help=f"values per quantization group of the "
@@ -57,6 +38,13 @@ def compression_flags() -> tuple:
     return tuple(flags)
 
 
+def cache_scheme_flags() -> list:
+    """The Flags of the quantized cache's scheme: one per kv/cache_quant.CacheQuant field declared with a flag, in
+    the fields' order (read when called: a field's flag is its declaration's)."""
+    return [Flag(c.flag, c.help, c.default, c.type, c.choices, action=c.action, metavar=c.metavar)
+            for _, c in flagged()]
+
+
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
     """compression_flags() added to parser `p`."""
     add_flags(p, compression_flags())
@@ -69,15 +57,12 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     dimension (1)."""
     from flexh2o.compress import CompressionSpec
     from flexh2o.compress.codec import BITS
-    from flexh2o.kv.layout import CacheQuant
     cache = None
     if not args.compress_cache and not args.compress_weight:
         _refuse_alone(args, {"compress_bits": DEFAULT_BITS, "compress_group_size": DEFAULT_GROUP},
                       "how --compress-weight and --compress-cache quantize, and neither is on: add one of them")
     if not args.compress_cache:
-        _refuse_alone(args, {"cache_keys": DEFAULT_KEYS, "key_outliers": DEFAULT_OUTLIERS,
-                             "cache_recent": DEFAULT_RECENT, "cache_sinks": DEFAULT_SINKS,
-                             "cache_rotate": DEFAULT_ROTATE, "cache_group_size": None, "cache_exact_bits": None},
+        _refuse_alone(args, {**{c.dest: c.default for _, c in flagged()}, "cache_group_size": None},
                       "the quantized KV cache, which is off: add --compress-cache")
     else:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
@@ -86,13 +71,9 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
         if keys == "token" and outliers not in (0, DEFAULT_OUTLIERS):  # 0: FlexGen's scheme written out in full
             raise ValueError(f"--key-outliers {outliers}: keys per token (--cache-keys token) keep no value exact; "
                              f"use --cache-keys channel or fitted, or drop --key-outliers")
-        try:
-            cache = CacheQuant(args.compress_bits, args.compress_group_size if group is None else group, keys,
-                               outliers,
-                               getattr(args, "cache_recent", DEFAULT_RECENT),
-                               getattr(args, "cache_sinks", DEFAULT_SINKS),
-                               getattr(args, "cache_rotate", DEFAULT_ROTATE),
-                               getattr(args, "cache_exact_bits", None) or 0)  # validates the flags
+        try:  # each flagged field of CacheQuant from its flag (validated there)
+            cache = from_flags(args.compress_bits, args.compress_group_size if group is None else group,
+                               lambda dest, default: getattr(args, dest, default))
         except ValueError as e:  # the group's check names --compress-group-size: name the flag given
             if group is None:
                 raise

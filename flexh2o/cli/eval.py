@@ -10,7 +10,8 @@ from typing import Optional
 
 from flexh2o.cli.checks import check_kv_flags, check_output_path, check_params_read, check_real
 from flexh2o.cli.console import Parser, run_main
-from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
+from flexh2o.cli.compress_flags import add_compression_flags, compression_flags, compression_specs, \
+    weight_kernel_mode
 from flexh2o.cli.kv_flags import add_kv_flags, policy_values
 from flexh2o.eval.choices import EVICTING, TEXTS
 from flexh2o.jsonfile import write_json
@@ -99,12 +100,7 @@ def _run(args, argv: list) -> int:
         text = format_recall(result)
     seconds = time.perf_counter() - start
     out = result.to_dict()
-    out.update(model=args.model, dtype=args.dtype, compress_weight=args.compress_weight,
-               compress_cache=args.compress_cache, compress_bits=args.compress_bits, cache_keys=args.cache_keys,
-               key_outliers=args.key_outliers, cache_recent=args.cache_recent, cache_sinks=args.cache_sinks,
-               cache_rotate=args.cache_rotate, cache_exact_bits=args.cache_exact_bits,
-               compress_group_size=args.compress_group_size, cache_group_size=args.cache_group_size,
-               weight_kernel=args.weight_kernel,
+    out.update(model=args.model, dtype=args.dtype, **{f.dest: getattr(args, f.dest) for f in compression_flags()},
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
     if args.out:
         write_json(args.out, out, indent=1)  # never half-written

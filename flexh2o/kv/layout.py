@@ -11,6 +11,7 @@ head_dim d, stored as `dtype`:
            (compress/rotation.py's Rotated: the same parts, in the rotated basis); with `recent` R > 0 both also
            keep a ring of their newest R tokens exact (recent, rslot; compress/recent.py), R = min(recent, slots);
            `exact_bits` 8: the ring's entries 8-bit (recent uint8 + rmeta) and per-channel keys' outliers fp8
+           (CacheQuant: kv/cache_quant.py, with each choice's flag)
   pos      int64 (b, h, s): the token a slot holds (-1: empty)
   score    fp32 (b, h, s): the policy's accumulated attention
 """
@@ -21,93 +22,12 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress.channel import ChannelSpec
-from flexh2o.compress.codec import CacheGroupSpec, CompressionSpec
 from flexh2o.compress.defaults import (DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT,  # noqa: F401  (re-exported)
                                        DEFAULT_ROTATE, DEFAULT_SINKS, KEY_SCHEMES)
 from flexh2o.compress.form import PLAIN, as_form
-from flexh2o.compress.recent import RingSpec, check_ring_bits, ring_spec
-from flexh2o.compress.rotation import RotatedSpec
+from flexh2o.kv.cache_quant import CacheQuant  # noqa: F401  (re-exported: how the cache is quantized, its flags)
 
 FIELDS = ("k", "v", "pos", "score")
-
-
-@dataclass(frozen=True)
-class CacheQuant:
-    """How the KV cache is quantized: values per token in groups of `group_size` along head_dim at `bits`
-    (FlexGen's scheme); keys either the same way (keys "token") or per channel, calibrated on the prompt, with
-    `outliers` values per token kept exact (keys "channel": evenly spaced levels; "fitted": levels fitted to the
-    prompt's values of each channel); all with the newest `recent` tokens of each row also
-    kept exact (0: none); `rotate`: K and V quantized times a Hadamard matrix along head_dim (compress/rotation.py);
-    `exact_bits` 8: what is kept exact is stored in 8 bits instead of the storage dtype (the keys' outliers as fp8
-    e4m3, the newest and first tokens each quantized alone at 8 bits; 0: the storage dtype).
-    group_dim (-1) is the values' grouped dimension."""
-
-    bits: int = 4
-    group_size: int = 64
-    keys: str = DEFAULT_KEYS
-    outliers: int = DEFAULT_OUTLIERS
-    recent: int = 0
-    sinks: int = 0
-    rotate: bool = False  # the flags' default is DEFAULT_ROTATE (as recent and sinks: off unless asked for here)
-    exact_bits: int = 0
-
-    def __post_init__(self):
-        if self.keys not in KEY_SCHEMES:
-            raise ValueError(f"--cache-keys {self.keys}: choose one of {', '.join(KEY_SCHEMES)}")
-        if self.recent < 0:
-            raise ValueError(f"--cache-recent must be 0 or more (got {self.recent})")
-        if self.sinks < 0:
-            raise ValueError(f"--cache-sinks must be 0 or more (got {self.sinks})")
-        ChannelSpec(self.bits, self.outliers)  # validates the bits and the outliers
-        check_ring_bits(self.exact_bits)
-        if self.exact_bits and not (self.recent or self.sinks or (self.keys != "token" and self.outliers)):
-            raise ValueError(f"--cache-exact-bits {self.exact_bits}: this cache keeps nothing exact (no "
-                             f"--cache-recent, --cache-sinks or key outliers); drop --cache-exact-bits")
-        CacheGroupSpec(self.bits, self.group_size, -1)  # validates the bits and the group size
-
-    group_dim = -1  # the values' grouped dimension (head_dim), as a CompressionSpec's
-
-    @property
-    def value_spec(self) -> CacheGroupSpec:
-        return CacheGroupSpec(self.bits, self.group_size, -1)
-
-    @property
-    def key_spec(self):
-        """ChannelSpec (keys per channel) or CacheGroupSpec (per token, as the values)."""
-        if self.keys == "token":
-            return self.value_spec
-        return ChannelSpec(self.bits, self.outliers, self.keys == "fitted", self.exact_bits == 8)
-
-    def form_spec(self, field: str, slots: int, head_dim: int):
-        """The scheme spec (compress/form.py) of K ("k") or V ("v") in a block of `slots` slots: keys per channel or
-        per token, values per token; rotated with `rotate`; with its ring of the newest `recent` and first `sinks`
-        tokens (each cut to the slots) kept exact, or in 8 bits with `exact_bits`."""
-        spec = self.key_spec if field == "k" else self.value_spec
-        if self.rotate:
-            spec = RotatedSpec(spec)
-        window, sinks = min(self.recent, slots), min(self.sinks, slots)
-        if window + sinks:
-            spec = RingSpec(spec, window, sinks, ring_spec(self.exact_bits, head_dim))
-        return spec
-
-    @staticmethod
-    def of(spec) -> Optional["CacheQuant"]:
-        """None, a CacheQuant, or a CompressionSpec (FlexGen's: keys and values per token) as a CacheQuant."""
-        if spec is None or isinstance(spec, CacheQuant):
-            return spec
-        if isinstance(spec, CompressionSpec):
-            return CacheQuant(spec.bits, spec.group_size, "token")
-        raise TypeError(f"not a cache quantization: {spec!r}")
-
-    def describe(self) -> str:
-        keys = "keys per token" if self.keys == "token" else \
-            f"keys per channel{', fitted levels' if self.keys == 'fitted' else ''}, {self.outliers} exact"
-        recent = f", newest {self.recent} tokens exact" if self.recent else ""
-        recent += f", first {self.sinks} tokens exact" if self.sinks else ""
-        recent += ", rotated" if self.rotate else ""
-        recent += f", exact parts at {self.exact_bits} bits" if self.exact_bits else ""
-        return f"{self.bits}-bit/{self.group_size} ({keys}{recent})"
 
 
 @dataclass(frozen=True)

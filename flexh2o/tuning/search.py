@@ -16,7 +16,7 @@ from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.models import layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.tuning.cost_model import predict_with
-from flexh2o.kv.layout import DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS
+from flexh2o.kv.cache_quant import printed_flags
 from flexh2o.planning.memory_plan import largest_batch, plan_memory
 from flexh2o.tuning.hardware import Rates
 from flexh2o.run_config import RunConfig
@@ -122,7 +122,8 @@ def policy_flags(kv) -> list:
 
 
 def compression_flags(rc: RunConfig) -> list:
-    """The flexh2o-run flags of rc's compression (cli/compress_flags.py reads them back)."""
+    """The flexh2o-run flags of rc's compression (cli/compress_flags.py reads them back; the cache's scheme as its
+    CacheQuant fields declare their flags: kv/cache_quant.printed_flags)."""
     weights = compresses_others(rc.compress_weight)  # a checkpoint's kept blocks come with its --path
     spec = rc.compress_weight if weights else rc.compress_cache
     if spec is None:
@@ -133,18 +134,8 @@ def compression_flags(rc: RunConfig) -> list:
     cache = rc.compress_cache
     if cache and cache.group_size != spec.group_size:  # the values' groups apart from the weights'
         out.append(f"--cache-group-size {cache.group_size}")
-    if cache and cache.keys != DEFAULT_KEYS:
-        out.append(f"--cache-keys {cache.keys}")
-    if cache and cache.keys != "token" and cache.outliers != DEFAULT_OUTLIERS:
-        out.append(f"--key-outliers {cache.outliers}")
-    if cache and cache.recent != DEFAULT_RECENT:
-        out.append(f"--cache-recent {cache.recent}")
-    if cache and cache.sinks != DEFAULT_SINKS:
-        out.append(f"--cache-sinks {cache.sinks}")
-    if cache and cache.rotate != DEFAULT_ROTATE:
-        out.append("--cache-rotate" if cache.rotate else "--no-cache-rotate")
-    if cache and cache.exact_bits:
-        out.append(f"--cache-exact-bits {cache.exact_bits}")
+    if cache:
+        out += printed_flags(cache)
     if rc.compress_weight and rc.weight_kernel != "auto":
         out.append(f"--weight-kernel {'off' if rc.weight_kernel == 'generic' else rc.weight_kernel}")
     return out
