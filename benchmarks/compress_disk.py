@@ -61,7 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="opt-125m")
     p.add_argument("--dtype", default="auto", help="storage dtype of every run (flexh2o-run's --dtype; default auto)")
     p.add_argument("--compute-dtype", default="auto", help="compute dtype of every run (default auto: this CPU's "
-                   "fastest; RESULTS.md's session-5 figures used --dtype bfloat16 --compute-dtype float32)")
+                   "fastest; RESULTS.md's figures of 1 December 2026, row 60, used --dtype bfloat16 "
+                   "--compute-dtype float32)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--gpu-mem", default="360MB")
