@@ -130,11 +130,6 @@ def _channel_logits(q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
     return out
 
 
-def whole_groups(form) -> bool:
-    """Whether `form` is a CompressedTensor of whole groups along head_dim (no ragged tail): the levels read's."""
-    return isinstance(form, CompressedTensor) and form.whole_groups()
-
-
 def _group_logits(q: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
     b, h, g, d = q.shape
     groups, size = x.data.shape[3], x.spec.group_size

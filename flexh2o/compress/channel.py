@@ -150,6 +150,9 @@ class ChannelKeys(CacheForm):
         """Evenly spaced levels: the reader's read of them; fitted ones: expanded."""
         return super().logits(q, read) if self.spec.fitted else read.channel_logits(q, self)
 
+    def kernel_assign(self, index: tuple, values: torch.Tensor, write) -> bool:
+        return write.channel_assign(self, index, values)
+
     def exact_values(self) -> torch.Tensor:
         """The outliers' values (b, h, slots, outliers) in fp32 (from their fp8 bit patterns with `fp8`)."""
         return (self.exact.view(torch.float8_e4m3fn) if self.spec.fp8 else self.exact).float()

@@ -166,6 +166,9 @@ class CompressedTensor(CacheForm):
     def mix32(self, p: torch.Tensor, read) -> torch.Tensor:
         return read.group_mix(p, self) if self.whole_groups() else super().mix32(p, read)
 
+    def kernel_assign(self, index: tuple, values: torch.Tensor, write) -> bool:
+        return write.group_assign(self, index, values)
+
 
 def quantize(x: torch.Tensor, spec: CompressionSpec, dtype: Optional[torch.dtype] = None) -> CompressedTensor:
     """x (any float dtype) -> CompressedTensor whose scale and minimum are stored as spec.scale_dtype, else `dtype`

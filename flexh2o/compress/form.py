@@ -9,8 +9,9 @@ One implementation per scheme, each beside its spec (a FormSpec: the parts it st
 kv/layout.py's CacheQuant says which spec K and V take (`CacheQuant.form_spec`); a new scheme is its file (spec and
 form) and its field there. A block keeps a plain K or V as the torch.Tensor itself; `as_form` is the one place that
 tells a tensor from a form. `read` (logits, mix) is a levels reader: compress/attend.py's (torch) or a fused one
-(compress/fused_attend.py), which a quantized form asks for the read of its own levels (`channel_logits`,
-`group_logits`, `group_mix`); a form with no such read is read expanded.
+(compress/fused_attend.py, compress/fused_triton.py), which a quantized form asks for the read of its own levels
+(`channel_logits`, `group_logits`, `group_mix`); a form with no such read is read expanded. Likewise a form asks the
+write kernels (compress/fused_write.py) for its own write (`kernel_assign`).
 """
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ class CacheForm:
     def append(self, index: tuple, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
         """A decode step's new token of every row (values (b, h, d), pos (b,)) into `slot` (b, h) at `index`."""
         self.assign(index, values)
+
+    def kernel_assign(self, index: tuple, values: torch.Tensor, write) -> bool:
+        """self[index] = values by the write kernels' routine for this scheme, as `write` (compress/fused_write.py's
+        KernelWrite) offers them (`channel_assign`, `group_assign`): True when written, False where the form has
+        none or it does not run (the caller assigns)."""
+        return False
 
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         """Prefill, before any token is written: scales from the prompt's tokens k (b, h, t, d) marked in valid."""

@@ -15,8 +15,8 @@ import torch
 
 from flexh2o.compress import attend
 from flexh2o.compress.channel import ChannelKeys
-from flexh2o.compress.recent import Recent
-from flexh2o.compress.rotation import Rotated
+from flexh2o.compress.codec import CompressedTensor
+from flexh2o.compress.form import as_form
 
 BLOCK_S = 32
 
@@ -82,38 +82,35 @@ if triton is not None:  # the kernels (compiled by Triton at their first launch 
         tl.store(out_ptr + (r * G + g) * D + c, acc, mask=c_ok)
 
 
+class TritonLevels(attend.LevelsRead):
+    """The Triton kernels' read of a quantized form's levels, as the form asks for it (compress/form.py: keys per
+    channel with evenly spaced levels, values or keys per token in whole groups); the exact ring around its inner
+    form's read, a rotated form's inner read and every other form as compress/attend.py reads them."""
+
+    def channel_logits(self, q: torch.Tensor, k: ChannelKeys) -> torch.Tensor:
+        scale, lo = (k.calib[..., i].float().contiguous() for i in (0, 1))  # (b, h, d) each
+        return _run_logits(q, k.data, scale, lo, 1, k.spec.bits, False) + _outliers(q, k)
+
+    def group_logits(self, q: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
+        scale, lo = (x.meta[..., i].float().contiguous() for i in (0, 1))  # (b, h, s, groups) each
+        return _run_logits(q, x.data, scale, lo, x.data.shape[3], x.spec.bits, True)
+
+    def group_mix(self, p: torch.Tensor, x: CompressedTensor) -> torch.Tensor:
+        scale, lo = (x.meta[..., i].float().contiguous() for i in (0, 1))  # (b, h, s, groups) each
+        return _run_mix(p, x.data, scale, lo, x.shape[-1], x.spec.bits)
+
+
+LEVELS = TritonLevels()  # holds nothing
+
+
 def logits(q: torch.Tensor, form) -> torch.Tensor:
-    """compress/fused_attend.Reader.logits for a block on a CUDA device."""
-    if isinstance(form, Recent):
-        return attend.ring_logits(q, form, logits)
-    if isinstance(form, Rotated):
-        return logits(q, form.inner)
-    if isinstance(form, ChannelKeys) and not form.spec.fitted:
-        out = _run_logits(q, form.data, form.calib[..., 0].float().contiguous(),
-                          form.calib[..., 1].float().contiguous(), 1, form.spec.bits, False)
-        return out + _outliers(q, form)
-    if attend.whole_groups(form):
-        return _run_logits(q, form.data, form.meta[..., 0].float().contiguous(),
-                           form.meta[..., 1].float().contiguous(), form.data.shape[3], form.spec.bits, True)
-    return attend.logits(q, form)
+    """compress/fused_attend.Reader.logits for a block on a CUDA device (the form picks its read of LEVELS)."""
+    return as_form(form).logits(q, LEVELS)
 
 
 def mix32(p: torch.Tensor, form) -> torch.Tensor:
-    """The fp32 value mix (compress/fused_attend._mix32) for a block on a CUDA device."""
-    if isinstance(form, Recent):
-        return attend.ring_mix(p, form, mix32)
-    if isinstance(form, Rotated):
-        return mix32(p, form.inner)
-    if not attend.whole_groups(form):
-        return attend.mix(p, form, torch.float32)
-    b, h, g, s = p.shape
-    d = form.shape[-1]
-    data, groups = _slots(form.data), form.data.shape[3]
-    out = torch.empty(b, h, g, d, device=p.device)
-    scale, lo = (form.meta[..., i].float().contiguous() for i in (0, 1))
-    _mix_kernel[(b * h, g)](p.float().contiguous(), s, data, *data.stride()[:3], scale, lo, out, h, g, s, d, groups,
-                            data.shape[-1], BITS=form.spec.bits, BLOCK=BLOCK_S, BLOCK_D=triton.next_power_of_2(d))
-    return out
+    """The fp32 value mix (compress/fused_attend._mix32) for a block on a CUDA device (the form picks its read)."""
+    return as_form(form).mix32(p, LEVELS)
 
 
 def _slots(data: torch.Tensor) -> torch.Tensor:
@@ -121,6 +118,16 @@ def _slots(data: torch.Tensor) -> torch.Tensor:
     if data.stride(-1) != 1 or (data.dim() == 5 and data.stride(3) != data.shape[-1]):
         return data.contiguous()
     return data
+
+
+def _run_mix(p, data, scale, lo, d: int, bits: int) -> torch.Tensor:
+    """_mix_kernel's out (b, h, g, d) fp32 for packed data (b, h, s, groups, width) and scale, lo (b, h, s, groups)."""
+    b, h, g, s = p.shape
+    data, groups = _slots(data), data.shape[3]
+    out = torch.empty(b, h, g, d, device=p.device)
+    _mix_kernel[(b * h, g)](p.float().contiguous(), s, data, *data.stride()[:3], scale, lo, out, h, g, s, d, groups,
+                            data.shape[-1], BITS=bits, BLOCK=BLOCK_S, BLOCK_D=triton.next_power_of_2(d))
+    return out
 
 
 def _run_logits(q, data, scale, lo, groups: int, bits: int, per_slot: bool) -> torch.Tensor:

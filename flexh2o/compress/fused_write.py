@@ -19,6 +19,7 @@ import torch
 from flexh2o.compress import fused_check
 from flexh2o.compress.channel import FP8_MAX, ChannelKeys
 from flexh2o.compress.codec import CompressedTensor, _round_down, _round_up
+from flexh2o.compress.form import as_form
 
 PARALLEL_FROM = 1 << 17  # values written at once from which the kernels run on numba's threads (a decode step's
 # new tokens, 32 rows x 12 heads x 64 values, run on the calling thread: waking the pool costs more than they do)
@@ -122,18 +123,32 @@ def _groups(kn, x: torch.Tensor, spec, dtype: torch.dtype) -> CompressedTensor:
 
 
 def assign(dst, index: tuple, values: torch.Tensor) -> bool:
-    """dst[index] = values quantized (codec.assign's write) by the kernels, for keys per channel (ChannelKeys.assign)
-    or a CompressedTensor grouped along its last dimension: True when done here, False where the caller writes."""
-    if isinstance(dst, ChannelKeys):
+    """dst[index] = values quantized (codec.assign's write) by the kernels, where the form has a kernel write of its
+    own (it says which: CacheForm.kernel_assign): True when done here, False where the caller writes."""
+    return as_form(dst).kernel_assign(index, values, WRITE)
+
+
+class KernelWrite:
+    """The kernels' writes a cache form asks for (CacheForm.kernel_assign): True when written, False where they do
+    not run (the caller writes with the torch code)."""
+
+    def channel_assign(self, dst: ChannelKeys, index: tuple, values: torch.Tensor) -> bool:
+        """Keys per channel (ChannelKeys.assign's steps: the rows' calibration, fp8 outliers)."""
         return _assign_keys(dst, index, values)
-    if not isinstance(dst, CompressedTensor) or dst.data.device.type != "cpu":
-        return False
-    ct = group_quant(values, dst.spec, dst.dtype)
-    if ct is None:
-        return False
-    dst.data[index] = ct.data
-    dst.meta[index] = ct.meta
-    return True
+
+    def group_assign(self, dst: CompressedTensor, index: tuple, values: torch.Tensor) -> bool:
+        """A CompressedTensor grouped along its last dimension, on the CPU (codec.quantize's groups)."""
+        if dst.data.device.type != "cpu":
+            return False
+        ct = group_quant(values, dst.spec, dst.dtype)
+        if ct is None:
+            return False
+        dst.data[index] = ct.data
+        dst.meta[index] = ct.meta
+        return True
+
+
+WRITE = KernelWrite()  # holds nothing: the kernels are looked up at each write (`kernels`)
 
 
 def _assign_keys(dst: ChannelKeys, index: tuple, values: torch.Tensor) -> bool:
