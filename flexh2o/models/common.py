@@ -1,6 +1,7 @@
 """Pieces shared by model families: weight specs and small tensor helpers."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,22 +41,72 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 MLP_ELEMENTS = 1 << 24  # rows per MLP chunk are chosen so the intermediate stays under this many elements
 
 
-def rowwise(fn, x: torch.Tensor, width: int) -> torch.Tensor:
-    """Apply fn to (b, t, h) in chunks of rows so a (rows, width) intermediate never grows with the batch."""
+def rowwise(fn, x: torch.Tensor, width: int, *extra: torch.Tensor) -> torch.Tensor:
+    """fn(x, *extra) on x (b, t, h) in chunks of rows so a (rows, width) intermediate never grows with the batch;
+    extra: tensors (b, t, ...) chunked alike (a residual the last product adds)."""
     b, t, h = x.shape
     rows = max(1, MLP_ELEMENTS // width)
     if b * t <= rows:
-        return fn(x)
-    flat = x.reshape(b * t, h)
-    return torch.cat([fn(part) for part in flat.split(rows)]).view(b, t, -1)
+        return fn(x, *extra)
+    flat = [a.reshape(b * t, a.shape[-1]) for a in (x, *extra)]  # each (b * t, its width)
+    return torch.cat([fn(*parts) for parts in zip(*(a.split(rows) for a in flat))]).view(b, t, -1)
 
 
 def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
     """F.linear for a weight that is a plain tensor, a PackedWeight run by the int4 kernel, or a StoredWeight
-    converted in chunks; a few rows times a large fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
+    converted in chunks; an fp32 product on an AVX-512 CPU by oneDNN (`onednn_fits`), else a few rows times a large
+    fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
     if isinstance(w, (PackedWeight, StoredWeight)):
         return w.linear(x, bias)
+    if onednn_fits(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # (..., n), contiguous
     return skinny_linear(x, w, bias) if is_skinny(x, w) else F.linear(x, w, bias)
+
+
+def linear_relu(x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    """F.relu(linear(x, w, bias)), the relu inside oneDNN's product where it runs (`onednn_fits`)."""
+    if isinstance(w, torch.Tensor) and onednn_fits(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "relu", [], "")
+    return F.relu(linear(x, w, bias))
+
+
+def linear_add(x: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x, w, bias): x (..., k), residual (..., n); the sum inside oneDNN's product where it runs
+    (`onednn_fits`, a contiguous fp32 residual of the output's shape), one pass over the output fewer."""
+    if isinstance(w, torch.Tensor) and onednn_fits(x, w) and residual.dtype == torch.float32 \
+            and residual.is_contiguous() and residual.shape == (*x.shape[:-1], w.shape[0]):
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, bias, "add")
+    return residual + linear(x, w, bias)
+
+
+def onednn_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T + bias runs as oneDNN's fp32 linear: both fp32 on a CPU whose ATen kernels are AVX-512 and
+    where the op agrees with F.linear (`onednn_linear`). GFLOP/s on an AVX-512 Zen 4, 2 threads, 64 rows, medians
+    of alternated calls, F.linear / the transposed product / oneDNN: 768 x 768 60-78 / 91-109 / 96-107, 3072 x 768
+    67-88 / 107-113 / 131-144, 768 x 3072 90-104 / 120-122 / 143-150, the 50272 x 768 head 62-63 / 80-86 /
+    141-148; its output is (rows, n) contiguous, where the transposed product's logits cost their readers 2-3x a
+    copy. At 8, 256 and 2048 rows it beat F.linear on every shape (the transposed product: 768 x 768 at 8 rows,
+    the head at 2048). With MKL's and oneDNN's AVX2 kernels the transposed product ran 0.97-1.3x oneDNN's on the
+    decoder's shapes (0.6-0.7x on the head), so an AVX2 CPU keeps it (benchmarks/RESULTS.md, 2026-12-06)."""
+    return (x.dtype == torch.float32 and w.dtype == torch.float32 and w.device.type == "cpu"
+            and x.device.type == "cpu" and onednn_linear())
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_linear() -> bool:
+    """Whether this process runs fp32 CPU linears by oneDNN (decided once): torch built with it, AVX-512 ATen
+    kernels, and its product of a small case within the fp32 rounding of F.linear's."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+            or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((8, 96), (40, 96), (40,)))
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    except RuntimeError:
+        return False
+    bound = 96 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().t() + b.abs())  # k terms summed in any order
+    return bool(((got - F.linear(x, w, b)).abs() <= bound).all())
 
 
 SKINNY_ROWS = 64  # rows of x at most, for the transposed product
@@ -87,10 +138,11 @@ def head_linear(x: torch.Tensor, w) -> torch.Tensor:
     1.4-1.7x faster than one call on an AVX2 Zen 3, 1.04-1.24x on an AVX-512 Zen 4; a bf16 head there ran
     1.1-1.25x slower in slices, so other dtypes are one call. Each output is the same dot product, summed in the
     order the BLAS kernel picks for the slice's shape: equal to one call's up to that rounding (bit-equal at the row
-    counts measured but 1, 2, 3 and 7). A PackedWeight, a weight off the CPU, or a skinny product (`is_skinny`:
-    up to SKINNY_ROWS rows, where the transposed product beat the slices at 2 threads) is one call."""
+    counts measured but 1, 2, 3 and 7). A PackedWeight, a weight off the CPU, a product oneDNN runs (`onednn_fits`)
+    or a skinny product (`is_skinny`: up to SKINNY_ROWS rows, where the transposed product beat the slices at 2
+    threads) is one call."""
     if isinstance(w, (PackedWeight, StoredWeight)) or w.device.type != "cpu" or w.dtype != torch.float32 \
-            or is_skinny(x, w):
+            or onednn_fits(x, w) or is_skinny(x, w):
         return linear(x, w)
     rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))
     if w.shape[0] <= rows:

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.config import ModelConfig
-from flexh2o.models.common import WeightSpec, embedding, head_linear, linear, merge_heads, rowwise, split_heads
+from flexh2o.models.common import (WeightSpec, embedding, head_linear, linear, linear_add, linear_relu, merge_heads,
+                                   rowwise, split_heads)
 from flexh2o.models.family import Family
 
 POS_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -77,12 +78,12 @@ def block(cfg: ModelConfig, w: dict, i: int, x: torch.Tensor, positions: torch.T
     k = split_heads(linear(y, w[a + "k_proj.weight"], w[a + "k_proj.bias"]), cfg.num_heads)
     v = split_heads(linear(y, w[a + "v_proj.weight"], w[a + "v_proj.bias"]), cfg.num_heads)
     o = merge_heads(attend(q, k, v))  # (b, t, h)
-    x = x + linear(o, w[a + "out_proj.weight"], w[a + "out_proj.bias"])
+    x = linear_add(o, w[a + "out_proj.weight"], w[a + "out_proj.bias"], x)  # x + o @ W.T + b
     if not cfg.norm_before:
         x = _ln(x, ln1)
     y = _ln(x, ln2) if cfg.norm_before else x
     fc1, fc2 = (w[p + "fc1.weight"], w[p + "fc1.bias"]), (w[p + "fc2.weight"], w[p + "fc2.bias"])
-    x = x + rowwise(lambda r: linear(F.relu(linear(r, *fc1)), *fc2), y, cfg.ffn)
+    x = rowwise(lambda r, res: linear_add(linear_relu(r, *fc1), *fc2, res), y, cfg.ffn, x)  # x + fc2(relu(fc1(y)))
     return x if cfg.norm_before else _ln(x, ln2)
 
 
