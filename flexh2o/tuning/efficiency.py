@@ -13,6 +13,7 @@ compute dtype (any row count), and its disk read, host-to-device and memory band
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -21,6 +22,7 @@ from flexh2o.kv.layout import CacheLayout
 from flexh2o.planning.weight_layout import layout_of
 from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import Rates
+from flexh2o.weights.forms import is_lookup
 
 LINKS = ("disk", "h2d", "mem")
 
@@ -36,6 +38,17 @@ def step_flops(rc: RunConfig, prefill: bool) -> float:
     if prefill:
         return flops + cfg.num_layers * n * heads * 2.0 * d * t * (t + 1)
     return flops + sum(4.0 * n * heads * d * lay.slots for lay in CacheLayout.layers_of_run(rc))
+
+
+def decode_matmuls(rc: RunConfig) -> Counter:
+    """(out, in) -> how many weights of that shape one decode step multiplies, each by rc.gpu_batch_size rows:
+    the matmuls step_flops counts (every 2-D weight but the embedding's tables, once per GPU batch)."""
+    counts: Counter = Counter()
+    for i, layer in enumerate(rc.placement.weights.layer_specs):
+        for s in layer:
+            if len(s.shape) == 2 and not is_lookup(i, s):
+                counts[tuple(s.shape)] += rc.num_gpu_batches
+    return counts
 
 
 def step_bytes(rc: RunConfig, prefill: bool) -> dict:

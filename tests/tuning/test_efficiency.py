@@ -10,7 +10,7 @@ from flexh2o.kv.spec import Budget, KVSpec
 from flexh2o.metrics import efficiency, efficiency_line
 from flexh2o.placement import Percent
 from flexh2o.run_config import RunConfig
-from flexh2o.tuning.efficiency import peaks, step_bytes, step_flops, step_work
+from flexh2o.tuning.efficiency import decode_matmuls, peaks, step_bytes, step_flops, step_work
 
 TINY = ModelConfig("tiny", "opt", hidden=64, num_layers=2, num_heads=4, ffn=256, vocab=512, max_positions=64)
 BLOCK = 4 * 64 * 64 + 2 * 64 * 256  # a decoder layer's matmul weights: q, k, v, out (h x h), fc1, fc2 (h x ffn)
@@ -32,6 +32,15 @@ def test_flops_by_hand():
     decode = 2 * n * (2 * BLOCK + HEAD) + 2 * n * heads * 4 * d * (8 + 4)
     assert step_flops(_rc(), prefill=True) == prefill == 9_940_992
     assert step_flops(_rc(), prefill=False) == decode == 1_609_728
+
+
+def test_decode_matmuls_by_hand():
+    """Per GPU batch (2): each block's q, k, v, out (64 x 64), fc1 (256 x 64), fc2 (64 x 256), and the tied head
+    (512 x 64); the embedding's tables are looked up, not multiplied. At 3 rows each they are step_flops' matmuls."""
+    got = decode_matmuls(_rc())
+    assert got == {(64, 64): 2 * 2 * 4, (256, 64): 2 * 2, (64, 256): 2 * 2, (512, 64): 2}
+    attention = 2 * 6 * 4 * 4 * 16 * (8 + 4)
+    assert sum(2 * 3 * n * k * c for (n, k), c in got.items()) + attention == step_flops(_rc(), False)
 
 
 def test_h2o_decode_attends_its_budget():
