@@ -158,7 +158,7 @@ class Recent(CacheForm):
         """A decode step's new token of every row: quantized into its slots (`index`, as `assign` takes it) and
         remembered in the ring (`remember`: which also drops an entry naming the slot, so `assign`'s lookup of the
         entries naming the written slots is not needed)."""
-        self.inner.assign(index, values)
+        self.inner.append(index, slot, pos, values)
         self.remember(slot, pos, values)
 
     def remember(self, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:

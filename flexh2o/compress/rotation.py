@@ -36,9 +36,32 @@ def _hadamard(d: int, device: str) -> torch.Tensor:
     return torch.block_diag(*blocks).to(device)
 
 
+def hadamard(d: int, device: str) -> torch.Tensor:
+    """The (d, d) fp32 rotation H of head_dim d on `device` (read only)."""
+    return _hadamard(d, device)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x (..., d) in fp32 times H: in the rotated basis."""
     return x.float() @ _hadamard(x.shape[-1], str(x.device))
+
+
+def rotate_step(x: torch.Tensor) -> torch.Tensor:
+    """rotate for a decode step's tokens (..., d): on the CPU where the cache kernels run, by one thread in numba
+    (compress/fused_decode_kernels.py: torch's product this small waited on its thread pool's wake-up, about 0.3-1.4
+    ms a call on 2 busy cores); else rotate. The same product within fp32 rounding (summed in another order)."""
+    from flexh2o.compress import fused_write  # (it reads compress/fused_attend.py's reader, which imports this)
+    if x.device.type != "cpu" or fused_write.kernels() is None:
+        return rotate(x)
+    try:
+        from flexh2o.compress.fused_decode_kernels import rotate_rows
+    except Exception:  # numba compiles nothing here: torch's product
+        return rotate(x)
+    d = x.shape[-1]
+    xf = x.float().reshape(-1, d).contiguous()  # (N, d)
+    out = torch.empty_like(xf)
+    rotate_rows(xf.numpy(), _hadamard(d, "cpu").numpy(), out.numpy())
+    return out.view(x.shape)
 
 
 def unrotate(x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +136,13 @@ class Rotated(CacheForm):
         kernels where they run: the same bytes)."""
         from flexh2o.compress import fused_write  # (it reads compress/fused_attend.py's reader, which imports this)
         x = rotate(values)
+        if not fused_write.assign(self.inner, index, x):
+            self.inner.assign(index, x)
+
+    def append(self, index: tuple, slot: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+        """A decode step's new token of every row (values (b, h, d)): rotated by `rotate_step`, written as assign."""
+        from flexh2o.compress import fused_write
+        x = rotate_step(values)
         if not fused_write.assign(self.inner, index, x):
             self.inner.assign(index, x)
 

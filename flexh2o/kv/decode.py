@@ -4,7 +4,8 @@ Which way each stage goes is a `DecodePath`, chosen once per run and layer shape
 LayerCompute makes one per decoder layer): whether the rows hold their tokens in order (no token is ever dropped:
 the free slot and extents come from the positions, not searched), whether probabilities are materialised (the
 policy scores tokens, logits are soft-capped or the block is quantized) and which reader takes a quantized block's
-levels (compress/fused_attend.py's, chosen once a process).
+levels (compress/fused_attend.py's, chosen once a process; where the fused reader runs, the default scheme's block
+is read in one compiled call, compress/fused_decode.py).
 
 Attention runs on the block's device, each segment of rows over the slots its rows use (kv/segments.py: empty slots
 past the last used one are skipped, not just masked, unless one masked call over every row reads little more); the
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import fused_attend
+from flexh2o.compress import fused_attend, fused_decode
 from flexh2o.compress.form import Plain, as_form
 from flexh2o.compress.rotation import rotated_if, unrotated_if
 from flexh2o.kv.cache import KVBlock, row_extents
@@ -144,6 +145,8 @@ def _scored(qg, front: KVBlock, policy: KVPolicy, segments: list, softcap, read:
     segment's slots. `read` takes the logits and the value mix (a quantized block's: fused kernels or
     compress/attend.py), each form read in the basis it stores (a rotated one: the query rotated, the output back)."""
     keys, values = (f if f.quantized else Plain(f.expanded(qg.dtype)) for f in map(as_form, (front.k, front.v)))
+    if read.kernels is not None and fused_decode.fits(keys, values, qg) and fused_decode.kernel() is not None:
+        return _one_call(qg, front, policy, segments, softcap, keys, values)
     qg = rotated_if(qg, keys.rotated)  # a quantized form is read in place, a plain one in the compute dtype
     b, kv, g, d = qg.shape
     top = front.pos.shape[-1]
@@ -160,3 +163,24 @@ def _scored(qg, front: KVBlock, policy: KVPolicy, segments: list, softcap, read:
     if policy.needs_scores:
         policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
     return unrotated_if(out, values.rotated)
+
+
+def _one_call(qg, front: KVBlock, policy: KVPolicy, segments: list, softcap, keys, values) -> torch.Tensor:
+    """_scored's attention of a quantized block by one compiled call a segment (compress/fused_decode.py): qg
+    (b, kv, g, d) and the output in the model's basis; the probabilities summed over g accumulated as _scored's."""
+    kn, want = fused_decode.kernel(), policy.needs_scores
+    if len(segments) == 1:
+        out, att_sum = fused_decode.attend(kn, qg, keys, values, front.pos, softcap, want)
+    else:
+        b, kv = qg.shape[:2]
+        out = torch.empty(qg.shape, dtype=qg.dtype, device=qg.device)
+        att_sum = torch.zeros(b, kv, front.pos.shape[-1]) if want else None
+        for r0, r1, used in segments:
+            o, s = fused_decode.attend(kn, qg[r0:r1], keys.cut(r0, r1, used), values.cut(r0, r1, used),
+                                       front.pos[r0:r1], softcap, want)
+            out[r0:r1] = o
+            if want:
+                att_sum[r0:r1, :, :used] = s
+    if want:
+        policy.accumulate(front.score, att_sum)  # (b, kv, top): 0 on every slot past a segment's used ones
+    return out
