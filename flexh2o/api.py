@@ -75,8 +75,8 @@ def _api_names(method):
 def api_message(text: str) -> str:
     """`text` (a CLI or request-file message) in the API's names."""
     import re
-    from flexh2o.cli.engine_args import EngineArgs
-    flags = sorted({f.flag for f in EngineArgs.flags()} | {"--help"}, key=len, reverse=True)
+    from flexh2o.cli.engine_args import run_flags
+    flags = sorted({f.flag for f in run_flags()} | {"--help"}, key=len, reverse=True)  # a later policy's flags too
     for flag in flags:
         name = flag[2:].replace("-", "_")
         text = re.sub(re.escape(flag) + r"(?: (?=[A-Z0-9.-])|(?=\)))", name + "=", text)  # hh_ratio=1.5, (tokenizer=)

@@ -2,8 +2,9 @@
 flexh2o-run's (and flexh2o-serve's) options are generated from them (`run_flags`, `add_flags`), and the Python API
 (api.py) fills an EngineArgs from keywords directly (`EngineArgs.from_options`), each value what its flag would
 parse it to, so names, defaults, help texts and refusals are one. The groups shared with other scripts are declared
-beside their code (kv_flags.py with each KV policy's Params, compress_flags.py, request_job.py, flexgen_flags.py);
-this module declares the rest, in --help's order. Imports no torch (--help and a flag's error stay quick)."""
+beside their code (kv_flags.py with each KV policy's Params, compress_flags.py with the fields of
+kv/cache_quant.CacheQuant, request_job.py, flexgen_flags.py); this module declares the rest, in --help's order.
+Imports no torch (--help and a flag's error stay quick)."""
 from __future__ import annotations
 
 import os

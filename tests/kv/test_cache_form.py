@@ -166,3 +166,5 @@ def test_a_new_schemes_flag_reaches_the_engine(twice_field, monkeypatch, tmp_pat
     with LLM(ckpt, compress_cache=True, cache_twice=True, **common) as toy:
         got = [r.token_ids for r in toy.generate(prompts, params)]
     assert built and got == want
+    with pytest.raises(ValueError, match="cache_twice sets the quantized KV cache, which is off: add compress_cache"):
+        LLM(ckpt, cache_twice=True, **common).generate(prompts, params)  # refused in the API's names
