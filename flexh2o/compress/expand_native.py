@@ -130,14 +130,18 @@ static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; floa
    out (G, N, 2) bf16 (scale, minimum + 8 scale), as torch computes them (fp32, 8 scale exact: one rounding). */
 int scales4(const void *meta, int kind, int64_t N, int64_t G, uint16_t *out, int threads) {
     if (kind < 0 || kind > 1) return 1;
+    /* tiles of 64 rows: the tile's meta rows stay in cache while each group's 64 pairs are written in a row */
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+        int64_t n1 = n0 + 64 < N ? n0 + 64 : N;
         for (int64_t g = 0; g < G; g++) {
-            int64_t i = (n * G + g) * 2;
-            float s = kind ? from_bf16(((const uint16_t *)meta)[i]) : ((const float *)meta)[i];
-            float m = kind ? from_bf16(((const uint16_t *)meta)[i + 1]) : ((const float *)meta)[i + 1];
-            out[(g * N + n) * 2] = to_bf16(s);
-            out[(g * N + n) * 2 + 1] = to_bf16(m + 8.0f * s);
+            for (int64_t n = n0; n < n1; n++) {
+                int64_t i = (n * G + g) * 2;
+                float s = kind ? from_bf16(((const uint16_t *)meta)[i]) : ((const float *)meta)[i];
+                float m = kind ? from_bf16(((const uint16_t *)meta)[i + 1]) : ((const float *)meta)[i + 1];
+                out[(g * N + n) * 2] = to_bf16(s);
+                out[(g * N + n) * 2 + 1] = to_bf16(m + 8.0f * s);
+            }
         }
     }
     return 0;
@@ -255,11 +259,12 @@ def expand_into(packed: torch.Tensor, meta: torch.Tensor, group_size: int, block
 def scales_into(meta: torch.Tensor, out: torch.Tensor) -> bool:
     """The int4 kernel's scales and zeros of meta (N, groups, 2) (scale, minimum) written into `out` (groups, N, 2)
     bf16 in one pass, bit for bit compress/kernels.kernel_scales' torch ops; False (nothing written) where the
-    library is not built or the meta is not fp32 or bf16 on the CPU."""
+    library is not built or the meta is not fp32 or bf16 on the CPU. One thread: a pass of at most a few hundred
+    microseconds, run at each load on an I/O thread while torch's threads compute (a second team of threads on the
+    same cores made both wait: 8 ms a call on 2 busy cores)."""
     lib = _library(_isa())
     if lib is None or meta.dtype not in META_DTYPES or meta.device.type != "cpu" or not out.is_contiguous():
         return False
     m = meta.contiguous()
     n, groups = m.shape[:2]
-    return lib.scales4(m.data_ptr(), META_DTYPES.index(m.dtype), n, groups, out.data_ptr(),
-                       torch.get_num_threads()) == 0
+    return lib.scales4(m.data_ptr(), META_DTYPES.index(m.dtype), n, groups, out.data_ptr(), 1) == 0

@@ -60,10 +60,12 @@ class CompressedTier:
             raise
         return CompressedHandle(data, meta, tuple(int(s) for s in shape), dtype)
 
-    def load_compressed(self, handle: CompressedHandle, device) -> CompressedTensor:
-        """The compressed tensor on `device` (moved compressed)."""
-        return CompressedTensor(self.inner.load(handle.data, device), self.inner.load(handle.meta, device),
-                                handle.shape[self.spec.dim(len(handle.shape))], self.spec)
+    def load_compressed(self, handle: CompressedHandle, device, bufs: Optional[tuple] = None) -> CompressedTensor:
+        """The compressed tensor on `device` (moved compressed). bufs: (data, meta) read buffers for a disk inner
+        tier (storage/read_buffers.py); the result is then a view of them where it is already on `device`."""
+        data, meta = (self.inner.load(h, device) if b is None else self.inner.load(h, device, None, b)
+                      for h, b in zip((handle.data, handle.meta), bufs or (None, None)))
+        return CompressedTensor(data, meta, handle.shape[self.spec.dim(len(handle.shape))], self.spec)
 
     def load(self, handle: CompressedHandle, device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Moved compressed to `device`, then expanded there into `dtype` (default the storage dtype)."""
@@ -112,9 +114,9 @@ class KernelOrderTier(CompressedTier):
         self.inner.store(handle.data, data, slots)
         self.inner.store(handle.meta, ct.meta, slots)
 
-    def load_compressed(self, handle: CompressedHandle, device) -> CompressedTensor:
+    def load_compressed(self, handle: CompressedHandle, device, bufs: Optional[tuple] = None) -> CompressedTensor:
         """The kernel-order tensor on `device`: data (N, K / 2), meta (N, groups, 2)."""
-        ct = super().load_compressed(handle, device)
+        ct = super().load_compressed(handle, device, bufs)
         return CompressedTensor(ct.data.view(handle.shape[0], -1), ct.meta, ct.length, ct.spec)
 
     def pack(self, ct: CompressedTensor, dtype: torch.dtype, kernel: bool = True,

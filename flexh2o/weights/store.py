@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from flexh2o.compress import CompressedTensor
+from flexh2o.compress.choice import PHASES
 from flexh2o.compress.codec import dequantize
 from flexh2o.compress.kernels import PackedWeight, kernel_scales
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
@@ -77,8 +78,8 @@ class WeightStore:
         self._tables = {s.name for i, layer in enumerate(self.specs) for s in layer  # read by rows (stored_form.py)
                         if read_by_rows(i, last, s, isinstance(self.tiers[s.name], CompressedTier), self.homes[s.name],
                                         tiers["gpu"].device.type == "cpu")}
-        self.reads = ReadArenas(max(sum(self.handles[s.name].padded for s in self._streamed(layer))
-                                    for layer in range(len(self.specs))))
+        self.reads = ReadArenas(max(sum(f.padded for _, files in self._arena_reads(layer, phase) for f in files)
+                                    for layer in range(len(self.specs)) for phase in PHASES))
         self._readers: Optional[ThreadPoolExecutor] = None
         self._lent: dict = {}  # id(a load_layer result) -> its ReadArenas token
 
@@ -117,8 +118,8 @@ class WeightStore:
         (weights/stored_form.py). Seconds spent reading and expanding add up in seconds[phase]."""
         out, copied, last = {}, 0, len(self.specs) - 2
         start = time.perf_counter()
-        token, streamed = self._read_streamed(layer)  # name -> future of the read into an arena's buffer
-        packed = self._read_compressed(layer, device)  # name -> future of a compressed disk weight's reads
+        token, streamed = self._read_streamed(layer, phase)  # name -> future of the read into an arena's buffer
+        packed = self._read_compressed(layer, device, phase)  # name -> future of a compressed disk weight's reads
         spent = [time.perf_counter() - start, 0.0]  # seconds reading, expanding
         for s in self.specs[layer]:
             kept = stays_stored(layer, last, s, self.dtype, dtype, isinstance(self.tiers[s.name], CompressedTier))
@@ -181,8 +182,7 @@ class WeightStore:
 
     def _streamed(self, layer: int) -> list:
         """The layer's plain weights homed on the disk tier: read whole into a read arena."""
-        return [s for s in self.specs[layer]
-                if isinstance(self.tiers[s.name], DiskTier) and s.name not in self._tables]
+        return [s for s in self.specs[layer] if isinstance(self.tiers[s.name], DiskTier) and s.name not in self._tables]
 
     def _pool(self) -> ThreadPoolExecutor:
         """The READS_IN_FLIGHT threads every disk read of a layer is issued to (made at the first)."""
@@ -191,25 +191,35 @@ class WeightStore:
                 self._readers = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="flexh2o-read")
             return self._readers
 
-    def _read_compressed(self, layer: int, device) -> dict:
-        """name -> future of load_compressed for the layer's compressed weights homed on disk, issued together (one
-        at a time left the link idle: a 4-bit opt-350m decode step read 192 MiB at half the plain weights' rate)."""
-        disk = [s for s in self.specs[layer] if isinstance(self.tiers[s.name], CompressedTier)
-                and isinstance(self.tiers[s.name].inner, DiskTier)]
-        return {s.name: self._pool().submit(self.tiers[s.name].load_compressed, self.handles[s.name], device)
-                for s in disk}
+    def _as_read(self, layer: int, s, phase: str) -> bool:
+        """Whether a compressed weight comes as a PackedWeight at `phase` (its read bytes used until release)."""
+        return s.name in self.kernel_order and self.forms.form(layer, len(self.specs) - 2, s, phase) is not None
 
-    def _read_streamed(self, layer: int) -> tuple:
-        """(arena token, name -> future of the direct-I/O read of each of the layer's plain disk weights), read
-        READS_IN_FLIGHT at once into one of the two read arenas (on the CPU a future's result is a view of it)."""
-        specs = self._streamed(layer)
-        if not specs:
-            return None, {}
-        handles = [self.handles[s.name] for s in specs]
-        token, bufs = self.reads.lend([h.padded for h in handles])
-        cpu = torch.device("cpu")
-        return token, {s.name: self._pool().submit(self.tiers[s.name].load, h, cpu, None, buf)
-                       for s, h, buf in zip(specs, handles, bufs)}
+    def _read_compressed(self, layer: int, device, phase: str) -> dict:
+        """name -> future of load_compressed for the layer's compressed disk weights expanded whole, issued together
+        (one at a time left the link idle: a 4-bit opt-350m decode step read at half the plain weights' rate)."""
+        return {s.name: self._pool().submit(self.tiers[s.name].load_compressed, self.handles[s.name], device)
+                for s in self.specs[layer] if isinstance(self.tiers[s.name], CompressedTier)
+                and isinstance(self.tiers[s.name].inner, DiskTier) and not self._as_read(layer, s, phase)}
+
+    def _arena_reads(self, layer: int, phase: str) -> list:
+        """(name, files) of the layer's reads into a read arena: each plain disk weight's, then the data and meta of
+        each compressed one used as read (a fresh buffer per read: 20 thousand page faults a 4-bit opt-350m step)."""
+        return [(s.name, (self.handles[s.name],)) for s in self._streamed(layer)] + [
+            (s.name, (self.handles[s.name].data, self.handles[s.name].meta)) for s in self.specs[layer]
+            if self._as_read(layer, s, phase) and isinstance(self.tiers[s.name].inner, DiskTier)]
+
+    def _read_streamed(self, layer: int, phase: str) -> tuple:
+        """(arena token, name -> future of each `_arena_reads` read), READS_IN_FLIGHT at once into one of the two
+        read arenas (on the CPU a future's result is a view of it)."""
+        reads = self._arena_reads(layer, phase)
+        token, bufs = self.reads.lend([f.padded for _, files in reads for f in files]) if reads else (None, [])
+        pool, cpu, out, at = self._pool(), torch.device("cpu"), {}, 0
+        for name, files in reads:
+            tier, got, at = self.tiers[name], bufs[at:at + len(files)], at + len(files)
+            out[name] = (pool.submit(tier.load, files[0], cpu, None, got[0]) if len(files) == 1 else
+                         pool.submit(tier.load_compressed, self.handles[name], cpu, tuple(got)))
+        return token, out
 
     def _own(self, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
         """A streamed weight on `device` in `dtype`: the arena's view itself where it already is, else a copy."""

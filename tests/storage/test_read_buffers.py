@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from flexh2o.compress import CompressionSpec
+from flexh2o.compress.kernels import PackedWeight
 from flexh2o.config import ModelConfig
 from flexh2o.engine import Engine
 from flexh2o.placement import Percent
@@ -12,6 +14,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.storage import read_buffers
 from flexh2o.storage.disk import aligned_empty
 from flexh2o.storage.read_buffers import ReadArenas
+from flexh2o.weights.store import WeightStore
 from flexh2o.units import ALIGN
 
 # the tables larger than a decoder layer, as in every OPT (opt-125m: 80 MB against 14 MB)
@@ -54,3 +57,41 @@ def test_streamed_weights_read_into_two_arenas(offload_dir, monkeypatch):
         assert fresh == [max(per_layer)] * 2
     resident, fresh, per_layer = _run(offload_dir, [100, 0, 100, 0, 100, 0], prompts, monkeypatch)
     assert torch.equal(tokens, resident) and fresh == [] and max(per_layer) == 0
+
+
+def _packed_run(offload_dir, percent, prompts, monkeypatch) -> tuple:
+    """(tokens, PackedWeights loaded, those whose data and meta are views of a read arena, arena sizes made) of a
+    run with 4-bit weights in the int4 kernel's order, run by the kernel at every phase."""
+    rc = RunConfig(model=TINY, percent=Percent.parse(percent), gpu_batch_size=2, prompt_len=6, gen_len=5,
+                   dtype=torch.float32, offload_dir=offload_dir, compress_weight=CompressionSpec(4, 64, 1),
+                   weight_kernel="int4")
+    made, seen, in_arena = [], [], []
+    monkeypatch.setattr(read_buffers, "aligned_empty", lambda n: made.append(n) or aligned_empty(n))
+    load = WeightStore.load_layer
+
+    def inside(t: torch.Tensor, arenas) -> bool:
+        return any(a is not None and a.data_ptr() <= t.data_ptr() < a.data_ptr() + a.numel() for a in arenas)
+
+    def checked(store, *args, **kw):
+        out = load(store, *args, **kw)
+        for t in out[0].values():
+            if isinstance(t, PackedWeight):
+                seen.append(t)
+                in_arena.append(inside(t.packed, store.reads.arenas) and inside(t.meta, store.reads.arenas))
+        return out
+    monkeypatch.setattr(WeightStore, "load_layer", checked)
+    with Engine(rc) as eng:
+        tokens = eng.generate(prompts, 5).tokens
+        assert eng.weights.reads.fresh == 0
+    return tokens, seen, in_arena, made
+
+
+def test_packed_weights_are_read_into_the_arenas(offload_dir, monkeypatch):
+    """4-bit weights homed on disk that come as PackedWeights (their read bytes used until the layer is released)
+    are read into the two arenas with the plain ones, not into fresh buffers; the tokens are those of the same
+    weights held in memory."""
+    prompts = [[3, 9, 27, 81], [5, 25, 125]]
+    tokens, seen, in_arena, made = _packed_run(offload_dir, [0, 0, 100, 0, 100, 0], prompts, monkeypatch)
+    assert seen and all(in_arena) and len(made) == 2
+    resident, seen, in_arena, made = _packed_run(offload_dir, [100, 0, 100, 0, 100, 0], prompts, monkeypatch)
+    assert torch.equal(tokens, resident) and seen and not any(in_arena) and made == []
