@@ -26,6 +26,10 @@ def describe_plan(rc: RunConfig, plan_of=plan_memory) -> str:
     if plan.kept_scales:
         lines.append(f"gpu buffers include {fmt_bytes(plan.kept_scales)} of int4-kernel scales kept for the weights "
                      "used in place (built once, not at every step)")
+    if plan.forms is not None and plan.forms.on_use:
+        chunk = plan.forms.chunk_buffer_bytes(rc.placement.weights)
+        lines.append(f"matmul weights converted on use at {', '.join(sorted(plan.forms.on_use, reverse=True))}, a "
+                     f"chunk at a time into one {fmt_bytes(chunk)} buffer (whole layers converted would not fit)")
     over = plan.overflow()
     lines.append("fits" if over is None else f"does NOT fit: {over[0]} tier needs {over[1]} > {over[2]} bytes")
     best = {rc.kv.policy: (rc, largest_batch(rc, plan_of=plan_of))}

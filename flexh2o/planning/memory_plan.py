@@ -12,6 +12,7 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
 from flexh2o.weights.forms import WeightForms
+from flexh2o.weights.on_use import converts_on_use
 from flexh2o.weights.stored_form import read_by_rows, stays_stored
 from flexh2o.compress.codec import weight_spec
 
@@ -94,8 +95,18 @@ class MemoryPlan:
 def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
                 forms: Optional[WeightForms] = None) -> MemoryPlan:
     """Bytes per tier of `rc` (homes from `placement`, by default rc.placement) as `forms` take the weights
-    (weights/forms.py; by default what the plan assumes before the engine's choice, WeightForms.planned)."""
-    return plan_for(rc, placement or rc.placement, forms or WeightForms.planned(rc))
+    (weights/forms.py; by default what the plan assumes before the engine's choice, WeightForms.planned, with the
+    weights converted on use where that does not fit, as the engine converts them: WeightForms.fitting_on_use)."""
+    if forms is not None:
+        return plan_for(rc, placement or rc.placement, forms)
+    plan, plans = plan_for(rc, placement or rc.placement, WeightForms.planned(rc)), {}
+    if plan.overflow() is None or plan.overflow()[0] != "gpu":  # converting on use spares only compute memory
+        return plan
+
+    def fits(forms: WeightForms) -> bool:
+        plans[forms] = plan.with_forms(forms)
+        return plans[forms].overflow() is None
+    return plans.get(plan.forms.fitting_on_use(fits), plan)
 
 
 def plan_for(rc: RunConfig, where: Placement, forms: WeightForms) -> MemoryPlan:
@@ -144,36 +155,40 @@ def working_bytes(rc: RunConfig) -> int:
 
 
 def in_flight_bytes(rc: RunConfig, where: Placement, forms: WeightForms, phase: str) -> int:
-    """Two layers of weights in flight at `phase` (the one computing and the prefetched one) as `forms` bring them
-    to the compute side (weights/forms.py: copied, expanded or in the int4 kernel's form), and the weight
-    store's two read arenas for the plain weights streamed from disk (storage/read_buffers.py: each the largest
-    streamed layer's stored bytes, kept for the run): a streamed weight used as read (in the compute dtype, or a
-    table kept stored) lives in its arena, so it is counted there once; a converted one is in both."""
-    sizes = forms.compute_side_bytes(where.weights, phase)
-    streamed, views = streamed_bytes(rc, where, phase)
-    if not any(streamed):
-        return 2 * max(sizes)
-    return 2 * max(streamed) + 2 * max(size - view for size, view in zip(sizes, views))
+    """Two layers of weights in flight at `phase` as `forms` bring them to the compute side (weights/forms.py:
+    copied, expanded, in the int4 kernel's form, kept stored or converted on use): the one computing at its peak
+    (with the chunk a stored table multiplies), the prefetched one as loaded; the weight store's two read arenas
+    for the plain weights streamed from disk (storage/read_buffers.py: each the largest streamed layer's stored
+    bytes, kept for the run): a streamed weight used as read (in the compute dtype, kept stored or converted on
+    use) lives in its arena, so it is counted there once; a converted one is in both; and the run's one
+    ChunkBuffer of the weights converted on use (weights/on_use.py)."""
+    sizes, passing = forms.compute_side_bytes(where.weights, phase), forms.transient_bytes(where.weights, phase)
+    streamed, views = streamed_bytes(rc, where, phase, phase in forms.on_use)
+    held = [size - view for size, view in zip(sizes, views)]  # views are 0 where nothing streams
+    pair = max(held) + max(h - p for h, p in zip(held, passing))
+    return 2 * max(streamed) + pair + forms.chunk_buffer_bytes(where.weights)
 
 
-def streamed_bytes(rc: RunConfig, where: Placement, phase: str) -> tuple:
+def streamed_bytes(rc: RunConfig, where: Placement, phase: str, on_use: bool = False) -> tuple:
     """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those used
-    as read at `phase`) (file padding left out)."""
+    as read at `phase`; on_use: the phase converts matmul weights on use) (file padding left out)."""
     compute = rc.compute_at(0 if phase == "prefill" else 1)
     on_cpu = not rc.device.startswith("cuda")
-    key = ("streamed", rc.dtype, compute, rc.compress_weight, on_cpu)  # all it reads besides the homes
-    return where.weights.derived(key, lambda homes: _streamed(homes, rc.dtype, compute, rc.compress_weight, on_cpu))
+    key = ("streamed", rc.dtype, compute, rc.compress_weight, on_cpu, on_use)  # all it reads besides the homes
+    return where.weights.derived(key, lambda homes: _streamed(homes, rc.dtype, compute, rc.compress_weight, on_cpu,
+                                                              on_use))
 
 
-def _streamed(homes, dtype, compute, compress, on_cpu: bool) -> tuple:
+def _streamed(homes, dtype, compute, compress, on_cpu: bool, on_use: bool) -> tuple:
     """Tables read by rows (weights/stored_form.read_by_rows) are not read into an arena."""
     last, streamed, views = len(homes.layer_specs) - 2, [], []
     for i, layer in enumerate(homes.layer_specs):
         disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None
                 and not read_by_rows(i, last, s, False, "disk", on_cpu)]
         streamed.append(sum(s.numel for s in disk) * dtype.itemsize)
-        views.append(sum(s.numel for s in disk if dtype == compute
-                         or stays_stored(i, last, s, dtype, compute, False)) * dtype.itemsize)
+        kept = [stays_stored(i, last, s, dtype, compute, False) for s in disk]
+        views.append(sum(s.numel for s, k in zip(disk, kept) if dtype == compute or k
+                         or on_use and converts_on_use(i, s, False, k, dtype, compute)) * dtype.itemsize)
     return tuple(streamed), tuple(views)
 
 
@@ -195,6 +210,9 @@ def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> i
         return largest_passing(ok, limit)  # 0 or 1 (the plans are kept: nothing is planned twice)
     guess = b = 1
     for _ in range(3):
+        if plans[b].forms != plans[b + 1].forms and b + 2 <= limit:  # weights converted on use from b + 1 on
+            b += 1
+            ok(b + 1)
         nxt = _affine_guess(b, plans[b], plans[b + 1])
         if nxt is None or nxt == b:
             break
@@ -205,7 +223,9 @@ def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> i
 
 def _affine_guess(b: int, at_b: MemoryPlan, at_next: MemoryPlan) -> Optional[int]:
     """The batch at which the first tier fills, extrapolating each tier's total from batch b to b + 1 (None when
-    no tier grows there)."""
+    no tier grows there, or where the weights' forms change between the two: the plan is not affine there)."""
+    if at_b.forms != at_next.forms:
+        return None
     fills = [b + (at_b.capacity(t) - at_b.total(t)) // (at_next.total(t) - at_b.total(t))
              for t in TIERS if at_next.total(t) > at_b.total(t)]
     return min(fills) if fills else None

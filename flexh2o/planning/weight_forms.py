@@ -1,7 +1,8 @@
 """A run's WeightForms (weights/forms.py), decided once: which phases' decoder-block matmuls run the int4 kernel,
 by the one rule of compress/choice.py given a timer (the engine passes its probe, choice.probe; the cost model a
-profile's rates, tuning/kernel_cost.py), the kernel also where expanding would not fit the memory plan; and the
-run's one memory plan, as those forms take the weights (`run_plan`)."""
+profile's rates, tuning/kernel_cost.py), the kernel also where expanding would not fit the memory plan; at which
+phases matmul weights are converted on use, where converting whole layers would not fit (weights/on_use.py); and
+the run's one memory plan, as those forms take the weights (`run_plan`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -22,9 +23,16 @@ def run_plan(rc, timer: Callable, available: bool = True) -> MemoryPlan:
 
 
 def weight_forms(rc, timer: Callable, fits: Callable[[WeightForms], bool], available: bool = True) -> WeightForms:
-    """rc's WeightForms. timer(shape, rows, spec, dtypes) -> phase -> {"int4": s, "generic": s} for one weight
-    (choice.probe's answer); fits(forms) -> whether the memory plan fits those forms; available: this torch runs
-    the kernel on rc.device (the cost model assumes it does)."""
+    """rc's WeightForms: where the int4 kernel runs (kernel_choice), and the matmul weights converted on use at the
+    fewest phases where those forms do not fit (WeightForms.fitting_on_use; weights/on_use.py)."""
+    forms = kernel_choice(rc, timer, fits, available)
+    return forms if fits(forms) else forms.fitting_on_use(fits)
+
+
+def kernel_choice(rc, timer: Callable, fits: Callable[[WeightForms], bool], available: bool = True) -> WeightForms:
+    """rc's WeightForms with the int4 kernel where it runs. timer(shape, rows, spec, dtypes) -> phase ->
+    {"int4": s, "generic": s} for one weight (choice.probe's answer); fits(forms) -> whether the memory plan fits
+    those forms; available: this torch runs the kernel on rc.device (the cost model assumes it does)."""
     forms = WeightForms.of_run(rc)
     usable = forms.layout and available
     if rc.weight_kernel == "int4" and not usable:

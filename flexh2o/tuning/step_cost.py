@@ -30,6 +30,7 @@ from flexh2o.tuning.hardware import GRAIN, Rates
 from flexh2o.tuning.kernel_cost import EXPAND_PASSES
 from flexh2o.units import padded
 from flexh2o.weights.forms import WeightForms
+from flexh2o.weights.on_use import reconverted_bytes
 from flexh2o.weights.stored_form import disk_table_reads, disk_tables_of_run, stored_of_run
 
 OPS = {"embed": 11, "block": 63, "head": 19, "evict": 22, "chunk": 12}  # aten ops per (layer, batch) compute
@@ -151,9 +152,9 @@ class StepCost:
     def weight_io(self, st: _Terms, layer: int, prefill: bool, t: int) -> None:
         """Weights of one layer, loaded once for all GPU batches, converted or expanded to the compute dtype where
         the int4 kernel does not run them (weights/forms.py): lookups expand the row blocks they read and the head
-        its blocks, per GPU batch; plain tables kept stored likewise (their rows; the head per GPU batch)."""
-        r = self.r
-        table, shapes = self.tables[layer]
+        its blocks, per GPU batch; plain tables kept stored likewise, weights converted on use at each use."""
+        r, (table, shapes) = self.r, self.tables[layer]
+        rate = r.gpu_mem if self.cuda else r.convert  # a memory pass: host (CPU run) or device
         for tier, nbytes, on_disk, files in self.weights[layer]:
             if tier == "disk":  # less the tables read by rows and chunks, per GPU batch (stored_form.disk_table_reads)
                 reads, spans = disk_table_reads(layer, shapes, self.rc.dtype, self.rc.gpu_batch_size * t,
@@ -162,13 +163,13 @@ class StepCost:
                        + (files - len(shapes) + spans) * r.read_latency)
             if self.cuda and tier != "gpu":
                 st.add("h2d.weights", _div(nbytes, r.h2d, "h2d_bw"))
-            if self.w != self.c and not self.packed[layer]:  # a memory pass: host (CPU run) or device
-                rate = r.gpu_mem if self.cuda else r.convert
+            if self.w != self.c and not self.packed[layer]:
                 st.add("compute.convert_weights", _div(nbytes, rate, "convert_bw"))
         looked, chunked = self.stored[layer]  # tables kept stored: rows gathered, the head's chunks per GPU batch
-        if (looked or chunked) and not self.packed[layer]:
-            st.add("compute.convert_weights", _div((self.rc.num_gpu_batches - 1) * chunked - looked,
-                                                   r.gpu_mem if self.cuda else r.convert, "convert_bw"))
+        again = reconverted_bytes(self.rc, self.forms, layer, prefill)  # weights/on_use.py
+        if (looked or chunked or again) and not self.packed[layer]:
+            st.add("compute.convert_weights", _div((self.rc.num_gpu_batches - 1) * chunked - looked + again, rate,
+                                                   "convert_bw"))
         if self.packed[layer]:  # compressed weights are expanded into the compute dtype where they are used
             kern, lookups = self.kernel_parts[layer]
             rows = self.rc.gpu_batch_size * t * row_block()  # at most a row block a token looked up
@@ -177,7 +178,6 @@ class StepCost:
             n += nb * sum(min(e, rows * k) for e, k in lookups)
             if layer > self.cfg.num_layers and not self.kernel_on(layer, prefill):
                 n += (nb - 1) * kern  # the head's expanded block by block at each GPU batch's call
-            rate = r.gpu_mem if self.cuda else r.convert
             st.add("compute.expand_weights", _div(n * self.w * EXPAND_PASSES, rate, "convert_bw"))
 
     def matmul(self, st: _Terms, layer: int, t: int, prefill: bool, nb: int) -> None:

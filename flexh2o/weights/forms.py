@@ -30,7 +30,10 @@ import torch
 from flexh2o.compress.choice import PHASES
 from flexh2o.compress.codec import CompressionSpec, stored_bytes, weight_spec
 from flexh2o.compress.kernels import kernel_shape_ok, kernel_spec_ok, packed_bytes, rows_buffer_bytes, scales_bytes
-from flexh2o.weights.stored_form import read_by_rows, stays_stored, stored_weight_bytes
+from flexh2o.weights.on_use import chunk_bytes, converts_on_use
+from flexh2o.weights.stored_form import read_by_rows, stays_stored, stored_chunk_bytes, stored_weight_bytes
+
+ON_USE_TRIES = (("prefill",), ("decode",), PHASES)  # phases converting on use, tried in turn (fitting_on_use)
 
 
 def kernel_layout(rc) -> bool:
@@ -57,21 +60,24 @@ def in_place_homes(device) -> tuple:
 
 class WeightForm(NamedTuple):
     """One weight as a run holds it: its stored spec (None: plain), whether it is in the int4 kernel's order, its
-    form at each phase of PHASES ("in place", "converted", "stored", "expanded", "blocks": a PackedWeight expanded
-    a row block at a time, "kernel"), its stored bytes and its compute-side bytes at each phase."""
+    form at each phase of PHASES ("in place", "copied", "stored", "on use": weights/on_use.py, "expanded",
+    "blocks": a PackedWeight expanded a row block at a time, "kernel"), its stored bytes, its compute-side bytes at
+    each phase and the part of them taken only while it multiplies (a chunk buffer, read chunks)."""
 
     spec: Optional[CompressionSpec]
     kernel_order: bool
     forms: tuple
     stored: int
     compute: tuple
+    transient: tuple = (0, 0)
 
 
 @dataclass(frozen=True)
 class WeightForms:
     """How a run's weights are stored and reach the compute side: the storage dtype, each phase's compute dtype
     (prefill, decode), --compress-weight, whether kernel shapes are stored in the int4 kernel's order, the phases
-    whose decoder blocks run the kernel, and the tiers the compute side uses in place."""
+    whose decoder blocks run the kernel, the tiers the compute side uses in place, and the phases whose matmul
+    weights are converted on use (weights/on_use.py; CPU runs only)."""
 
     storage: torch.dtype
     compute: tuple
@@ -79,6 +85,7 @@ class WeightForms:
     layout: bool = False
     kernel: frozenset = frozenset()
     in_place: tuple = ("gpu",)
+    on_use: frozenset = frozenset()
 
     @staticmethod
     def of_run(rc, kernel=()) -> "WeightForms":
@@ -96,11 +103,27 @@ class WeightForms:
 
     @staticmethod
     def least(rc) -> "WeightForms":
-        """The forms taking the least memory this run may use (the kernel wherever --weight-kernel allows)."""
-        return WeightForms.of_run(rc, () if rc.weight_kernel == "generic" else PHASES)
+        """The forms taking the least memory this run may use (the kernel wherever --weight-kernel allows, weights
+        converted on use at every phase)."""
+        return WeightForms.of_run(rc, () if rc.weight_kernel == "generic" else PHASES).with_on_use(PHASES)
 
     def with_kernel(self, phases) -> "WeightForms":
         return replace(self, kernel=frozenset(phases) if self.layout else frozenset())
+
+    def with_on_use(self, phases) -> "WeightForms":
+        """These forms with the matmul weights converted on use at `phases` (none off a CPU run)."""
+        return replace(self, on_use=frozenset(phases) if "cpu" in self.in_place else frozenset())
+
+    def fitting_on_use(self, fits) -> "WeightForms":
+        """For forms that do not fit: them converting on use wherever a weight converts when that does not fit
+        either (the least memory, for the refusal; tried first: most plans a batch search tries are far over),
+        else the first of them converting on use at the phases of ON_USE_TRIES for which fits(forms) holds (each
+        use costs a conversion: the fewest phases first); these forms where none converts (or off a CPU run)."""
+        tries = [self.with_on_use(p) for p in ON_USE_TRIES
+                 if any(self.compute_at(q) != self.storage for q in p) and "cpu" in self.in_place]
+        if not tries or not fits(tries[-1]):
+            return tries[-1] if tries else self
+        return next((f for f in tries[:-1] if fits(f)), tries[-1])
 
     def runs_kernel(self, phase: str) -> bool:
         return phase in self.kernel
@@ -132,24 +155,31 @@ class WeightForms:
         """The weight `s` (a WeightSpec) of layer index `layer`, homed on tier `home`, as the run holds it."""
         spec, ordered = self.spec(s), self.in_kernel_order(s)
         at = [self._at(layer, num_layers, s, home, spec, ordered, p) for p in PHASES]
-        return WeightForm(spec, ordered, tuple(f for f, _ in at), stored_bytes(tuple(s.shape), self.storage, spec),
-                          tuple(b for _, b in at))
+        return WeightForm(spec, ordered, tuple(a[0] for a in at), stored_bytes(tuple(s.shape), self.storage, spec),
+                          tuple(a[1] for a in at), tuple(a[2] for a in at))
 
     def _at(self, layer: int, num_layers: int, s, home: str, spec, ordered: bool, phase: str) -> tuple:
-        """(form, compute-side bytes apart from its home) of one weight at `phase`."""
+        """(form, compute-side bytes apart from its home, the part of them taken only while it multiplies) of one
+        weight at `phase` (the ChunkBuffer of those converted on use is the run's: chunk_buffer_bytes)."""
         compute, in_place = self.compute_at(phase), home in self.in_place
         if spec is None and read_by_rows(layer, num_layers, s, False, home, "cpu" in self.in_place):  # a DiskTable
-            return "stored", stored_weight_bytes(layer, s, self.storage, compute, False, by_rows=True)
-        if spec is None and stays_stored(layer, num_layers, s, self.storage, compute, False):
-            return "stored", stored_weight_bytes(layer, s, self.storage, compute, in_place)  # stored_form.py
+            return ("stored", stored_weight_bytes(layer, s, self.storage, compute, False, by_rows=True),
+                    stored_chunk_bytes(layer, s, self.storage, compute, by_rows=True))
+        stays = spec is None and stays_stored(layer, num_layers, s, self.storage, compute, False)
+        if stays:  # stored_form.py
+            return ("stored", stored_weight_bytes(layer, s, self.storage, compute, in_place),
+                    stored_chunk_bytes(layer, s, self.storage, compute))
+        if phase in self.on_use and converts_on_use(layer, s, spec is not None, stays, self.storage, compute):
+            return "on use", 0 if in_place else s.numel * self.storage.itemsize, 0  # in place, or as read
         if spec is None:
-            return ("in place", 0) if in_place and self.storage == compute else ("copied", s.numel * compute.itemsize)
+            in_use = in_place and self.storage == compute
+            return ("in place", 0, 0) if in_use else ("copied", s.numel * compute.itemsize, 0)
         form = self.form(layer, num_layers, s, phase) if ordered else None
         if form:  # run by the kernel: with its scales and zeros
-            return "kernel", packed_bytes(s.shape, self.storage, spec)
+            return "kernel", packed_bytes(s.shape, self.storage, spec), 0
         if form is False:  # expanded a row block at a time from the stored meta
-            return "blocks", stored_bytes(s.shape, self.storage, spec) + rows_buffer_bytes(s.shape)
-        return "expanded", s.numel * compute.itemsize
+            return "blocks", stored_bytes(s.shape, self.storage, spec) + rows_buffer_bytes(s.shape), 0
+        return "expanded", s.numel * compute.itemsize, 0
 
     def table(self, homes) -> tuple:
         """Per layer index, the WeightForm of each of its weights (layer_specs' order). homes: a WeightHomes, which
@@ -161,18 +191,47 @@ class WeightForms:
         return homes.derived(("weight_forms", self), build)
 
     def compute_side_bytes(self, homes, phase: str) -> tuple:
-        """Per layer index: bytes its weights take on the compute side at `phase` apart from their homes (the
-        PackedWeights and the block buffer of those expanded block by block, expanded and converted copies)."""
-        at = PHASES.index(phase)
-        return tuple(sum(w.compute[at] for w in layer) for layer in self.table(homes))
+        """Per layer index: the most bytes its weights take on the compute side at `phase` apart from their homes
+        (the PackedWeights and the block buffer of those expanded block by block, expanded and converted copies,
+        and the largest transient of one weight multiplying: one multiplies at a time)."""
+        return self._per_layer(homes, phase)[0]
+
+    def transient_bytes(self, homes, phase: str) -> tuple:
+        """Per layer index: the part of compute_side_bytes taken only while the layer computes."""
+        return self._per_layer(homes, phase)[1]
+
+    def on_use_bytes(self, homes, phase: str) -> tuple:
+        """Per layer index: stored bytes of its weights converted on use at `phase` (each use converts them)."""
+        return self._per_layer(homes, phase)[2]
+
+    def _per_layer(self, homes, phase: str) -> tuple:
+        """(compute_side_bytes, transient_bytes, on_use_bytes) at `phase`, kept on `homes` (a batch search plans
+        one placement many times)."""
+        def build(h) -> tuple:
+            at, rows = PHASES.index(phase), []
+            for layer in self.table(h):
+                passing = max((w.transient[at] for w in layer), default=0)
+                rows.append((sum(w.compute[at] - w.transient[at] for w in layer) + passing, passing,
+                             sum(w.stored for w in layer if w.forms[at] == "on use")))
+            return tuple(zip(*rows))
+        return homes.derived(("per_layer", self, phase), build)
+
+    def chunk_buffer_bytes(self, homes) -> int:
+        """Bytes of the run's one ChunkBuffer (weights/on_use.py): the largest chunk a weight converted on use
+        takes at any phase (0 when none is)."""
+        def build(h) -> int:
+            return max((chunk_bytes(s, self.compute_at(p)) for layer, forms in zip(h.layer_specs, self.table(h))
+                        for s, w in zip(layer, forms) for i, p in enumerate(PHASES) if w.forms[i] == "on use"),
+                       default=0)
+        return homes.derived(("chunk_buffer", self), build) if self.on_use else 0
 
     def kept_scale_names(self, homes) -> frozenset:
         """Names of the weights whose int4-kernel scales and zeros a run can keep built (module docstring): stored
         in the kernel's order, homed on a tier the compute side uses in place, run by the kernel at decode."""
         at = PHASES.index("decode")
-        return frozenset(s.name for layer, forms in zip(homes.layer_specs, self.table(homes))
-                         for s, w in zip(layer, forms)
-                         if homes[s.name] in self.in_place and w.kernel_order and w.forms[at] == "kernel")
+        return homes.derived(("kept_scales", self), lambda h: frozenset(
+            s.name for layer, forms in zip(h.layer_specs, self.table(h)) for s, w in zip(layer, forms)
+            if h[s.name] in self.in_place and w.kernel_order and w.forms[at] == "kernel"))
 
     def kept_scales_bytes(self, homes) -> int:
         """Bytes of the scales and zeros of every weight in `kept_scale_names` (each once)."""

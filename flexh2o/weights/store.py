@@ -22,6 +22,7 @@ from flexh2o.placement import WeightHomes
 from flexh2o.storage.disk import DiskTier
 from flexh2o.storage.read_buffers import ReadArenas
 from flexh2o.weights.forms import WeightForms
+from flexh2o.weights.on_use import ChunkBuffer, OnUseWeight
 from flexh2o.weights.stored_form import DiskTable, read_by_rows, stays_stored
 
 CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
@@ -56,10 +57,13 @@ class WeightStore:
         self.tiers = {}  # name -> the tier object that holds it
         self.seconds: dict = {}  # phase -> {"read": s, "expand": s} spent in load_layer (summed over I/O threads)
         self.kernel_order: set = set()  # names stored in the int4 kernel's order (compress/kernels.py)
+        self.on_use: set = set()  # (phase, layer, name) of the weights converted on use (weights/on_use.py)
+        self.chunks = ChunkBuffer(forms.chunk_buffer_bytes(homes), getattr(self._compute_tier, "charge", None))
         wrapped: dict = {}
-        for specs, held in zip(self.specs, forms.table(homes)):
-            for s, w in zip(specs, held):  # w: the weight's WeightForm
+        for layer, (specs, held) in enumerate(zip(self.specs, forms.table(homes))):
+            for s, w in zip(specs, held):  # w: the weight's WeightForm (a tied table: one per layer it is in)
                 spec, home = w.spec, self.homes[s.name]
+                self.on_use |= {(p, layer, s.name) for p, f in zip(PHASES, w.forms) if f == "on use"}
                 if spec is None:
                     self.tiers[s.name] = tiers[home]
                     continue
@@ -115,7 +119,8 @@ class WeightStore:
         the store's WeightForms say so at `phase` (weights/forms.py).
         Plain weights homed on disk are read READS_IN_FLIGHT at once into one of two read arenas (ReadArenas),
         lent until release(). Large embedding and head tables in another dtype than `dtype` come as StoredWeights
-        (weights/stored_form.py). Seconds spent reading and expanding add up in seconds[phase]."""
+        (weights/stored_form.py); matmul weights the forms convert on use at `phase` as OnUseWeights (converted a
+        chunk at a time into self.chunks as they multiply). Seconds reading and expanding add up in seconds[phase]."""
         out, copied, last = {}, 0, len(self.specs) - 2
         start = time.perf_counter()
         token, streamed = self._read_streamed(layer, phase)  # name -> future of the read into an arena's buffer
@@ -126,10 +131,11 @@ class WeightStore:
             if s.name in self._tables:
                 out[s.name] = DiskTable(None, dtype, self.tiers[s.name], self.handles[s.name])  # read by rows, chunks
                 continue
-            read = streamed.get(s.name, packed.get(s.name))  # its disk read, issued with the layer's
-            t = self._load_one(layer, s, read, device, self.dtype if kept else dtype, phase, spent)
+            read, on_use = streamed.get(s.name, packed.get(s.name)), (phase, layer, s.name) in self.on_use
+            t = self._load_one(layer, s, read, device, self.dtype if kept or on_use else dtype, phase, spent)
             copied += _copied_bytes(t, self.handles[s.name])  # kept scales too, as the plan's layers in flight count
-            out[s.name] = StoredWeight(t, dtype) if kept else t  # converted by rows or chunks (stored_form.py)
+            # converted by rows or chunks (stored_form.py), or by chunks as it multiplies (on_use.py)
+            out[s.name] = StoredWeight(t, dtype) if kept else OnUseWeight(t, dtype, self.chunks) if on_use else t
         with self.buffers.lock:
             self._lent[id(out)] = token
             got = self.seconds.setdefault(phase, {"read": 0.0, "expand": 0.0})

@@ -55,13 +55,19 @@ def stored_weight_bytes(layer: int, spec, storage: torch.dtype, compute: torch.d
     """Compute-side bytes of a weight that stays stored: its stored bytes where it is not used where it lives (a
     disk read or a copy to the device), plus the chunk buffer a matmul converts into; read by rows (read_by_rows):
     the chunk buffer and two chunks read in the stored dtype (a lookup's rows are counted with the activations)."""
+    copy = 0 if in_place or by_rows else spec.numel * storage.itemsize
+    return copy + stored_chunk_bytes(layer, spec, storage, compute, by_rows)
+
+
+def stored_chunk_bytes(layer: int, spec, storage: torch.dtype, compute: torch.dtype, by_rows: bool = False) -> int:
+    """The part of stored_weight_bytes taken only while the weight multiplies (transient): its chunk buffer, and
+    read by rows its two chunks read in the stored dtype."""
+    if not is_multiplied(layer):
+        return 0
     width = spec.shape[1]
     rows = min(spec.shape[0], common.stored_chunk_rows(width, compute))
-    chunk = rows * width * compute.itemsize if is_multiplied(layer) else 0
-    if by_rows:
-        return chunk + (2 * (padded(rows * width * storage.itemsize) + ALIGN) if is_multiplied(layer) else 0)
-    copy = 0 if in_place else spec.numel * storage.itemsize
-    return copy + chunk
+    reads = 2 * (padded(rows * width * storage.itemsize) + ALIGN) if by_rows else 0
+    return rows * width * compute.itemsize + reads
 
 
 def stored_layer_bytes(layer_specs: list, storage: torch.dtype, compute: torch.dtype, compressed) -> tuple:

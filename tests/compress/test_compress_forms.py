@@ -94,8 +94,11 @@ def test_buffers_shrink_where_the_kernel_runs_and_the_largest_batch_follows():
         ("plain", _big("generic", None).with_(compress_cache=None)))}
     # off expands the 50272 x 512 vocab table whole (twice in flight); auto's head and lookups go by blocks
     assert batches["int4"] > batches["auto"] > 1.5 * batches["off"] > 0, batches  # 114 > 98 > 1.5 x 51
-    # 41 uncompressed (26 while its fp16 vocab table was converted whole to fp32: weights/stored_form.py)
-    assert batches["auto"] > 2.5 * batches["plain"] > 0, batches
+    # 36 uncompressed converting whole layers (26 while its fp16 vocab table was converted whole to fp32:
+    # weights/stored_form.py); the plain run's own plan converts its matmul weights on use there, which fits more
+    plain = _big("generic", None).with_(compress_cache=None)
+    whole = largest_batch(plain, plan_of=lambda r: plan_memory(r, forms=WeightForms.planned(r)))
+    assert batches["auto"] > 2.5 * whole > 0 and batches["plain"] > whole, (batches, whole)
 
 
 def test_forced_by_memory_puts_the_kernel_where_expanding_does_not_fit():

@@ -91,12 +91,13 @@ def _layer_numel(cfg) -> list:
     return [(cfg.vocab + cfg.max_positions + 2) * h] + [decoder] * cfg.num_layers + [2 * h + cfg.vocab * h]
 
 
-@pytest.mark.parametrize("cap", ["157MiB", "240MiB"])
+@pytest.mark.parametrize("cap", ["157MiB", "200MiB"])
 def test_none_fits_names_the_exact_least(cap, capsys, offload_dir):
-    """With 64 MiB of cpu tier the weights must stream from disk: no placement fits 157 or 240 MiB, and the one
+    """With 64 MiB of cpu tier the weights must stream from disk: no placement fits 157 or 200 MiB, and the one
     error line names the least gpu tier bytes, the search boundary, of which two layers of weights in flight (the
     largest, a decoder layer, from the model's sizes: the tables on disk are read by rows and chunks, so the head
-    layer holds its chunk buffers, weights/stored_form.py) and the rest the working buffers of the same placement."""
+    layer holds its chunk buffers while it multiplies, weights/stored_form.py: counted once, for the layer
+    computing) and the rest the working buffers of the same placement."""
     args = ["--model", "opt-1.3b", "--prompt-len", "64", "--gen-len", "8", "--dtype", "bfloat16", "--compute-dtype",
             "bfloat16", "--gpu-mem", cap, "--cpu-mem", "64MiB", "--disk-mem", "100GB", "--policy", "auto",
             "--hardware", "cpu_measured", "--offload-dir", offload_dir, "--no-warmup"]
@@ -117,6 +118,6 @@ def test_none_fits_names_the_exact_least(cap, capsys, offload_dir):
     rest = plan_memory(in_place.placed(Placement.build(layer_specs(cfg), in_place.percent, 1))).total("gpu")
     head = [s for s in layer_specs(cfg)[-1] if len(s.shape) == 2][0]  # the tied table, read in chunks at the head
     chunks = stored_weight_bytes(cfg.num_layers + 1, head, torch.bfloat16, torch.bfloat16, False, by_rows=True)
-    assert need == 2 * max(layers[1:-1]) * 2 + 2 * chunks + rest  # two arenas of a block, the head's buffers twice
+    assert need == 2 * max(layers[1:-1]) * 2 + chunks + rest  # two arenas of a block, the head's buffers once
     hw = load_profile("cpu_measured")
     assert search(_rc(need, 64 * MiB), hw, limit=1) and not search(_rc(need - 1, 64 * MiB), hw, limit=1)

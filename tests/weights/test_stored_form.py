@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flexh2o.compress.choice import PHASES
 from flexh2o.config import ModelConfig, from_name
 from flexh2o.engine import Engine
 from flexh2o.models import common, opt
@@ -141,13 +142,19 @@ CAP = dict(gpu_mem=503514729, cpu_mem=55946082, disk_mem=100 << 30)
 MiB = 1 << 20
 
 
+def _whole(rc):
+    """rc's plan converting whole layers at each load (no weight converted on use)."""
+    return plan_memory(rc, forms=WeightForms.planned(rc))
+
+
 def test_opt13b_streamed_in_fp32_is_sized_by_a_decoder_layer_and_the_read_arenas():
     """opt-1.3b streamed from disk in bf16, computed in fp32: the weights in flight are the two read arenas of the
     largest streamed layer (a decoder block in bf16: the embedding layer's tables are read by rows, the head's in
     chunks) and two decoder blocks converted to fp32 (12 h^2 + 13 h elements each), not two 50272 x 2048 tables
     converted to fp32 (393 MiB each) nor two arenas of the bf16 tables (204 MiB each); so 600 MiB of gpu tier, which
     the whole-table sizing overflowed (830 MiB of buffers), fits a batch, and ~480 MiB does not (the arenas and
-    converted blocks alone are 577 MiB)."""
+    converted blocks alone are 577 MiB). There the plan converts the blocks' matmul weights on use instead
+    (weights/on_use.py): the arenas, the head's peak, a block's 1-D weights in fp32 and one 8 MiB chunk buffer."""
     cfg = from_name("opt-1.3b")
     rc = RunConfig(model=cfg, percent=Percent.parse([0, 0, 0, 0, 0, 100]), gpu_batch_size=1, prompt_len=128,
                    gen_len=32, dtype=torch.bfloat16, compute_dtype=torch.float32, **CAP)
@@ -159,6 +166,10 @@ def test_opt13b_streamed_in_fp32_is_sized_by_a_decoder_layer_and_the_read_arenas
     assert sizes[-1] == 2 * h * 4 + common.STORED_CHUNK_BYTES + reads  # head: its fp32 chunk and two read chunks
     arenas = 2 * block // 2  # two read arenas of a decoder block in bf16 (half its fp32 bytes)
     assert in_flight_bytes(rc, rc.placement, WeightForms.of_run(rc), "prefill") == arenas + 2 * block
-    assert largest_batch(rc) == 0 and largest_batch(rc.with_(gpu_mem=600 * MiB)) >= 1
+    assert largest_batch(rc, plan_of=_whole) == 0 and largest_batch(rc.with_(gpu_mem=600 * MiB), plan_of=_whole) >= 1
+    on_use = WeightForms.of_run(rc).with_on_use(PHASES)
+    ones = (4 * h + f + h + 4 * h) * 4  # a block's biases and norms, converted whole
+    assert in_flight_bytes(rc, rc.placement, on_use, "prefill") == arenas + sizes[-1] + ones + common.STORED_CHUNK_BYTES
+    assert plan_memory(rc).forms.on_use == frozenset(PHASES) and largest_batch(rc) >= 1
     assert plan_memory(rc.with_(compute_dtype=torch.bfloat16)).bytes["gpu"]["buffers"] < plan_memory(rc).bytes[
         "gpu"]["buffers"]  # in bf16 nothing is converted: still less
