@@ -1,6 +1,5 @@
-"""The decode step with this tree's products and one-query attention against the previous path (MKL's F.linear /
-the transposed product, relu and residual sums as their own passes, torch's fused attention kernel), alternated
-round by round in one process on one Engine (opt-125m by default, memory-resident, full cache, one GPU batch)."""
+"""ab_in_process.py with the products left as they are: only the decode attention toggled (one query by two
+matmuls, kv/sdpa.one_query, against torch's fused kernel), alternated round by round on one Engine."""
 import argparse, statistics, sys, time
 sys.path.insert(0, "benchmarks")
 import torch
