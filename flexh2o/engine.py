@@ -35,15 +35,12 @@ class Engine:
         self.policy = rc.kv.make(rc.model.num_layers)  # the run's one policy object
         self.tiers = make_tiers(rc, need_disk=self.plan.total("disk") > 0)
         self.weights = None
-        with ExitStack() as undo:  # what is built is released if a later part fails (from then on: close())
+        with ExitStack() as undo:  # the tiers are released if the weights cannot be stored (from then on: close())
             undo.callback(close_tiers, self.tiers)
             # weights of a kernel shape grouped along the input dimension: kept in the int4 kernel's order
-            self.weights = WeightStore(rc.placement.weights, self.tiers, self.plan.forms, self.plan.kept_scales > 0)
-            undo.callback(self.weights.close)
-            if rc.path == "_DUMMY_":
-                self.weights.fill_dummy(rc.seed, on_progress)
-            else:
-                self.weights.fill_from(rc.checkpoint, on_progress)
+            source = rc.seed if rc.checkpoint is None else rc.checkpoint  # seeded dummy weights, or the checkpoint's
+            self.weights = WeightStore(rc.placement.weights, self.tiers, self.plan.forms, self.plan.kept_scales > 0,
+                                       source, on_progress)
             undo.pop_all()
 
     @property

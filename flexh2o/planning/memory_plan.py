@@ -12,9 +12,6 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
 from flexh2o.weights.forms import WeightForms
-from flexh2o.weights.on_use import converts_on_use
-from flexh2o.weights.stored_form import read_by_rows, stays_stored
-from flexh2o.compress.codec import weight_spec
 
 KINDS = ("weights", "cache", "activations", "buffers")
 PY_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte slot and a 28-byte int object
@@ -163,33 +160,10 @@ def in_flight_bytes(rc: RunConfig, where: Placement, forms: WeightForms, phase: 
     use) lives in its arena, so it is counted there once; a converted one is in both; and the run's one
     ChunkBuffer of the weights converted on use (weights/on_use.py)."""
     sizes, passing = forms.compute_side_bytes(where.weights, phase), forms.transient_bytes(where.weights, phase)
-    streamed, views = streamed_bytes(rc, where, phase, phase in forms.on_use)
+    streamed, views = forms.streamed_bytes(where.weights, phase)
     held = [size - view for size, view in zip(sizes, views)]  # views are 0 where nothing streams
     pair = max(held) + max(h - p for h, p in zip(held, passing))
     return 2 * max(streamed) + pair + forms.chunk_buffer_bytes(where.weights)
-
-
-def streamed_bytes(rc: RunConfig, where: Placement, phase: str, on_use: bool = False) -> tuple:
-    """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those used
-    as read at `phase`; on_use: the phase converts matmul weights on use) (file padding left out)."""
-    compute = rc.compute_at(0 if phase == "prefill" else 1)
-    on_cpu = not rc.device.startswith("cuda")
-    key = ("streamed", rc.dtype, compute, rc.compress_weight, on_cpu, on_use)  # all it reads besides the homes
-    return where.weights.derived(key, lambda homes: _streamed(homes, rc.dtype, compute, rc.compress_weight, on_cpu,
-                                                              on_use))
-
-
-def _streamed(homes, dtype, compute, compress, on_cpu: bool, on_use: bool) -> tuple:
-    """Tables read by rows (weights/stored_form.read_by_rows) are not read into an arena."""
-    last, streamed, views = len(homes.layer_specs) - 2, [], []
-    for i, layer in enumerate(homes.layer_specs):
-        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None
-                and not read_by_rows(i, last, s, False, "disk", on_cpu)]
-        streamed.append(sum(s.numel for s in disk) * dtype.itemsize)
-        kept = [stays_stored(i, last, s, dtype, compute, False) for s in disk]
-        views.append(sum(s.numel for s, k in zip(disk, kept) if dtype == compute or k
-                         or on_use and converts_on_use(i, s, False, k, dtype, compute)) * dtype.itemsize)
-    return tuple(streamed), tuple(views)
 
 
 def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> int:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from flexh2o.models import layer_specs
 from flexh2o.placement import TIERS, Percent, Placement, tier_words
-from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory, streamed_bytes
+from flexh2o.planning.memory_plan import KINDS, MemoryPlan, plan_memory
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
@@ -69,18 +69,20 @@ def least_message(rc: RunConfig) -> Optional[str]:
         return None
     tier, need, have = over
     parts = [f"{kind} {fmt_bytes(plan.bytes[tier][kind])}" for kind in KINDS if plan.bytes[tier][kind]]
-    detail = in_flight(plan.rc) if tier == "gpu" else ""
+    detail = in_flight(plan.rc, plan.forms) if tier == "gpu" else ""
     return (f"no placement fits: even one sequence with {least_where(plan.rc.percent)} needs "
             f"{fmt_bytes(need)} in {tier_words(tier, plan.rc.device, the=True)} ({', '.join(parts)}{detail}) but "
             f"--{tier}-mem allows "
             f"{fmt_bytes(have)}: raise --{tier}-mem to at least {fmt_bytes(need)} ({need} bytes)")
 
 
-def in_flight(rc: RunConfig) -> str:
+def in_flight(rc: RunConfig, forms: Optional[WeightForms] = None) -> str:
     """'; the buffers hold two layers of weights in flight, 2 x N (layer i at the compute dtype; its largest
-    weight W (shape): N at the prefill compute dtype)' for the layer the plan sizes them by."""
-    forms = WeightForms.planned(rc)
-    per_phase = [_converted(rc, forms.compute_side_bytes(rc.placement.weights, p), p) for p in PHASES]
+    weight W (shape): N at the prefill compute dtype)' for the layer the plan sizes them by, as `forms` (the
+    plan's; by default WeightForms.planned) bring the weights to the compute side; where they convert matmul
+    weights on use, the largest weight is named as stored."""
+    forms = forms or WeightForms.planned(rc)
+    per_phase = [_converted(forms, forms.compute_side_bytes(rc.placement.weights, p), rc, p) for p in PHASES]
     sizes = max(per_phase, key=max)
     layer = max(range(len(sizes)), key=sizes.__getitem__)
     if not sizes[layer]:
@@ -88,24 +90,25 @@ def in_flight(rc: RunConfig) -> str:
     specs = layer_specs(rc.model)[layer]
     big = max(specs, key=lambda s: s.numel)
     packed = weight_spec(big.shape, rc.compress_weight, big.name) is not None
-    kept = stays_stored(layer, len(sizes) - 2, big, rc.dtype, rc.compute, packed)
+    kept = stays_stored(layer, len(sizes) - 2, big, rc.dtype, rc.compute, packed) or bool(forms.on_use)
     share = big.numel * (rc.dtype if kept else rc.compute).itemsize  # a table kept stored: weights/stored_form.py
-    return (f"; the buffers hold two layers of weights in flight, 2 x {fmt_bytes(sizes[layer])} (layer {layer}; "
-            f"its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})" + arenas(rc))
+    how = ", matmul weights converted on use" if forms.on_use else ""
+    return (f"; the buffers hold two layers of weights in flight, 2 x {fmt_bytes(sizes[layer])} (layer {layer}"
+            f"{how}; its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})" + arenas(rc, forms))
 
 
-def _converted(rc: RunConfig, sizes: tuple, phase: str) -> tuple:
+def _converted(forms: WeightForms, sizes: tuple, rc: RunConfig, phase: str) -> tuple:
     """Per layer the compute-side bytes beside the read arenas where a phase converts streamed weights (what
     memory_plan.in_flight_bytes doubles), else `sizes` as they are."""
-    streamed, views = streamed_bytes(rc, rc.placement, phase)
+    streamed, views = forms.streamed_bytes(rc.placement.weights, phase)
     return sizes if streamed == views else tuple(s - v for s, v in zip(sizes, views))
 
 
-def arenas(rc: RunConfig) -> str:
+def arenas(rc: RunConfig, forms: Optional[WeightForms] = None) -> str:
     """', and beside the converted weights two read arenas of the weights streamed from disk, 2 x N (layer i)'
     where a phase converts a streamed weight (memory_plan.in_flight_bytes counts both); '' otherwise."""
     for phase in PHASES:
-        streamed, views = streamed_bytes(rc, rc.placement, phase)
+        streamed, views = (forms or WeightForms.planned(rc)).streamed_bytes(rc.placement.weights, phase)
         if streamed != views:
             layer = max(range(len(streamed)), key=streamed.__getitem__)
             return (f", and beside the converted weights two read arenas of the weights streamed from disk, "

@@ -216,6 +216,13 @@ class WeightForms:
             return tuple(zip(*rows))
         return homes.derived(("per_layer", self, phase), build)
 
+    def streamed_bytes(self, homes, phase: str) -> tuple:
+        """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those
+        used as read at `phase`: in the compute dtype, kept stored or converted on use) (file padding left out)."""
+        compute, on_cpu, on_use = self.compute_at(phase), "cpu" in self.in_place, phase in self.on_use
+        key = ("streamed", self.storage, compute, self.compress, on_cpu, on_use)  # all it reads besides the homes
+        return homes.derived(key, lambda h: streamed(h, self.storage, compute, self.compress, on_cpu, on_use))
+
     def chunk_buffer_bytes(self, homes) -> int:
         """Bytes of the run's one ChunkBuffer (weights/on_use.py): the largest chunk a weight converted on use
         takes at any phase (0 when none is)."""
@@ -237,3 +244,18 @@ class WeightForms:
         """Bytes of the scales and zeros of every weight in `kept_scale_names` (each once)."""
         specs = {s.name: s for layer in homes.layer_specs for s in layer}
         return sum(scales_bytes(specs[n].shape, self.spec(specs[n])) for n in self.kept_scale_names(homes))
+
+
+def streamed(homes, dtype, compute, compress, on_cpu: bool, on_use: bool) -> tuple:
+    """WeightForms.streamed_bytes of `homes`; tables read by rows (stored_form.read_by_rows) are not read into an
+    arena."""
+    last, out, views = len(homes.layer_specs) - 2, [], []
+    for i, layer in enumerate(homes.layer_specs):
+        disk = [s for s in layer if homes[s.name] == "disk" and not read_by_rows(i, last, s, False, "disk", on_cpu)]
+        kept = [stays_stored(i, last, s, dtype, compute, False) for s in disk]
+        as_read = [dtype == compute or k or on_use and converts_on_use(i, s, False, k, dtype, compute)
+                   for s, k in zip(disk, kept)]
+        plain = [weight_spec(s.shape, compress, s.name) is None for s in disk]  # compressed ones are read apart
+        out.append(sum(s.numel for s, p in zip(disk, plain) if p) * dtype.itemsize)
+        views.append(sum(s.numel for s, p, r in zip(disk, plain, as_read) if p and r) * dtype.itemsize)
+    return tuple(out), tuple(views)

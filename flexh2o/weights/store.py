@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -17,36 +16,27 @@ from flexh2o.compress.choice import PHASES
 from flexh2o.compress.codec import dequantize
 from flexh2o.compress.kernels import PackedWeight, kernel_scales
 from flexh2o.compress.tier import CompressedTier, KernelOrderTier
-from flexh2o.models.common import StoredWeight, WeightSpec
+from flexh2o.models.common import StoredWeight
 from flexh2o.placement import WeightHomes
 from flexh2o.storage.disk import DiskTier
 from flexh2o.storage.read_buffers import ReadArenas
+from flexh2o.weights.dummy import dummy_chunks
 from flexh2o.weights.forms import WeightForms
 from flexh2o.weights.on_use import ChunkBuffer, OnUseWeight
 from flexh2o.weights.stored_form import DiskTable, read_by_rows, stays_stored
 
-CHUNK = 1 << 20  # dummy values are drawn per chunk of elements, so they do not depend on the tier
 READS_IN_FLIGHT = 8  # a layer's disk reads issued at once (queue depth; the link is not filled by one read at a time)
-
-
-def dummy_chunks(spec: WeightSpec, seed: int, dtype: torch.dtype):
-    """Seeded random values for one weight, as consecutive flat chunks (normal std 0.02; norm scales near 1,
-    biases near 0). Each chunk has its own seed, so the values do not depend on where they are written."""
-    base = zlib.crc32(spec.name.encode()) ^ (seed * 0x9E3779B1)
-    for i, start in enumerate(range(0, spec.numel, CHUNK)):
-        g = torch.Generator().manual_seed((base + i * 7919) & 0x7FFFFFFFFFFFFFFF)
-        part = torch.empty(min(CHUNK, spec.numel - start)).normal_(0.0, 0.02, generator=g)
-        if spec.init == "ones":
-            part += 1.0
-        yield part.to(dtype)
 
 
 class WeightStore:
     """name -> (tier, handle). `load_layer` hands the compute side a dict of tensors for one layer."""
 
-    def __init__(self, homes: WeightHomes, tiers: dict, forms: WeightForms, keep_scales: bool = False):
+    def __init__(self, homes: WeightHomes, tiers: dict, forms: WeightForms, keep_scales: bool = False,
+                 source=None, progress=None):
         """forms: how each weight is held and reaches the compute side; keep_scales: the memory plan has room to
-        keep the int4 kernel's scales built (MemoryPlan.kept_scales)."""
+        keep the int4 kernel's scales built (MemoryPlan.kept_scales); source: the weights' values, a
+        CheckpointReader (`fill_from`) or the seed of dummy weights (`fill_dummy`), filled in as the store is made
+        (a store is never seen half-built); progress(values) after each tensor."""
         self.specs, self.homes, self.forms = homes.layer_specs, homes, forms
         # names whose kernel scales are built once and kept (weights/forms.py)
         self.kept_scales = forms.kept_scale_names(homes) if keep_scales else frozenset()
@@ -78,6 +68,10 @@ class WeightStore:
             for s in layer:
                 if s.name not in self.handles:
                     self.handles[s.name] = self.tiers[s.name].alloc(s.shape, self.dtype)
+        if isinstance(source, int):
+            self.fill_dummy(source, progress)
+        elif source is not None:
+            self.fill_from(source, progress)
         last = len(self.specs) - 2
         self._tables = {s.name for i, layer in enumerate(self.specs) for s in layer  # read by rows (stored_form.py)
                         if read_by_rows(i, last, s, isinstance(self.tiers[s.name], CompressedTier), self.homes[s.name],
