@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from flexh2o.dtypes import dtype_name, parse_dtype
+from flexh2o.models.common import linear  # the engine's product, as its steps run it
 from flexh2o.planning import machine
 
 CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,7 +36,7 @@ DECODE_ROWS, PREFILL_ROWS = 4, 64
 PROBE_SHAPE = (1024, 1024)  # (out, in) of each probe weight; PROBE_WEIGHTS of them (96 MiB in float32: past L3)
 PROBE_WEIGHTS = 24
 NOTE_RATIO = 2.0
-PROBE_VERSION = 2
+PROBE_VERSION = 3  # 3: the engine's own product (models.common.linear: oneDNN for fp32 on AVX-512), not F.linear
 DECODE_DIRECT = (torch.bfloat16,)  # storage dtypes decode may compute in directly (per-phase choice)
 
 
@@ -73,8 +73,8 @@ def probe_timings() -> dict:
     for d in CANDIDATES:
         x1 = torch.randn(DECODE_ROWS, PROBE_SHAPE[1]).to(d)
         xp = torch.randn(PREFILL_ROWS, PROBE_SHAPE[1]).to(d)
-        out["decode"][dtype_name(d)] = _fastest_s(lambda: [F.linear(x1, w) for w in ws[d]])
-        out["prefill"][dtype_name(d)] = _fastest_s(lambda: F.linear(xp, ws[d][0]))
+        out["decode"][dtype_name(d)] = _fastest_s(lambda: [linear(x1, w) for w in ws[d]])
+        out["prefill"][dtype_name(d)] = _fastest_s(lambda: linear(xp, ws[d][0]))
     for src in CANDIDATES:
         for dst in CANDIDATES:
             if src != dst and torch.float32 in (src, dst):  # never between two 16-bit dtypes
