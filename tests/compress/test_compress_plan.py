@@ -14,6 +14,7 @@ from flexh2o.models import layer_specs
 from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import cache_block_bytes, largest_batch, plan_memory
 from flexh2o.run_config import RunConfig
+from flexh2o.weights.forms import WeightForms
 
 W4, C4 = CompressionSpec(4, 64, 0), CompressionSpec(4, 64, -1)
 
@@ -69,15 +70,20 @@ def test_mission_dry_run_reports_the_larger_batch(capsys):
         out = capsys.readouterr().out
         line = [ln for ln in out.splitlines() if ln.startswith("largest --gpu-batch-size")][0]
         return out, {k: int(v) for k, v in (p.split() for p in line.split(": ")[1].split(", "))}
-    _, plain = batches([])
+    _, given = batches([])
     out, packed = batches(["--compress-weight", "--compress-cache"])
     assert "compressed weights 4-bit/64, cache 4-bit/64" in out
-    # auto keeps room to expand a block at either phase: 35 -> 93, 14 -> 41
-    assert packed["h2o"] > 2 * plain["h2o"] and packed["full"] > 2 * plain["full"], (plain, packed)
-    # int4 runs every block matmul by the kernel, no expanded copy (weights/forms.py): 35 -> 125, 14 -> 55 (the
-    # cache without its exact window (--cache-recent), whose 16 fp16 tokens of K and V a row take 104 and 50)
+    # the uncompressed run converting whole layers to fp32 (35 and 14); its own plan converts its matmul weights on
+    # use where those do not fit (weights/on_use.py: 50 and 20), which fits more
+    whole = {p: largest_batch(_rc("opt-30b", kv=kv), plan_of=lambda r: plan_memory(r, forms=WeightForms.planned(r)))
+             for p, kv in (("h2o", KVSpec("h2o", Budget(102, 102))), ("full", KVSpec()))}
+    assert given["h2o"] > whole["h2o"] and given["full"] > whole["full"], (given, whole)
+    # auto keeps room to expand a block at either phase: 35 -> 71, 14 -> 34 (counted at 066f001)
+    assert packed["h2o"] > 2 * whole["h2o"] and packed["full"] > 2 * whole["full"], (whole, packed)
+    # int4 runs every block matmul by the kernel, no expanded copy (weights/forms.py): 35 -> 111, 14 -> 50 at 066f001
+    # (the cache without its exact window (--cache-recent), whose fp16 tokens of K and V a row would take more)
     _, kernel = batches(["--compress-weight", "--compress-cache", "--weight-kernel", "int4", "--cache-recent", "0"])
-    assert kernel["h2o"] > 3 * plain["h2o"] and kernel["full"] > 3 * plain["full"], (plain, kernel)
+    assert kernel["h2o"] > 3 * whole["h2o"] and kernel["full"] > 3 * whole["full"], (whole, kernel)
 
 
 def test_cost_model_reads_compressed_weights_from_disk():
