@@ -251,11 +251,10 @@ def streamed(homes, dtype, compute, compress, on_cpu: bool, on_use: bool) -> tup
     arena."""
     last, out, views = len(homes.layer_specs) - 2, [], []
     for i, layer in enumerate(homes.layer_specs):
-        disk = [s for s in layer if homes[s.name] == "disk" and not read_by_rows(i, last, s, False, "disk", on_cpu)]
+        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None
+                and not read_by_rows(i, last, s, False, "disk", on_cpu)]
+        out.append(sum(s.numel for s in disk) * dtype.itemsize)
         kept = [stays_stored(i, last, s, dtype, compute, False) for s in disk]
-        as_read = [dtype == compute or k or on_use and converts_on_use(i, s, False, k, dtype, compute)
-                   for s, k in zip(disk, kept)]
-        plain = [weight_spec(s.shape, compress, s.name) is None for s in disk]  # compressed ones are read apart
-        out.append(sum(s.numel for s, p in zip(disk, plain) if p) * dtype.itemsize)
-        views.append(sum(s.numel for s, p, r in zip(disk, plain, as_read) if p and r) * dtype.itemsize)
+        views.append(sum(s.numel for s, k in zip(disk, kept) if dtype == compute or k
+                         or on_use and converts_on_use(i, s, False, k, dtype, compute)) * dtype.itemsize)
     return tuple(out), tuple(views)
