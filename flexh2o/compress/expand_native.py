@@ -207,15 +207,15 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     return lib
 
 
-def _build(path: str, flags: list) -> None:
-    """Compile SOURCE into `path` (written under a temporary name beside it, then renamed: concurrent builds of
+def _build(path: str, flags: list, source: str = SOURCE) -> None:
+    """Compile `source` (C) into `path` (written under a temporary name beside it, then renamed: concurrent builds of
     several processes are safe)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with tempfile.TemporaryDirectory() as work:
         src = os.path.join(work, "expand4.c")
         with open(src, "w") as f:
-            f.write(SOURCE)
+            f.write(source)
         try:
             subprocess.run([os.environ.get("CC", "cc"), *flags, src, "-o", tmp], check=True, capture_output=True,
                            timeout=120)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import expand_native
+from flexh2o.compress import expand_native, int4_rows
 from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize, stored_bytes
 from flexh2o.compress.int4_order import (pack_levels, row_block, row_order, split_rows, torch_order, unpack_levels,
                                          write_levels)
@@ -136,11 +136,15 @@ class PackedWeight:
         return sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta) if x is not None)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations), or with
+        """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations; at the rows where
+        compress/int4_rows.py's product from the packed bytes measures faster, that product), or with
         `kernel` False expanded block by block (rows_buffer_bytes at a time) and multiplied in x's dtype."""
         if not self.kernel:
             return self._expanded_linear(x, bias)
-        y = int4_linear(x, self.packed, self.group_size, self.scales_zeros).to(x.dtype)
+        if int4_rows.chosen(x, self.packed, self.group_size):  # measured faster here (compress/int4_rows.py)
+            y = int4_rows.product(x, self.packed, self.meta, self.group_size).to(x.dtype)
+        else:
+            y = int4_linear(x, self.packed, self.group_size, self.scales_zeros).to(x.dtype)
         return y if bias is None else y.add_(bias)
 
     def _expanded_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
