@@ -107,20 +107,22 @@ __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void deq_pairs(const uint8_t *blk, int64_t R, int paired, int64_t k0, int64_t gs, uint32_t *w) {
     int64_t h = R / 2;
     if (!paired && h % 16 == 0) {
-        const __m512i f = _mm512_set1_epi32(15), top = _mm512_set1_epi32((int)0xffff0000u);
+        __m512i lo = _mm512_setzero_si512(), hi = lo;  /* dword L: bf16(L) in the low, high half (L < 16) */
+        for (int l = 1; l < 16; l++) {
+            float f = (float)l; uint32_t u; memcpy(&u, &f, 4);
+            lo = _mm512_mask_set1_epi32(lo, (__mmask16)(1u << l), (int)(u >> 16));
+            hi = _mm512_mask_set1_epi32(hi, (__mmask16)(1u << l), (int)(u & 0xffff0000u));
+        }
         for (int64_t p = 0; p < gs / 2; p++) {
             const uint8_t *a = blk + (k0 + 2 * p) * h, *b = a + h;
-            for (int64_t i = 0; i < h; i += 16) {
+            for (int64_t i = 0; i < h; i += 16) {  /* vpermd reads an index's low 4 bits: the low nibble as is */
                 __m512i va = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a + i)));
                 __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + i)));
-                for (int half = 0; half < 2; half++) {  /* low nibbles: rows i.., high: rows h + i.. */
-                    __m512i la = half ? _mm512_srli_epi32(va, 4) : _mm512_and_si512(va, f);
-                    __m512i lb = half ? _mm512_srli_epi32(vb, 4) : _mm512_and_si512(vb, f);
-                    __m512i fa = _mm512_castps_si512(_mm512_cvtepi32_ps(la));  /* small integers: exact in bf16 */
-                    __m512i fb = _mm512_castps_si512(_mm512_cvtepi32_ps(lb));
-                    _mm512_storeu_si512(w + p * R + half * h + i,
-                                        _mm512_or_si512(_mm512_srli_epi32(fa, 16), _mm512_and_si512(fb, top)));
-                }
+                _mm512_storeu_si512(w + p * R + i, _mm512_or_si512(_mm512_permutexvar_epi32(va, lo),
+                                                                   _mm512_permutexvar_epi32(vb, hi)));
+                _mm512_storeu_si512(w + p * R + h + i,
+                                    _mm512_or_si512(_mm512_permutexvar_epi32(_mm512_srli_epi32(va, 4), lo),
+                                                    _mm512_permutexvar_epi32(_mm512_srli_epi32(vb, 4), hi)));
             }
         }
         return;
