@@ -60,9 +60,10 @@ def in_place_homes(device) -> tuple:
 
 class WeightForm(NamedTuple):
     """One weight as a run holds it: its stored spec (None: plain), whether it is in the int4 kernel's order, its
-    form at each phase of PHASES ("in place", "copied", "stored", "on use": weights/on_use.py, "expanded",
-    "blocks": a PackedWeight expanded a row block at a time, "kernel"), its stored bytes, its compute-side bytes at
-    each phase and the part of them taken only while it multiplies (a chunk buffer, read chunks)."""
+    form at each phase of PHASES ("in place", "copied", "stored", "by rows": a stored table read from disk by rows,
+    "on use": weights/on_use.py, "expanded", "blocks": a PackedWeight expanded a row block at a time, "kernel"), its
+    stored bytes, its compute-side bytes at each phase, the part of them taken only while it multiplies (a chunk
+    buffer, read chunks) and the bytes of its int4-kernel scales where they are kept built."""
 
     spec: Optional[CompressionSpec]
     kernel_order: bool
@@ -70,6 +71,7 @@ class WeightForm(NamedTuple):
     stored: int
     compute: tuple
     transient: tuple = (0, 0)
+    scales: int = 0  # bytes of its int4-kernel scales and zeros where the run keeps them built (in kernel order)
 
 
 @dataclass(frozen=True)
@@ -155,15 +157,16 @@ class WeightForms:
         """The weight `s` (a WeightSpec) of layer index `layer`, homed on tier `home`, as the run holds it."""
         spec, ordered = self.spec(s), self.in_kernel_order(s)
         at = [self._at(layer, num_layers, s, home, spec, ordered, p) for p in PHASES]
+        scales = scales_bytes(s.shape, spec) if ordered else 0
         return WeightForm(spec, ordered, tuple(a[0] for a in at), stored_bytes(tuple(s.shape), self.storage, spec),
-                          tuple(a[1] for a in at), tuple(a[2] for a in at))
+                          tuple(a[1] for a in at), tuple(a[2] for a in at), scales)
 
     def _at(self, layer: int, num_layers: int, s, home: str, spec, ordered: bool, phase: str) -> tuple:
         """(form, compute-side bytes apart from its home, the part of them taken only while it multiplies) of one
         weight at `phase` (the ChunkBuffer of those converted on use is the run's: chunk_buffer_bytes)."""
         compute, in_place = self.compute_at(phase), home in self.in_place
         if spec is None and read_by_rows(layer, num_layers, s, False, home, "cpu" in self.in_place):  # a DiskTable
-            return ("stored", stored_weight_bytes(layer, s, self.storage, compute, False, by_rows=True),
+            return ("by rows", stored_weight_bytes(layer, s, self.storage, compute, False, by_rows=True),
                     stored_chunk_bytes(layer, s, self.storage, compute, by_rows=True))
         stays = spec is None and stays_stored(layer, num_layers, s, self.storage, compute, False)
         if stays:  # stored_form.py
@@ -217,11 +220,19 @@ class WeightForms:
         return homes.derived(("per_layer", self, phase), build)
 
     def streamed_bytes(self, homes, phase: str) -> tuple:
-        """(per layer: stored bytes of its plain weights homed on disk (read into an arena at each load), of those
-        used as read at `phase`: in the compute dtype, kept stored or converted on use) (file padding left out)."""
-        compute, on_cpu, on_use = self.compute_at(phase), "cpu" in self.in_place, phase in self.on_use
-        key = ("streamed", self.storage, compute, self.compress, on_cpu, on_use)  # all it reads besides the homes
-        return homes.derived(key, lambda h: streamed(h, self.storage, compute, self.compress, on_cpu, on_use))
+        """(per layer: stored bytes of its plain weights homed on disk, read whole into an arena at each load (not
+        the tables read by rows), of those used as read at `phase`: in the compute dtype, kept stored or converted
+        on use) (file padding left out), as the run's table of forms says."""
+        at, as_read = PHASES.index(phase), self.compute_at(phase) == self.storage
+
+        def build(h) -> tuple:
+            size = self.storage.itemsize
+            read = [[(s, w) for s, w in zip(layer, forms) if h[s.name] == "disk" and w.spec is None
+                     and w.forms[at] != "by rows"] for layer, forms in zip(h.layer_specs, self.table(h))]
+            return (tuple(sum(s.numel for s, _ in ws) * size for ws in read),
+                    tuple(sum(s.numel for s, w in ws if as_read or w.forms[at] in ("stored", "on use")) * size
+                          for ws in read))
+        return homes.derived(("streamed", self, phase), build)
 
     def chunk_buffer_bytes(self, homes) -> int:
         """Bytes of the run's one ChunkBuffer (weights/on_use.py): the largest chunk a weight converted on use
@@ -242,19 +253,6 @@ class WeightForms:
 
     def kept_scales_bytes(self, homes) -> int:
         """Bytes of the scales and zeros of every weight in `kept_scale_names` (each once)."""
-        specs = {s.name: s for layer in homes.layer_specs for s in layer}
-        return sum(scales_bytes(specs[n].shape, self.spec(specs[n])) for n in self.kept_scale_names(homes))
-
-
-def streamed(homes, dtype, compute, compress, on_cpu: bool, on_use: bool) -> tuple:
-    """WeightForms.streamed_bytes of `homes`; tables read by rows (stored_form.read_by_rows) are not read into an
-    arena."""
-    last, out, views = len(homes.layer_specs) - 2, [], []
-    for i, layer in enumerate(homes.layer_specs):
-        disk = [s for s in layer if homes[s.name] == "disk" and weight_spec(s.shape, compress, s.name) is None
-                and not read_by_rows(i, last, s, False, "disk", on_cpu)]
-        out.append(sum(s.numel for s in disk) * dtype.itemsize)
-        kept = [stays_stored(i, last, s, dtype, compute, False) for s in disk]
-        views.append(sum(s.numel for s, k in zip(disk, kept) if dtype == compute or k
-                         or on_use and converts_on_use(i, s, False, k, dtype, compute)) * dtype.itemsize)
-    return tuple(out), tuple(views)
+        names = self.kept_scale_names(homes)
+        return sum({s.name: w.scales for layer, forms in zip(homes.layer_specs, self.table(homes))
+                    for s, w in zip(layer, forms) if s.name in names}.values())
