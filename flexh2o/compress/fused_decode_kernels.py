@@ -179,19 +179,6 @@ def _attend(q, hm, ht, rot, kph, kdata, ksb, ksh, kst, kw, kidx, kexact, calib, 
         _finish(acc, low, ex, vorder, ht, rot, y, o, out[bi, hi])
 
 
-@numba.njit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])", **OPTS)
-def rotate_rows(x, hm, out):
-    """out (N, d) = x (N, d) H, on the calling thread: a decode step's few tokens, where waking a thread pool costs
-    more than the product (compress/rotation.py's rotate_step)."""
-    n, d = x.shape
-    for i in range(n):
-        out[i, :] = 0.0
-        for k in range(d):
-            v = x[i, k]
-            for c in range(d):
-                out[i, c] += v * hm[k, c]
-
-
 A4, C4, FLAT = "float32[:, :, :, :]", "float32[:, :, :, ::1]", "uint8[::1], int64, int64, int64, int64"
 attend = numba.njit([f"void({C4}, float32[:, ::1], float32[:, ::1], boolean, int64[::1], {FLAT}, {ix}[:, :, :, :], "
                      f"{A4}, {A4}, int64, int64[::1], {FLAT}, float32[:, :, :, :, :], int64, int64[:, :, :], {A4}, "

@@ -48,19 +48,17 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 def rotate_step(x: torch.Tensor) -> torch.Tensor:
     """rotate for a decode step's tokens (..., d): on the CPU where the cache kernels run, by one thread in numba
-    (compress/fused_decode_kernels.py: torch's product this small waited on its thread pool's wake-up, about 0.3-1.4
-    ms a call on 2 busy cores); else rotate. The same product within fp32 rounding (summed in another order)."""
+    (compress/fused_quant_kernels.py's fast Walsh-Hadamard transform, as compress/fused_step.py's one-call write
+    rotates: torch's product this small waited on its thread pool's wake-up, about 0.3-1.4 ms a call on 2 busy
+    cores); else rotate. The same product within fp32 rounding (summed in another order)."""
     from flexh2o.compress import fused_write  # (it reads compress/fused_attend.py's reader, which imports this)
-    if x.device.type != "cpu" or fused_write.kernels() is None:
-        return rotate(x)
-    try:
-        from flexh2o.compress.fused_decode_kernels import rotate_rows
-    except Exception:  # numba compiles nothing here: torch's product
+    kn = fused_write.kernels() if x.device.type == "cpu" else None
+    if kn is None:
         return rotate(x)
     d = x.shape[-1]
     xf = x.float().reshape(-1, d).contiguous()  # (N, d)
     out = torch.empty_like(xf)
-    rotate_rows(xf.numpy(), _hadamard(d, "cpu").numpy(), out.numpy())
+    kn.rotate_rows(xf.numpy(), _hadamard(d, "cpu").numpy(), out.numpy())
     return out.view(x.shape)
 
 

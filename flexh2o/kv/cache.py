@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from flexh2o.compress import fused_step
 from flexh2o.compress.form import as_form
 from flexh2o.kv.layout import FIELDS, CacheLayout, CacheQuant
 from flexh2o.tensors import flat_slots, row_extents
@@ -41,6 +42,9 @@ class KVBlock:
         written through a slice where every row writes the same slot (no index tensors), or else by row; step: the
         caller's kv/step_rows.StepRows for these positions, where a ragged write's flat index is made once a step."""
         b, kv = self.pos.shape[:2]
+        slot = self._append_one_call(k, v, cur_pos, in_order)
+        if slot is not None:
+            return slot
         if in_order:
             slot = cur_pos.view(b, 1).expand(b, kv)
         else:
@@ -61,6 +65,16 @@ class KVBlock:
         self.score[index] = 0.0
         self.written = slot
         return slot
+
+    def _append_one_call(self, k, v, cur_pos, in_order: bool) -> Optional[torch.Tensor]:
+        """append's write by one compiled call where the block's forms take it (compress/fused_step.py: a quantized
+        block of the default scheme on the CPU), remembering the slots; None where they do not."""
+        kn = fused_step.kernel() if as_form(self.k).quantized else None
+        found = fused_step.parts(self.k, self.v, self.pos, self.score) if kn is not None else None
+        if found is None:
+            return None
+        self.written = fused_step.append(kn, found, self.pos, self.score, k, v, cur_pos, in_order)
+        return self.written
 
     def _flat(self) -> bool:
         return all(t.is_contiguous() for t in (self.k, self.v, self.pos, self.score))
