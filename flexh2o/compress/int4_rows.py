@@ -6,7 +6,7 @@ torch's kernel (aten._weight_int4pack_mm_for_cpu) expands the weight again for e
 thread). Here each group of a row block is unpacked once and every activation row multiplies it from registers:
 on an AVX512-BF16 CPU by bf16 dot products of the exact levels (kind 2: bf16 activations, as torch's kernel takes
 them, fp32 sums, then scale and minimum per group: q.(s w + m) = s (q.w) + m sum(q)), else by fp32 FMAs of the
-dequantized weight (kind 1: AVX2, fp32 activations). The result comes in fp32.
+levels (kind 1: AVX2, fp32 activations), scale and minimum applied alike. The result comes in fp32.
 
 The library is built once per machine and source into the cache directory with the system's C compiler (as
 compress/expand_native.py's); where none builds, where torch runs its generic kernels (ATEN_CPU_CAPABILITY=default)
@@ -95,11 +95,8 @@ def product(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_siz
     n, k = packed.shape[0], packed.shape[1] * 2
     flat = x.reshape(-1, k)  # (M, K)
     m = flat.shape[0]
-    if use == 2:
-        xs = flat.to(torch.bfloat16).contiguous()  # (M, K) as the bf16 dot multiplies it
-        sums = xs.float().view(m, k // group_size, group_size).sum(-1)  # (M, groups) fp32
-    else:
-        xs, sums = flat.to(torch.float32).contiguous(), torch.empty(1)
+    xs = flat.to(torch.bfloat16 if use == 2 else torch.float32).contiguous()  # (M, K) as the product multiplies it
+    sums = xs.float().view(m, k // group_size, group_size).sum(-1)  # (M, groups) fp32
     mt = (meta if meta.dtype in META_DTYPES else meta.float()).contiguous()  # (N, groups, 2)
     out = torch.empty(m, n)  # (M, N) fp32
     got = _library().mm4(packed.contiguous().data_ptr(), mt.data_ptr(), META_DTYPES.index(mt.dtype), n, k,

@@ -5,8 +5,8 @@ Each thread takes whole row blocks of the weight. For each group of inputs of a 
 unpacked once into a small buffer (in L1), then every tile of activation rows multiplies it from registers:
   kind 2 (AVX512-BF16): the levels 0..15 (exact in bf16) in pairs of inputs times the bf16 activations by
     vdpbf16ps, fp32 sums over the group, then out += scale * sum + minimum * (the group's sum of x);
-  kind 1 (AVX2 + FMA): the dequantized weight level * scale + minimum (two fp32 roundings, the codec's own
-    arithmetic) times fp32 activations, fp32 sums over the whole input.
+  kind 1 (AVX2 + FMA): the levels as fp32 times fp32 activations by FMAs, then scale and minimum as for kind 2.
+Threads take the blocks one at a time (dynamic): on busy cores one late thread does not hold the other's share.
 '''
 
 SOURCE = r"""
@@ -40,10 +40,9 @@ static void group_meta(const void *meta, int kind, int64_t G, int64_t r0, int64_
     }
 }
 
-/* kind 1: w (gs, R) fp32 = level * scale + minimum of a group of a block. */
+/* kind 1: w (gs, R) fp32 = the levels of a group of a block. */
 __attribute__((target("avx2,fma")))
-static void deq_f32(const uint8_t *blk, int64_t R, int paired, int64_t k0, int64_t gs, const float *s,
-                    const float *mn, float *w) {
+static void deq_f32(const uint8_t *blk, int64_t R, int paired, int64_t k0, int64_t gs, float *w) {
     int64_t h = R / 2;
     if (!paired && h % 8 == 0) {
         const __m256i f = _mm256_set1_epi32(15);
@@ -51,54 +50,53 @@ static void deq_f32(const uint8_t *blk, int64_t R, int paired, int64_t k0, int64
             const uint8_t *b = blk + (k0 + t) * h;
             for (int64_t i = 0; i < h; i += 8) {
                 __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + i)));
-                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, f)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                _mm256_storeu_ps(w + t * R + i, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(s + i)),
-                                                              _mm256_loadu_ps(mn + i)));
-                _mm256_storeu_ps(w + t * R + h + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(s + h + i)),
-                                                                  _mm256_loadu_ps(mn + h + i)));
+                _mm256_storeu_ps(w + t * R + i, _mm256_cvtepi32_ps(_mm256_and_si256(v, f)));
+                _mm256_storeu_ps(w + t * R + h + i, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
             }
         }
         return;
     }
     for (int64_t t = 0; t < gs; t++)
-        for (int64_t j = 0; j < R; j++) {
-            float v = (float)level_at(blk, R, paired, k0 + t, j) * s[j];
-            w[t * R + j] = v + mn[j];
-        }
+        for (int64_t j = 0; j < R; j++) w[t * R + j] = (float)level_at(blk, R, paired, k0 + t, j);
 }
 
-/* kind 1: out[m, col .. col + 16] += x[m, k0 .. k0 + gs] . w[:, c .. c + 16] for MT rows, sums in registers. */
+/* kind 1: out[m, col .. col + 16] += scale * (x[m, group] . levels) + minimum * xs[m, g] for MT rows. */
 #define TILE_F32(MT) \
 __attribute__((target("avx2,fma"))) \
 static void tile_f32_##MT(const float *w, int64_t R, int64_t c, int64_t gs, const float *x, int64_t K, int64_t k0, \
+                          const float *s, const float *mn, const float *xs, int64_t G, int64_t g, \
                           float *out, int64_t N, int64_t col) { \
     __m256 acc[MT][2]; \
-    UNROLL for (int m = 0; m < MT; m++) { \
-        acc[m][0] = _mm256_loadu_ps(out + m * N + col); acc[m][1] = _mm256_loadu_ps(out + m * N + col + 8); } \
+    UNROLL for (int m = 0; m < MT; m++) { acc[m][0] = _mm256_setzero_ps(); acc[m][1] = _mm256_setzero_ps(); } \
     for (int64_t t = 0; t < gs; t++) { \
         __m256 w0 = _mm256_loadu_ps(w + t * R + c), w1 = _mm256_loadu_ps(w + t * R + c + 8); \
         UNROLL for (int m = 0; m < MT; m++) { \
             __m256 xb = _mm256_broadcast_ss(x + m * K + k0 + t); \
             acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]); acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]); } \
     } \
-    UNROLL for (int m = 0; m < MT; m++) { \
-        _mm256_storeu_ps(out + m * N + col, acc[m][0]); _mm256_storeu_ps(out + m * N + col + 8, acc[m][1]); } \
+    UNROLL for (int z = 0; z < 2; z++) { \
+        __m256 sv = _mm256_loadu_ps(s + c + 8 * z), nv = _mm256_loadu_ps(mn + c + 8 * z); \
+        UNROLL for (int m = 0; m < MT; m++) { \
+            float *o = out + m * N + col + 8 * z; \
+            __m256 base = _mm256_fmadd_ps(nv, _mm256_broadcast_ss(xs + m * G + g), _mm256_loadu_ps(o)); \
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(sv, acc[m][z], base)); } } \
 }
 TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4) TILE_F32(5) TILE_F32(6)
-typedef void (*tile_f32_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t, float *,
-                            int64_t, int64_t);
+typedef void (*tile_f32_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t, const float *,
+                            const float *, const float *, int64_t, int64_t, float *, int64_t, int64_t);
 static const tile_f32_fn TILES_F32[6] = {tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6};
 
 static void block_f32(const uint8_t *blk, int64_t R, int paired, int64_t r0, const void *meta, int kind,
-                      const float *x, int64_t M, int64_t K, int64_t gs, float *out, int64_t N) {
+                      const float *x, const float *xs, int64_t M, int64_t K, int64_t gs, float *out, int64_t N) {
     float w[MAXG * MAXR], s[MAXR], mn[MAXR];
     int64_t G = K / gs;
     for (int64_t g = 0; g < G; g++) {
         group_meta(meta, kind, G, r0, R, g, s, mn);
-        deq_f32(blk, R, paired, g * gs, gs, s, mn, w);
+        deq_f32(blk, R, paired, g * gs, gs, w);
         for (int64_t c = 0; c < R; c += 16)
             for (int64_t m = 0; m < M; m += 6)
-                TILES_F32[(M - m < 6 ? M - m : 6) - 1](w, R, c, gs, x + m * K, K, g * gs, out + m * N, N, r0 + c);
+                TILES_F32[(M - m < 6 ? M - m : 6) - 1](w, R, c, gs, x + m * K, K, g * gs, s, mn, xs + m * G, G, g,
+                                                      out + m * N, N, r0 + c);
     }
 }
 
@@ -189,18 +187,18 @@ int mm4_kind(int allow_bf16) {
 }
 
 /* out (M, N) fp32 = x (M, K) @ W^T. W: whole blocks of `block` rows, the rest (N % block) one paired block; meta
-   (N, K / gs, 2) fp32 (meta_kind 0) or bf16 (1). kind 2: x bf16 and xs (M, K / gs) its group sums; kind 1: x fp32. */
+   (N, K / gs, 2) fp32 (meta_kind 0) or bf16 (1). x bf16 (kind 2) or fp32 (kind 1), xs (M, K / gs) its group sums. */
 int mm4(const uint8_t *packed, const void *meta, int meta_kind, int64_t N, int64_t K, int64_t gs, int64_t block,
         int kind, const void *x, const float *xs, int64_t M, float *out, int threads) {
     if (gs > MAXG || gs % 2 || K % gs || block > MAXR || block % 32 || N % 32 || kind < 1 || kind > 2) return 1;
     int64_t whole = N - N % block, nb = whole / block + (N % block ? 1 : 0);
     memset(out, 0, (size_t)(M * N) * sizeof(float));
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < nb; b++) {
         int64_t r0 = b * block, R = r0 < whole ? block : N - whole;
         const uint8_t *blk = packed + r0 * K / 2;
         if (kind == 2) block_bf(blk, R, r0 >= whole, r0, meta, meta_kind, (const uint16_t *)x, xs, M, K, gs, out, N);
-        else block_f32(blk, R, r0 >= whole, r0, meta, meta_kind, (const float *)x, M, K, gs, out, N);
+        else block_f32(blk, R, r0 >= whole, r0, meta, meta_kind, (const float *)x, xs, M, K, gs, out, N);
     }
     return 0;
 }

@@ -40,9 +40,9 @@ def test_product_equals_the_dequantized_weight_times_x(use, shape, group, rows, 
         x = x.bfloat16()  # the bf16 dot product multiplies bf16 activations, as torch's int4 kernel does
     got = int4_rows.product(x, ct.data, ct.meta, group, use).double()
     want = x.double() @ w.t()
-    # Every product of a level and x is exact (kind 2) or one rounding of the expanded weight's (kind 1, the codec's
-    # same two roundings); the sums run in fp32 over at most K terms, plus a group's scale and minimum applied
-    # (kind 2: two more roundings), so |error| <= (K + 4) u sum_k |x_k| (|level_k scale| + |minimum|), and
+    # A group's sum of x times its levels is gs fused multiply-adds in fp32 (one rounding each), then scaled and the
+    # minimum times x's group sum (gs additions) added to the output by two more: at most gs + 2 G + 2 <= K + 4
+    # roundings, each within u of a partial sum bounded by sum_k |x_k| (|level_k scale| + |minimum|); and
     # |level scale| <= |w| + |minimum|.
     minimum = ct.meta[..., 1].double().abs().repeat_interleave(group, 1)  # (N, K)
     bound = (shape[1] + 4) * U * (x.double().abs() @ (w.abs() + 2 * minimum).t())
