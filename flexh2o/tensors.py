@@ -1,12 +1,14 @@
 """Small tensor helpers: moved(), a tensor on a device in a dtype, without a dispatcher call when it is there
 already; flat_slots(), the flat index of (row, head, slot) entries of a (b, h, s, ...) cache tensor; row_extents(),
-each row's slots up to its last used one (read by the cache, attention and the policies alike).
+each row's slots up to its last used one (read by the cache, attention and the policies alike);
+native_products(), whether this CPU multiplies a dtype by its own AVX-512 kernels.
 
 A no-op `Tensor.to` still costs a trip through torch's dispatcher (a few microseconds); a decode step of a
 memory-resident model asked for ~400 of them (every weight, cache field and query, every layer), a third of its
 aten calls against plain transformers."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -37,3 +39,16 @@ def row_extents(pos: torch.Tensor) -> list:
     used = (pos >= 0).any(1)  # (b, s)
     last = s - used.flip(-1).to(torch.int8).argmax(-1)  # one past the last used slot (s when none is used)
     return torch.where(used.any(-1), last, 0).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def native_products(dtype: torch.dtype) -> bool:
+    """Whether this process's CPU matmuls in `dtype` run by kernels of that dtype at AVX-512 width (decided once a
+    dtype): fp32 anywhere; a 16-bit dtype where ATen's kernels are AVX-512 (not held to AVX2 by
+    ATEN_CPU_CAPABILITY) and oneDNN says it has kernels for the dtype (torch.ops.mkldnn._is_mkldnn_bf16_supported,
+    _is_mkldnn_fp16_supported). Elsewhere a 16-bit product may crawl (fp16 on an AVX2 Zen 3: 0.87 GFLOP/s)."""
+    if dtype == torch.float32:
+        return True
+    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    check = getattr(torch.ops.mkldnn, supported.get(dtype, ""), None) if torch.backends.mkldnn.is_available() else None
+    return bool(check is not None and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and check())

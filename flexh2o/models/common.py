@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flexh2o.compress.kernels import PackedWeight
+from flexh2o.tensors import native_products
 
 
 @dataclass(frozen=True)
@@ -54,26 +55,26 @@ def rowwise(fn, x: torch.Tensor, width: int, *extra: torch.Tensor) -> torch.Tens
 
 def linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
     """F.linear for a weight that is a plain tensor, a PackedWeight run by the int4 kernel, or a StoredWeight
-    converted in chunks; an fp32 product on an AVX-512 CPU by oneDNN (`onednn_fits`), else a few rows times a large
-    fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
+    converted in chunks; an fp32 or native 16-bit product on an AVX-512 CPU by oneDNN (`onednn_runs`), else a few
+    rows times a large fp32 weight on a CPU as the transposed product (`skinny_linear`)."""
     if isinstance(w, (PackedWeight, StoredWeight)):
         return w.linear(x, bias)
-    if onednn_fits(x, w):
+    if onednn_runs(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # (..., n), contiguous
     return skinny_linear(x, w, bias) if is_skinny(x, w) else F.linear(x, w, bias)
 
 
 def linear_relu(x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    """F.relu(linear(x, w, bias)), the relu inside oneDNN's product where it runs (`onednn_fits`)."""
-    if isinstance(w, torch.Tensor) and onednn_fits(x, w):
+    """F.relu(linear(x, w, bias)), the relu inside oneDNN's product where it runs (`onednn_runs`)."""
+    if isinstance(w, torch.Tensor) and onednn_runs(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "relu", [], "")
     return F.relu(linear(x, w, bias))
 
 
 def linear_add(x: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
     """residual + linear(x, w, bias): x (..., k), residual (..., n); the sum inside oneDNN's product where it runs
-    (`onednn_fits`, a contiguous fp32 residual of the output's shape), one pass over the output fewer."""
-    if isinstance(w, torch.Tensor) and onednn_fits(x, w) and residual.dtype == torch.float32 \
+    (`onednn_runs`, a contiguous residual of the output's dtype and shape), one pass over the output fewer."""
+    if isinstance(w, torch.Tensor) and onednn_runs(x, w) and residual.dtype == x.dtype \
             and residual.is_contiguous() and residual.shape == (*x.shape[:-1], w.shape[0]):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, bias, "add")
     return residual + linear(x, w, bias)
@@ -109,6 +110,46 @@ def onednn_linear() -> bool:
     return bool(((got - F.linear(x, w, b)).abs() <= bound).all())
 
 
+def onednn_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T + bias runs as oneDNN's linear: in fp32 (`onednn_fits`) or in a 16-bit dtype
+    (`onednn16_fits`)."""
+    return onednn_fits(x, w) or onednn16_fits(x, w)
+
+
+def onednn16_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T + bias runs as oneDNN's linear in a 16-bit dtype: x and w of one dtype the CPU multiplies by
+    its own AVX-512 kernels (tensors.native_products: bf16 on a Zen 4), where the op agrees with the exact product
+    within that dtype's rounding (`onednn_linear16`). GFLOP/s, bf16, AVX-512 Zen 4, 2 threads, 64 / 128 / 256
+    rows, F.linear / oneDNN: 768 x 768 129 / 184 / 221 against 198 / 260 / 286, 3072 x 768 237 / 297 / 312 against
+    267 / 325 / 338, 768 x 3072 257 / 173 / 341 against 302 / 344 / 366, the 50272 x 768 head 240 / 188 / 287
+    against 234 / 215 / 286 (benchmarks/linear_paths.py --dtype bfloat16, 2026-12-07); the bias, relu and residual
+    sum inside the product besides."""
+    return (x.dtype == w.dtype and x.dtype.itemsize == 2 and w.device.type == "cpu" and x.device.type == "cpu"
+            and onednn_linear16(w.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_linear16(dtype: torch.dtype) -> bool:
+    """Whether this process runs CPU linears in the 16-bit `dtype` by oneDNN (decided once a dtype): the CPU
+    multiplies it natively (tensors.native_products) and oneDNN's product of a small case, with the bias and with a
+    residual summed inside, is within the dtype's rounding of the exact one."""
+    if not native_products(dtype) or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, r = (torch.randn(*s, generator=gen).to(dtype) for s in ((8, 96), (40, 96), (40,), (8, 40)))
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "").double()
+        added = torch.ops.mkldnn._linear_pointwise.binary(x, r, w, b, "add").double()
+    except RuntimeError:
+        return False
+    exact = x.double() @ w.double().t() + b.double()  # (8, 40)
+    mag = x.double().abs() @ w.double().abs().t() + b.double().abs()
+    # 96 products summed in fp32 in any order, the sum rounded to the dtype (half its eps) and, were the bias or the
+    # residual added after a rounding, once more: within 96 fp32 eps and one 16-bit eps of the magnitudes
+    bound = (96 * torch.finfo(torch.float32).eps + torch.finfo(dtype).eps) * (mag + r.double().abs())
+    return bool(((got - exact).abs() <= bound).all() and ((added - exact - r.double()).abs() <= bound).all())
+
+
 SKINNY_ROWS = 64  # rows of x at most, for the transposed product
 SKINNY_ELEMENTS = 1 << 21  # weight elements at least (opt-125m's fc1/fc2 and every vocabulary head)
 
@@ -141,9 +182,11 @@ def head_linear(x: torch.Tensor, w) -> torch.Tensor:
     counts measured but 1, 2, 3 and 7). A PackedWeight, a weight off the CPU, a product oneDNN runs (`onednn_fits`)
     or a skinny product (`is_skinny`: up to SKINNY_ROWS rows, where the transposed product beat the slices at 2
     threads) is one call."""
-    if isinstance(w, (PackedWeight, StoredWeight)) or w.device.type != "cpu" or w.dtype != torch.float32 \
-            or onednn_fits(x, w) or is_skinny(x, w):
+    if isinstance(w, (PackedWeight, StoredWeight)) or w.device.type != "cpu" or onednn_fits(x, w) \
+            or is_skinny(x, w):
         return linear(x, w)
+    if w.dtype != torch.float32:  # F.linear, where oneDNN's 16-bit product (`onednn16_fits`) ran no faster
+        return F.linear(x, w)
     rows = max(1, HEAD_CHUNK_BYTES // (w.shape[1] * w.element_size()))
     if w.shape[0] <= rows:
         return F.linear(x, w)
