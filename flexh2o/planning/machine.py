@@ -4,8 +4,9 @@ The fingerprint holds the CPU model name and the flags that decide low-precision
 f16c), the core count, torch's version and intra-op threads, the GPU's name and memory when CUDA is present, and
 the instruction-set caps set in the environment (ISA_LIMITS), where any is.
 Measurements taken here (hardware profile, dtype probe) are cached under cache_dir(), keyed by the fingerprint,
-with the load average they were taken at: one taken on a busy machine (other processes on every core make every rate
-look slower, 5x was seen) is measured again once the machine is much quieter (stale_by_load).
+with the load they were taken at (LoadSeen: the load average, or the load implied by the CPU the measurement got where
+that is higher): one taken on a busy machine (other processes on every core make every rate look slower, 10x was
+seen) is measured again once the machine is much quieter (stale_by_load).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import hashlib
 import json
 import os
 import platform
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
@@ -91,6 +93,27 @@ def differences(theirs: Optional[dict], ours: dict) -> list:
 
 BUSY_PER_CORE = 1.0  # a 1-minute load average above cores x this: the machine was busy
 QUIETER = 0.5  # a busy measurement is retaken when the load is now below this fraction of its load
+FULL_SHARE = 0.75  # a measurement that got less than this share of its threads' CPU time was crowded out
+
+
+class LoadSeen:
+    """The load a measurement ran under (`load`, set when the block ends): the 1-minute load average, or, where the
+    process got less than FULL_SHARE of the CPU time its `threads` ask for while it ran (other processes held the
+    cores; the load average lags by a minute, and a process at a low priority is crowded out at any load), the load
+    that share implies, threads / share, whichever is larger."""
+
+    def __init__(self, threads: int, clocks: tuple = (time.perf_counter, time.process_time),
+                 load: Callable[[], float] = None):
+        self.threads, self.clocks, self.load_now, self.load = max(1, threads), clocks, load or load_now, None
+
+    def __enter__(self) -> "LoadSeen":
+        self.start = [c() for c in self.clocks]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall, cpu = (c() - s for c, s in zip(self.clocks, self.start))
+        share = cpu / (wall * self.threads) if wall > 0 else 1.0
+        self.load = max(self.load_now(), self.threads / max(share, 0.01) if share < FULL_SHARE else 0.0)
 
 
 def load_now() -> float:

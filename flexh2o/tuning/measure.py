@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from flexh2o.dtypes import dtype_name, parse_dtype
-from flexh2o.planning.machine import fingerprint, load_now
+from flexh2o.planning.machine import LoadSeen, fingerprint, load_now
 from flexh2o.tuning.disk_probe import disk_rates
 from flexh2o.tuning.probes import (compute_rates, cpu_attention_flops, int4_rows_rates, matmul_rows_rates,
                                    memory_rates, op_overhead, parallel_op)
@@ -34,7 +34,9 @@ def measure(device: str, dtypes: list, offload_dir: Optional[str], quick: bool,
     if dev.type == "cuda":
         prof["gpu"] = torch.cuda.get_device_name(dev)
         prof["gpu_mem"] = torch.cuda.get_device_properties(dev).total_memory
-    prof.update(dtype_rates(dev, dtypes, quick, progress))
+    with LoadSeen(torch.get_num_threads()) as seen:  # the matmul probes use every thread: crowded out, they read slow
+        prof.update(dtype_rates(dev, dtypes, quick, progress))
+    prof["load_at_measure"] = max(prof["load_at_measure"], seen.load)
     prof.update(memory_rates(dev, quick))
     prof["cpu_flops"] = cpu_attention_flops(quick)
     progress(1)
@@ -72,9 +74,11 @@ def dtype_rates(dev: torch.device, dtypes: list, quick: bool,
 
 def add_dtypes(prof: dict, dtypes: list, progress: Callable[[int], object] = lambda n: None) -> dict:
     """`prof` (this machine's) with the per-dtype rates of `dtypes` measured now and merged in, at the profile's own
-    quickness; the load they were measured at goes into `dtype_load_at_measure` (read by profile_cache)."""
-    load = load_now()
-    added = dtype_rates(torch.device(prof["device"]), dtypes, prof.get("quick", True), progress)
+    quickness; the load they were measured at (machine.LoadSeen) goes into `dtype_load_at_measure` (read by
+    profile_cache)."""
+    with LoadSeen(torch.get_num_threads()) as seen:
+        added = dtype_rates(torch.device(prof["device"]), dtypes, prof.get("quick", True), progress)
+    load = seen.load
     out = dict(prof)
     for key, by_dtype in added.items():
         out[key] = {**prof.get(key, {}), **by_dtype}

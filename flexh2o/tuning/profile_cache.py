@@ -14,13 +14,18 @@ from flexh2o.planning import machine
 from flexh2o.tuning.hardware import load_profile
 
 AUTO = "auto"
+PROFILE_VERSION = 2  # 2: products timed as the engine runs them (models.common.linear); the load is the one they saw
 FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs where bfloat16 is worth profiling by default
 
 
 def profile_file(device: str, fp: Optional[dict] = None) -> str:
-    """The cache file name of this machine's profile (or of fingerprint `fp`)."""
-    fp = fp or machine.fingerprint(device)
-    return f"hardware-{device.split(':')[0]}-{machine.fingerprint_key(fp)}.json"
+    """The cache file name of this machine's profile (or of fingerprint `fp`); a profile measured by other probes
+    (an older PROFILE_VERSION) is never read."""
+    return f"hardware-v{PROFILE_VERSION}-{_machine_key(device, fp)}.json"
+
+
+def _machine_key(device: str, fp: Optional[dict] = None) -> str:
+    return f"{device.split(':')[0]}-{machine.fingerprint_key(fp or machine.fingerprint(device))}"
 
 
 def wanted_dtypes(device: str, compute=None) -> list:
@@ -73,7 +78,7 @@ def auto_profile(device: str, compute, offload_dir: Optional[str], may_measure: 
         dtypes = wanted_dtypes(device, compute)
         with _bar(profiler.measure_steps(dtypes, offload_dir), "profiling this machine (once, cached)") as bar:
             prof = (measure or profiler.measure)(device, dtypes, offload_dir, True, progress=bar.update)
-        prof["name"] = f"auto-{name[len('hardware-'):-len('.json')]}"
+        prof["name"] = f"auto-{_machine_key(device)}"
     prof.pop("cached_at", None)
     prof["cached_at"] = machine.write_cached(name, prof)
     return prof

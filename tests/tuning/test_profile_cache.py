@@ -106,6 +106,21 @@ def test_stale_by_load_only_for_busy_measurements_on_a_now_quieter_machine():
     assert not machine.stale_by_load(None, now=0.0, cores=2)  # older files carry no load
 
 
+def test_load_seen_is_the_load_a_crowded_out_measurement_implies():
+    """A measurement that got a quarter of its two threads' CPU time ran as if 8 runnable threads shared the cores
+    (2 / 0.25), whatever the lagging load average said; one that got its CPU keeps the load average."""
+    def clocks(wall, cpu):  # each clock read once at the start (0) and once at the end
+        return iter([0.0, wall]).__next__, iter([0.0, cpu]).__next__
+
+    with machine.LoadSeen(2, clocks(1.0, 0.5), load=lambda: 0.5) as crowded:
+        pass
+    assert crowded.load == 2 / 0.25
+    with machine.LoadSeen(2, clocks(1.0, 1.9), load=lambda: 0.5) as alone:
+        pass
+    assert alone.load == 0.5
+    assert machine.stale_by_load(crowded.load, now=0.5, cores=2) and not machine.stale_by_load(alone.load, 0.5, 2)
+
+
 def test_profile_measured_on_a_busy_machine_is_measured_again_once_quiet(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))
     calls = []
