@@ -94,13 +94,14 @@ def differences(theirs: Optional[dict], ours: dict) -> list:
 BUSY_PER_CORE = 1.0  # a 1-minute load average above cores x this: the machine was busy
 QUIETER = 0.5  # a busy measurement is retaken when the load is now below this fraction of its load
 FULL_SHARE = 0.75  # a measurement that got less than this share of its threads' CPU time was crowded out
+MIN_WALL_S = 0.1  # shorter than this, the CPU clock's ticks (10 ms on Linux) say nothing of the share
 
 
 class LoadSeen:
     """The load a measurement ran under (`load`, set when the block ends): the 1-minute load average, or, where the
     process got less than FULL_SHARE of the CPU time its `threads` ask for while it ran (other processes held the
     cores; the load average lags by a minute, and a process at a low priority is crowded out at any load), the load
-    that share implies, threads / share, whichever is larger."""
+    that share implies, threads / share, whichever is larger (a block under MIN_WALL_S: the load average)."""
 
     def __init__(self, threads: int, clocks: tuple = (time.perf_counter, time.process_time),
                  load: Callable[[], float] = None):
@@ -112,7 +113,7 @@ class LoadSeen:
 
     def __exit__(self, *exc) -> None:
         wall, cpu = (c() - s for c, s in zip(self.clocks, self.start))
-        share = cpu / (wall * self.threads) if wall > 0 else 1.0
+        share = cpu / (wall * self.threads) if wall >= MIN_WALL_S else 1.0
         self.load = max(self.load_now(), self.threads / max(share, 0.01) if share < FULL_SHARE else 0.0)
 
 
