@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from flexh2o.cli.flags import Flag, add_flags, declare
+from flexh2o.cli.flags import add_flags, declare
 from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS
 from flexh2o.kv.cache_quant import flagged, from_flags
 
@@ -39,10 +39,9 @@ def compression_flags() -> tuple:
 
 
 def cache_scheme_flags() -> list:
-    """The Flags of the quantized cache's scheme: one per kv/cache_quant.CacheQuant field declared with a flag, in
-    the fields' order (read when called: a field's flag is its declaration's)."""
-    return [Flag(c.flag, c.help, c.default, c.type, c.choices, action=c.action, metavar=c.metavar)
-            for _, c in flagged()]
+    """The Flags of the quantized cache's scheme: each kv/cache_quant.CacheQuant field's CacheFlag (a Flag), in the
+    fields' order (read when called: a field's flag is its declaration's)."""
+    return [c for _, c in flagged()]
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:

@@ -10,13 +10,9 @@ import sys
 import threading
 from typing import Callable
 
-from flexh2o.errors import one_line
+from flexh2o.errors import UsageError, one_line
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-
-class UsageError(ValueError):
-    """A bad command line (unknown flag, wrong type, missing argument)."""
 
 
 class Parser(argparse.ArgumentParser):

@@ -15,31 +15,16 @@ from typing import Callable, Optional
 
 from flexh2o.compress.defaults import (DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS,
                                        KEY_SCHEMES)
+from flexh2o.flag import Flag
 
 
 @dataclass(frozen=True)
-class CacheFlag:
-    """A CacheQuant field's flag: argparse's `flag`, help, default, type, choices, action and metavar (a flag given
-    None leaves the field its default); `shown` (quant -> bool): when a printed command line names it (None: when
-    the field holds another value than the flag's default gives)."""
+class CacheFlag(Flag):
+    """A CacheQuant field's flag: a Flag (flexh2o/flag.py; a flag given None leaves the field its default) with
+    `shown` (quant -> bool): when a printed command line names it (None: when the field holds another value than the
+    flag's default gives)."""
 
-    flag: str
-    help: str
-    default: object = None
-    type: Optional[Callable] = None
-    choices: object = None
-    action: object = None
-    metavar: Optional[str] = None
     shown: Optional[Callable] = None
-
-    def __post_init__(self):
-        if self.action == "store_true" and self.default is None:  # argparse's default of a switch
-            object.__setattr__(self, "default", False)
-
-    @property
-    def dest(self) -> str:
-        """The parsed attribute and the API's keyword: --cache-recent -> cache_recent."""
-        return self.flag[2:].replace("-", "_")
 
     def text(self, value) -> str:
         """`value` as flexh2o-run parses it back."""

@@ -23,7 +23,7 @@ LAYERS = (
     ("the run's parts", {"weights", "kv", "models", "placement", "schedule"}),
     ("tiers and codecs", {"storage", "compress"}),
     ("leaves", {"config", "units", "dtypes", "tensors", "jsonfile", "tokenizer", "prompts", "sampling", "metrics",
-                "errors", "requests", "chat", "paths"}),
+                "errors", "requests", "chat", "paths", "flag"}),
 )
 
 
