@@ -17,6 +17,7 @@ from flexh2o.models import family_module, layer_specs
 from flexh2o.placement import Percent, Placement
 from flexh2o.storage.freed_memory import MAPPED_FROM
 from flexh2o.weights.format import CheckpointReader
+from flexh2o.weights.kept_run import with_kept_blocks
 
 PREFILL_BYTES = 32 << 20  # on CUDA: target size of one prefill sub-batch's transient buffers
 
@@ -143,3 +144,12 @@ def opened(path: str, checkpoint: Optional[CheckpointReader]) -> Optional[Checkp
     if checkpoint is not None and checkpoint.path == os.path.abspath(path):
         return checkpoint
     return CheckpointReader(path)
+
+
+def opened_with_kept(path: str, checkpoint: Optional[CheckpointReader],
+                     spec: Optional[CompressionSpec]) -> tuple:
+    """(the checkpoint at `path` opened once (`opened`), --compress-weight's `spec` joined with the blocks it keeps
+    (weights/kept_run.with_kept_blocks)): a RunConfig's `checkpoint` and `compress_weight`; (None, `spec`) for
+    seeded dummy weights."""
+    checkpoint = opened(path, checkpoint)
+    return checkpoint, (spec if checkpoint is None else with_kept_blocks(spec, checkpoint))

@@ -38,8 +38,7 @@ def _given_config(args, cfg, prompts, checkpoint) -> tuple:
     refusal in this order."""
     from flexh2o.cli.capacities import capacities
     from flexh2o.placement import Percent
-    from flexh2o.run_config import RunConfig, opened
-    from flexh2o.weights.kept_run import with_kept_blocks
+    from flexh2o.run_config import RunConfig, opened_with_kept
     if args.prompt_len < 1 or args.gen_len < 1:
         raise ValueError("--prompt-len and --gen-len must be at least 1")
     if args.max_seqs is not None and (args.max_seqs < 1 or args.policy != "auto"):
@@ -55,9 +54,8 @@ def _given_config(args, cfg, prompts, checkpoint) -> tuple:
         raise ValueError(f"--gpu-batch-size takes a positive integer or 'auto' (got {given})")
     gbs = 1 if auto else int(given)
     packed = compression_specs(args, device)
-    checkpoint = opened(args.path, checkpoint)
-    if checkpoint is not None:  # a converted GGUF's kept blocks stay as they are
-        packed = (with_kept_blocks(packed[0], checkpoint), packed[1])
+    checkpoint, weight = opened_with_kept(args.path, checkpoint, packed[0])  # a GGUF's kept blocks stay as they are
+    packed = (weight, packed[1])
     rc = RunConfig(model=cfg, percent=Percent.parse(args.percent), gpu_batch_size=gbs, num_gpu_batches=nb,
                    prompt_len=prompt_len, gen_len=args.gen_len, path=args.path, device=device,
                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv=kv, seed=args.seed,

@@ -22,10 +22,9 @@ from flexh2o.kv.spec import KVSpec, ratio_tokens
 from flexh2o.placement import Percent
 from flexh2o.planning.machine import cpu_record
 from flexh2o.dtypes import parse_dtype
-from flexh2o.run_config import RunConfig, opened
+from flexh2o.run_config import RunConfig, opened_with_kept
 from flexh2o.sampling import TeacherForcer
 from flexh2o.tokenizer import Tokenizer, load_tokenizer
-from flexh2o.weights.kept_run import with_kept_blocks
 
 LANE_SHARE = 0.5  # of the available memory, for the KV cache of one pass of lanes (auto_lane_mem)
 
@@ -196,8 +195,7 @@ def _forced(model: EvalModel, kv: KVSpec, prompts: list, targets: torch.Tensor, 
     from flexh2o.generation.batch_plan import LanePlan
     n, steps = targets.shape
     prompt_len = max(len(p) for p in prompts)
-    checkpoint = opened(model.path, None)  # read once: its kept blocks, then the engine's weights
-    kept = with_kept_blocks(model.compress_weight, checkpoint) if checkpoint else model.compress_weight
+    checkpoint, kept = opened_with_kept(model.path, None, model.compress_weight)  # read once: kept blocks, weights
     rc = RunConfig(model=model.cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=n // num_batches,
                    num_gpu_batches=num_batches, prompt_len=prompt_len, gen_len=steps, path=model.path,
                    dtype=model.dtype, seed=model.seed, kv=kv, gpu_mem=64 << 30, cpu_mem=64 << 30,
