@@ -89,8 +89,7 @@ def choose_dtypes(args, rc: RunConfig, fits=None, score=None) -> RunConfig:
     """Storage and compute dtypes from --dtype/--compute-dtype (planning/dtype_choice.py decides); the choice is
     kept on args for the run's report and its note (dtype_note, once every flag is validated)."""
     from flexh2o.planning.dtype_choice import choose_dtypes as choose
-    from flexh2o.weights.index import checkpoint_dtype
-    stored = checkpoint_dtype(rc.path) if rc.path != "_DUMMY_" else None  # --dtype auto keeps it
+    stored = rc.checkpoint.stored_dtype() if rc.checkpoint is not None else None  # --dtype auto keeps it
     args.dtype_choice = choose(rc, args.dtype, args.compute_dtype, fits=fits, score=score, stored=stored)
     return rc.with_(dtype=args.dtype_choice.dtype, compute_dtype=args.dtype_choice.compute,
                     decode_dtype=args.dtype_choice.decode)

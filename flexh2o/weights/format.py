@@ -28,7 +28,7 @@ from flexh2o.models import family_module, unique_specs
 from flexh2o.storage.base import as_bytes
 from flexh2o.storage.dirlock import LOCK_FILE, make_locked_dir, stale_staging
 from flexh2o.weights import blocks
-from flexh2o.weights.index import FIX, FORMAT_VERSION, INDEX_FILE, load_index, spec_nbytes
+from flexh2o.weights.index import FIX, FORMAT_VERSION, INDEX_FILE, index_dtype, read_index, spec_nbytes
 
 TENSOR_DIR = "tensors"
 CHUNK = 8 << 20  # bytes hashed per piece, while the piece is still in cache
@@ -204,8 +204,13 @@ class CheckpointReader:
         except ValueError as e:  # a hand-edited family, refused as load_converted_config refuses a bad field
             where = os.path.join(self.path, CONFIG_FILE)
             raise ValueError(f"{where} is corrupt ({e}): run flexh2o-convert again") from None
-        self.entries = load_index(os.path.join(self.path, INDEX_FILE))
+        index = read_index(os.path.join(self.path, INDEX_FILE))
+        self.entries, self._dtype = index["tensors"], index.get("dtype")
         self._validate()
+
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype its tensors are stored in (those not kept in blocks): index.json's, as read when opened."""
+        return index_dtype(self._dtype, os.path.join(self.path, INDEX_FILE))
 
     def names(self) -> list:
         return list(self.entries)

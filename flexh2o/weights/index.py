@@ -25,8 +25,8 @@ def spec_nbytes(entry: dict) -> int:
     return n * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
 
 
-def load_index(index: str) -> dict:
-    """index.json -> {name: entry}, with every entry's fields checked."""
+def read_index(index: str) -> dict:
+    """index.json whole ("dtype", "tensors": {name: entry}), with every entry's fields checked."""
     if not os.path.isfile(index):
         raise ValueError(f"{index} is missing; {FIX}")
     d = read_json(index, FIX)
@@ -39,13 +39,17 @@ def load_index(index: str) -> dict:
               and isinstance(e.get("blake2b", ""), str) and blocks.entry_ok(e))
         if not ok:
             raise ValueError(f"{index}: entry for {name!r} is malformed; {FIX}")
-    return d["tensors"]
+    return d
 
 
 def checkpoint_dtype(path: str) -> torch.dtype:
     """The dtype a converted checkpoint folder stores its tensors in (those not kept in blocks): index.json's."""
     d = read_json(os.path.join(path, INDEX_FILE), FIX)
-    name = d.get("dtype") if isinstance(d, dict) else None
+    return index_dtype(d.get("dtype") if isinstance(d, dict) else None, os.path.join(path, INDEX_FILE))
+
+
+def index_dtype(name, index: str) -> torch.dtype:
+    """The torch dtype of index.json's "dtype" `name`; ValueError naming `index` where it names none."""
     if name not in DTYPES:
-        raise ValueError(f"{os.path.join(path, INDEX_FILE)} names no dtype; {FIX}")
+        raise ValueError(f"{index} names no dtype; {FIX}")
     return DTYPES[name]
