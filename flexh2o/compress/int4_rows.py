@@ -35,7 +35,7 @@ from flexh2o.paths import cache_dir
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")  # no fused multiply-add but where written
 MAX_GROUP = 256  # the C code's largest group
 ROWS_MULTIPLE = 32  # the C code takes weights of a multiple of this many output rows (compress/kernels.KERNEL_ROWS)
-META_DTYPES = (torch.float32, torch.bfloat16)  # the meta the C code reads, in its order of `meta_kind`
+META_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the meta the C code reads (its `meta_kind`s)
 PROBE_N = 1024  # output rows of the probe's weight
 PROBE_ROWS = 256  # activation rows above which the answer at this many is taken (the products are compute bound)
 ROUNDS = 7  # alternated rounds of the probe, after one that warms up

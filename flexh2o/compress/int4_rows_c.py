@@ -18,7 +18,18 @@ SOURCE = r"""
 #define MAXR 64   /* the largest row block */
 #define UNROLL _Pragma("GCC unroll 16")
 
+/* An fp16 value as fp32, exactly (subnormals as man * 2^-24). */
+static inline float half_f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (e == 0x1fu) u = sign | 0x7f800000u | (man << 13);
+    else if (e) u = sign | ((e + 112u) << 23) | (man << 13);
+    else { float f = (float)man * 0x1p-24f; memcpy(&u, &f, 4); u |= sign; }
+    float f; memcpy(&f, &u, 4); return f;
+}
+
+/* Element i of meta held as fp32 (kind 0), bf16 (1) or fp16 (2). */
 static inline float meta_f(const void *meta, int kind, int64_t i) {
+    if (kind == 2) return half_f(((const uint16_t *)meta)[i]);
     if (kind) { uint32_t u = (uint32_t)((const uint16_t *)meta)[i] << 16; float f; memcpy(&f, &u, 4); return f; }
     return ((const float *)meta)[i];
 }
@@ -32,7 +43,7 @@ static inline int level_at(const uint8_t *blk, int64_t R, int paired, int64_t k,
     return j < h ? b & 15 : b >> 4;
 }
 
-/* Scales and minimums of rows r0 .. r0 + R in group g, from meta (N, G, 2) fp32 (kind 0) or bf16 (kind 1). */
+/* Scales and minimums of rows r0 .. r0 + R in group g, from meta (N, G, 2) (meta_f's kinds). */
 static void group_meta(const void *meta, int kind, int64_t G, int64_t r0, int64_t R, int64_t g, float *s, float *mn) {
     for (int64_t j = 0; j < R; j++) {
         s[j] = meta_f(meta, kind, ((r0 + j) * G + g) * 2);
@@ -187,10 +198,11 @@ int mm4_kind(int allow_bf16) {
 }
 
 /* out (M, N) fp32 = x (M, K) @ W^T. W: whole blocks of `block` rows, the rest (N % block) one paired block; meta
-   (N, K / gs, 2) fp32 (meta_kind 0) or bf16 (1). x bf16 (kind 2) or fp32 (kind 1), xs (M, K / gs) its group sums. */
+   (N, K / gs, 2) fp32 (meta_kind 0), bf16 (1) or fp16 (2). x bf16 (kind 2) or fp32 (kind 1), xs (M, K / gs) its group sums. */
 int mm4(const uint8_t *packed, const void *meta, int meta_kind, int64_t N, int64_t K, int64_t gs, int64_t block,
         int kind, const void *x, const float *xs, int64_t M, float *out, int threads) {
-    if (gs > MAXG || gs % 2 || K % gs || block > MAXR || block % 32 || N % 32 || kind < 1 || kind > 2) return 1;
+    if (gs > MAXG || gs % 2 || K % gs || block > MAXR || block % 32 || N % 32 || kind < 1 || kind > 2
+        || meta_kind < 0 || meta_kind > 2) return 1;
     int64_t whole = N - N % block, nb = whole / block + (N % block ? 1 : 0);
     memset(out, 0, (size_t)(M * N) * sizeof(float));
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

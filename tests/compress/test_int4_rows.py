@@ -28,12 +28,23 @@ KINDS = _kinds()
 @pytest.mark.parametrize("use", [1, 2])
 @pytest.mark.parametrize("shape, group", [((96, 256), 64), ((160, 128), 32), ((64, 512), 256)])
 @pytest.mark.parametrize("rows", [1, 7, 16, 19])
-@pytest.mark.parametrize("meta_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("meta_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_product_equals_the_dequantized_weight_times_x(use, shape, group, rows, meta_dtype):
+    _check(use, shape, group, rows, meta_dtype, 1.0)
+
+
+@pytest.mark.parametrize("use", [1, 2])
+def test_subnormal_fp16_meta_is_read_exactly(use):
+    """Scales under fp16's smallest normal (6.1e-5) are subnormal in an fp16 meta: read as the codec reads them."""
+    _check(use, (64, 128), 64, 3, torch.float16, 1e-4)
+
+
+def _check(use, shape, group, rows, meta_dtype, magnitude):
     if use not in KINDS:
-        pytest.skip("this CPU has no AVX512-BF16 (or torch runs its AVX2 kernels)")
+        pytest.skip("no C compiler or AVX2, torch's int4 kernel missing, or this CPU has no AVX512-BF16")
     gen = torch.Generator().manual_seed(rows + group)
-    ct = to_kernel_order(quantize(torch.randn(shape, generator=gen), CompressionSpec(4, group, 1), meta_dtype))
+    w = torch.randn(shape, generator=gen) * magnitude
+    ct = to_kernel_order(quantize(w, CompressionSpec(4, group, 1), meta_dtype))
     w = dequantize(from_kernel_order(ct), torch.float32).double()  # (N, K), the codec's own expansion
     x = torch.randn(rows, shape[1], generator=gen)
     if use == 2:
