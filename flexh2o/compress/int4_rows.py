@@ -38,7 +38,9 @@ ROWS_MULTIPLE = 32  # the C code takes weights of a multiple of this many output
 META_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the meta the C code reads (its `meta_kind`s)
 PROBE_N = 1024  # output rows of the probe's weight
 PROBE_ROWS = 256  # activation rows above which the answer at this many is taken (the products are compute bound)
-ROUNDS = 7  # alternated rounds of the probe, after one that warms up
+ROUNDS = 9  # alternated rounds of the probe, after one call of each that warms up
+ROUND_S = 0.002  # a probe's round repeats a call to about this many seconds (at most MAX_CALLS): one call of a
+MAX_CALLS = 20  # few hundred microseconds on two busy cores is mostly its threads' wake-ups
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,7 +112,7 @@ def product(x: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_siz
 @functools.lru_cache(maxsize=None)
 def _faster(rows: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     """Whether `product` (then converted to dtype) beats torch's int4 kernel for `rows` activation rows of `dtype`
-    times a random (PROBE_N, k) weight: ROUNDS alternated rounds after a warm-up one, medians compared."""
+    times a random (PROBE_N, k) weight: ROUNDS alternated rounds of a few calls each, medians compared."""
     g = torch.Generator().manual_seed(0)
     packed = torch.randint(0, 256, (PROBE_N, k // 2), dtype=torch.uint8, generator=g)  # any byte is two levels
     meta = (torch.rand(PROBE_N, k // group_size, 2, generator=g) * 0.01).to(torch.bfloat16)
@@ -121,9 +123,18 @@ def _faster(rows: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
                                                                 group_size, zeros).to(dtype)}
     times = {name: [] for name in paths}
     with torch.inference_mode():
-        for _ in range(ROUNDS + 1):
+        calls = {name: _calls(fn) for name, fn in paths.items()}
+        for _ in range(ROUNDS):
             for name, fn in paths.items():
                 start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return statistics.median(times["own"][1:]) < statistics.median(times["torch"][1:])
+                for _ in range(calls[name]):
+                    fn()
+                times[name].append((time.perf_counter() - start) / calls[name])
+    return statistics.median(times["own"]) < statistics.median(times["torch"])
+
+
+def _calls(fn) -> int:
+    """Calls of fn a probe's round makes (ROUND_S over the time of this first, warming call)."""
+    start = time.perf_counter()
+    fn()
+    return max(1, min(MAX_CALLS, int(ROUND_S / max(time.perf_counter() - start, 1e-6))))
