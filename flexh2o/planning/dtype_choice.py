@@ -36,7 +36,7 @@ DECODE_ROWS, PREFILL_ROWS = 4, 64
 PROBE_SHAPE = (1024, 1024)  # (out, in) of each probe weight; PROBE_WEIGHTS of them (96 MiB in float32: past L3)
 PROBE_WEIGHTS = 24
 NOTE_RATIO = 2.0
-PROBE_VERSION = 3  # 3: the engine's own product (models.common.linear: oneDNN for fp32 on AVX-512), not F.linear
+PROBE_VERSION = 4  # 3: the engine's own product (models.common.linear: oneDNN for fp32 on AVX-512); 4: and for bf16
 DECODE_DIRECT = (torch.bfloat16,)  # storage dtypes decode may compute in directly (per-phase choice)
 
 
