@@ -1,6 +1,6 @@
 """A decode step's new token written into a quantized block by one compiled call (compress/fused_quant_kernels.py's
-step_put, numba): the free slot, both rotations, the keys per channel with their outliers, the values' groups, both exact
-rings, and the slot's position and score. kv/cache.py's KVBlock.append asks here first; where the call does not
+step_put, numba): the free slot, both rotations, the keys per channel with their outliers, the values' groups, both
+exact rings, and the slot's position and score. kv/cache.py's KVBlock.append asks here first; where the call does not
 apply (`parts` is None) the block's forms write themselves as before (compress/fused_write.py's separate kernels,
 or the torch code). What it stores equals the separate kernels' bit for bit (the same per-token bodies).
 
