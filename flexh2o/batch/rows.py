@@ -9,7 +9,7 @@ import torch
 
 from flexh2o.batch.stop_scan import StopScan
 from flexh2o.batch.stopping import StopRule
-from flexh2o.sampling import Sampler
+from flexh2o.sampling import Sampler, greedy
 
 
 class PerRowSampler:
@@ -32,14 +32,14 @@ class PerRowSampler:
 
     def __call__(self, logits: torch.Tensor, step: int = 0, rows: Optional[slice] = None) -> torch.Tensor:
         rows = rows if rows is not None else slice(0, logits.shape[0])
-        out = logits.argmax(-1)  # (b,): every row's greedy token (rows without a live request only pad the batch)
-        greedy, finite = out.tolist(), torch.isfinite(logits).all(-1).tolist()  # one host read each per batch
+        out = greedy(logits)  # (b,): every row's greedy token, as Sampler's (rows without a live request only pad)
+        chosen, finite = out.tolist(), torch.isfinite(logits).all(-1).tolist()  # one host read each per batch
         for i, row in enumerate(range(rows.start, rows.stop)):
             if self.request(row) is None:
                 continue
             sampler = self.samplers[row]
             if sampler.temperature == 0 and finite[i]:  # what sampler(logits[i:i + 1]) returns, without the call
-                self._took(row, greedy[i])
+                self._took(row, chosen[i])
             else:
                 out[i] = self._next(row, logits[i:i + 1])
         return out
