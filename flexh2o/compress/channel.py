@@ -107,6 +107,13 @@ class ChannelKeys(CacheForm):
     def tensors(self) -> dict:
         return {"data": self.data, "index": self.index, "exact": self.exact, "calib": self.calib}
 
+    def step_parts(self):
+        """CacheForm.step_parts: evenly spaced levels with fp32 outliers and scales, on the CPU."""
+        ok = (not self.spec.fitted and not self.spec.fp8 and self.exact.dtype == torch.float32
+              and self.calib.dtype == torch.float32 and self.index.dtype in (torch.uint8, torch.int16)
+              and all(t.device.type == "cpu" for t in (self.data, self.index, self.exact, self.calib)))
+        return (self, "channel", False, None) if ok else None
+
     def map(self, fn: Callable) -> "ChannelKeys":
         """fn applied to every part (indexing of rows or heads, .to(device))."""
         return ChannelKeys(fn(self.data), fn(self.index), fn(self.exact), fn(self.calib), self.spec)

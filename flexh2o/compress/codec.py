@@ -160,6 +160,12 @@ class CompressedTensor(CacheForm):
         return self.data.dim() == 5 and self.spec.dim(4) == 3 and self.data.shape[3] * self.spec.group_size == \
             self.length
 
+    def step_parts(self):
+        """CacheForm.step_parts: whole groups along head_dim with fp32 scales and minimums, on the CPU."""
+        ok = self.whole_groups() and self.meta.dtype == torch.float32 and self.data.device.type == "cpu" \
+            and self.meta.device.type == "cpu"
+        return (self, "group", False, None) if ok else None
+
     def logits(self, q: torch.Tensor, read) -> torch.Tensor:
         return read.group_logits(q, self) if self.whole_groups() else super().logits(q, read)
 

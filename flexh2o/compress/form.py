@@ -68,6 +68,12 @@ class CacheForm:
         none or it does not run (the caller assigns)."""
         return False
 
+    def step_parts(self):
+        """What compress/fused_step.py's one-call write of a decode step takes of this form: (its levels form,
+        "channel" or "group", whether rotated, its exact ring's (rslot, entries, window, sinks) or None), decided by
+        the form's own scheme; None where the call does not take it (the form writes itself)."""
+        return None
+
     def calibrate(self, k: torch.Tensor, valid: torch.Tensor) -> None:
         """Prefill, before any token is written: scales from the prompt's tokens k (b, h, t, d) marked in valid."""
 

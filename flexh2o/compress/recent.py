@@ -112,6 +112,13 @@ class Recent(CacheForm):
     def tensors(self) -> dict:
         return {**self.inner.tensors(), **self.ring_tensors()}
 
+    def step_parts(self):
+        """CacheForm.step_parts: the inner form's with this ring, where its entries are fp32 (not 8-bit)."""
+        inner = self.inner.step_parts()
+        exact = isinstance(self.recent, torch.Tensor) and self.recent.dtype == torch.float32 \
+            and self.rslot.dtype == torch.int32 and self.recent.device.type == "cpu"
+        return (*inner[:3], (self.rslot, self.recent, self.window, self.sinks)) if inner and exact else None
+
     def ring_tensors(self) -> dict:
         """The ring's parts (name -> tensor): recent and rslot, and rmeta with 8-bit entries."""
         entries = as_form(self.recent).tensors()

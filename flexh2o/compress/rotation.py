@@ -121,6 +121,11 @@ class Rotated(CacheForm):
         """fn applied to every part (indexing of rows or heads, .to(device))."""
         return Rotated(self.inner.map(fn))
 
+    def step_parts(self):
+        """CacheForm.step_parts: the inner form's, rotated."""
+        inner = self.inner.step_parts()
+        return None if inner is None else (inner[0], inner[1], True, inner[3])
+
     def front(self, n: int) -> "Rotated":
         """The first n slots."""
         return Rotated(self.inner.front(n))

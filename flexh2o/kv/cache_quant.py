@@ -10,6 +10,7 @@ the flags); the specs the fields make come from compress/ when asked for. kv/lay
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
@@ -114,6 +115,7 @@ class CacheQuant:
             return self.value_spec
         return ChannelSpec(self.bits, self.outliers, self.keys == "fitted", self.exact_bits == 8)
 
+    @functools.lru_cache(maxsize=64)  # made once a scheme and block shape: a block is assembled at every load
     def form_spec(self, field: str, slots: int, head_dim: int):
         """The scheme spec (compress/form.py) of K ("k") or V ("v") in a block of `slots` slots: keys per channel or
         per token, values per token; rotated with `rotate`; with its ring of the newest `recent` and first `sinks`
