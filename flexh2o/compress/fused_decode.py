@@ -60,6 +60,13 @@ def _rotation(d: int) -> tuple:
     return h.contiguous().numpy(), h.T.contiguous().numpy()
 
 
+@functools.lru_cache(maxsize=8)
+def _orders(d: int, kbits: int, size: int, vbits: int) -> tuple:
+    """(the keys' phase order of d channels at kbits, a value group's channel order of `size` at vbits) as int64
+    numpy arrays, made once (read only)."""
+    return fused_attend.phase_order(d, kbits).numpy(), fused_attend.channel_order(size, vbits).numpy()
+
+
 def _ring(ring, like: torch.Tensor) -> tuple:
     """The ring's entries (b, h, E, d) fp32 in the model's basis and their slots (b, h, E) int32 (E = 0: none)."""
     if ring is None:
@@ -72,6 +79,24 @@ def attend(kn, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: 
     """q (b, h, g, d) in the compute dtype, model basis; keys, values: a segment's cut forms (`fits`), their slot
     count `used`; pos (b, h, >= used) -> (out (b, h, g, d) in q's dtype, model basis; the probabilities summed over
     g (b, h, used) fp32 when `want`, else None)."""
+    args, psum, out = _read_args(q, keys, values, pos, softcap, want)
+    fused_attend._threads(kn)
+    kn.attend(*args)
+    return out.to(q.dtype), (psum if want else None)
+
+
+def step_attend(kn, write: tuple, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
+    """A decode step's write and `attend` in one call (the kernel's step_attend): write, compress/fused_step.py's
+    write_args of the block's new token (the block's parts whole); the rest as attend's, the parts cut to the slots
+    read (they must hold the slots written). -> attend's (out, probabilities summed or None)."""
+    args, psum, out = _read_args(q, keys, values, pos, softcap, want)
+    fused_attend._threads(kn)
+    kn.step_attend(*write, *args)
+    return out.to(q.dtype), (psum if want else None)
+
+
+def _read_args(q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
+    """(the kernel's arguments of attend, the summed probabilities' and the output's tensors)."""
     (k, rot, kring), (v, _, vring) = _parts(keys), _parts(values)
     b, h, g, d = q.shape
     used, size = k.data.shape[2], v.spec.group_size
@@ -80,13 +105,11 @@ def attend(kn, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: 
     rv, sv = _ring(vring, q)
     psum = torch.empty(b, h, used) if want else torch.empty(1, 1, used)
     out = torch.empty(b, h, g, d)
-    fused_attend._threads(kn)
-    kn.attend(q.float().contiguous().numpy(), hm, ht, rot, fused_attend.phase_order(d, k.spec.bits).numpy(),
-              *fused_attend._flat(k.data), k.index.numpy(), k.exact_values().numpy(), k.calib.float().numpy(),
-              k.spec.bits, fused_attend.channel_order(size, v.spec.bits).numpy(), *fused_attend._flat(v.data),
-              v.meta.float().numpy(), v.spec.bits, pos.numpy(), rk.numpy(), sk.numpy(), rv.numpy(), sv.numpy(),
-              d ** -0.5, float(softcap or 0.0), want, psum.numpy(), out.numpy())
-    return out.to(q.dtype), (psum if want else None)
+    kph, vorder = _orders(d, k.spec.bits, size, v.spec.bits)
+    return (q.float().contiguous().numpy(), hm, ht, rot, kph, *fused_attend._flat(k.data), k.index.numpy(),
+            k.exact_values().numpy(), k.calib.float().numpy(), k.spec.bits, vorder, *fused_attend._flat(v.data),
+            v.meta.float().numpy(), v.spec.bits, pos.numpy(), rk.numpy(), sk.numpy(), rv.numpy(), sv.numpy(),
+            d ** -0.5, float(softcap or 0.0), want, psum.numpy(), out.numpy()), psum, out
 
 
 def _check(kn) -> None:

@@ -235,6 +235,31 @@ def _ring_one(rslot, recent, s, p, window, sinks, x):
         recent[en, :] = x
 
 
+@numba.njit(**OPTS)
+def put_pair(bi, hi, k, v, cur, in_order, hk, rotk, hv, rotv, pos, score, kdata, kidx, kexact, calib, kbits, vdata,
+             vmeta, vbits, krs, krec, kwin, ksink, vrs, vrec, vwin, vsink, x, q, err, top_err, qv) -> int:
+    """_step_put's write of row bi, head hi (x, q, err: (d,), top_err: (outliers,), qv: (group size,) scratch) ->
+    the slot written. Compiled apart (not inlined), so a caller compiled with fastmath
+    (compress/fused_decode_kernels.py's step_attend) runs these very operations, bit for bit."""
+    p = cur[bi]
+    s = _free_slot(pos[bi, hi], p, in_order)
+    if rotk:
+        rotate_token(k[bi, hi], hk, x)
+    else:
+        x[:] = k[bi, hi]
+    key_token(x, calib[bi, hi], kbits, q, err, top_err, kdata[bi, hi, s], kidx[bi, hi, s], kexact[bi, hi, s])
+    _ring_one(krs[bi, hi], krec[bi, hi], s, p, kwin, ksink, k[bi, hi])
+    if rotv:
+        rotate_token(v[bi, hi], hv, x)
+    else:
+        x[:] = v[bi, hi]
+    group_token32(x, vbits, qv, vdata[bi, hi, s], vmeta[bi, hi, s])
+    _ring_one(vrs[bi, hi], vrec[bi, hi], s, p, vwin, vsink, v[bi, hi])
+    pos[bi, hi, s] = p
+    score[bi, hi, s] = np.float32(0.0)
+    return s
+
+
 def _step_put(k, v, cur, in_order, hk, rotk, hv, rotv, pos, score, slot, kdata, kidx, kexact, calib, kbits,
               vdata, vmeta, vbits, krs, krec, kwin, ksink, vrs, vrec, vwin, vsink):
     """k, v (b, h, d) fp32 in the model's basis, cur (b,) positions -> slot (b, h) the slots written; keys' parts
@@ -246,30 +271,17 @@ def _step_put(k, v, cur, in_order, hk, rotk, hv, rotv, pos, score, slot, kdata, 
     qv = np.empty(d // vmeta.shape[3], np.float32)
     for r in range(b * h):
         bi, hi = r // h, r % h
-        p = cur[bi]
-        s = _free_slot(pos[bi, hi], p, in_order)
-        slot[bi, hi] = s
-        if rotk:
-            rotate_token(k[bi, hi], hk, x)
-        else:
-            x[:] = k[bi, hi]
-        key_token(x, calib[bi, hi], kbits, q, err, top_err, kdata[bi, hi, s], kidx[bi, hi, s], kexact[bi, hi, s])
-        _ring_one(krs[bi, hi], krec[bi, hi], s, p, kwin, ksink, k[bi, hi])
-        if rotv:
-            rotate_token(v[bi, hi], hv, x)
-        else:
-            x[:] = v[bi, hi]
-        group_token32(x, vbits, qv, vdata[bi, hi, s], vmeta[bi, hi, s])
-        _ring_one(vrs[bi, hi], vrec[bi, hi], s, p, vwin, vsink, v[bi, hi])
-        pos[bi, hi, s] = p
-        score[bi, hi, s] = np.float32(0.0)
+        slot[bi, hi] = put_pair(bi, hi, k, v, cur, in_order, hk, rotk, hv, rotv, pos, score, kdata, kidx, kexact,
+                                calib, kbits, vdata, vmeta, vbits, krs, krec, kwin, ksink, vrs, vrec, vwin, vsink,
+                                x, q, err, top_err, qv)
 
 
 X3, F2, A4F = "float32[:, :, ::1]", "float32[:, ::1]", "float32[:, :, :, :]"
-STEP = [f"void({X3}, {X3}, int64[::1], boolean, {F2}, boolean, {F2}, boolean, int64[:, :, :], float32[:, :, :], "
-        f"int64[:, ::1], uint8[:, :, :, :], {ix}[:, :, :, :], {A4F}, {A4F}, int64, uint8[:, :, :, :, :], "
-        f"float32[:, :, :, :, :], int64, int32[:, :, :], {A4F}, int64, int64, int32[:, :, :], {A4F}, int64, int64)"
-        for ix in ("uint8", "int16")]
+STEP_ARGS = {ix: f"{X3}, {X3}, int64[::1], boolean, {F2}, boolean, {F2}, boolean, int64[:, :, :], float32[:, :, :], "
+                 f"int64[:, ::1], uint8[:, :, :, :], {ix}[:, :, :, :], {A4F}, {A4F}, int64, uint8[:, :, :, :, :], "
+                 f"float32[:, :, :, :, :], int64, int32[:, :, :], {A4F}, int64, int64, int32[:, :, :], {A4F}, int64, "
+                 f"int64" for ix in ("uint8", "int16")}  # step_put's (fused_decode_kernels.py's step_attend's too)
+STEP = [f"void({STEP_ARGS[ix]})" for ix in ("uint8", "int16")]
 step_put = numba.njit(STEP, **OPTS)(_step_put)  # a decode step's: on the calling thread (its misses, not its
 # arithmetic, bound it; over numba's threads it measured no faster on 2 busy cores)
 rotate_rows = numba.njit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])", **OPTS)(_rotate_rows)

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from flexh2o.compress import fused_attend, fused_decode
+from flexh2o.compress import fused_attend, fused_decode, fused_step
 from flexh2o.compress.form import Plain, as_form
 from flexh2o.compress.rotation import rotated_if, unrotated_if
 from flexh2o.kv.cache import KVBlock, row_extents
@@ -57,8 +57,11 @@ class DecodePath:
         q, k, v, cur_pos = moved(q, dev), moved(k, dev), moved(v, dev), moved(cur_pos, dev)
         b, n, _, d = q.shape
         step = self.step_rows(cur_pos, at)
-        append(blk, k, v, cur_pos, step)
         qg = q.view(b, blk.pos.shape[1], n // blk.pos.shape[1], d)
+        out = self._in_one_call(qg, k, v, cur_pos, blk, policy, layer, step)
+        if out is not None:  # written and read in one call
+            return moved(out.reshape(b, n, 1, d), home)
+        append(blk, k, v, cur_pos, step)
         extents = step.extents if step is not None else row_extents(blk.pos)  # per row, up to its last used slot
         segments = (step.made(("segments", b, blk.pos.shape[-1], str(dev)), lambda: decode_segments(blk.pos, extents))
                     if step is not None else decode_segments(blk.pos, extents))
@@ -71,6 +74,30 @@ class DecodePath:
                else _scored(qg, front, policy, segments, self.softcap, self.read or fused_attend.PLAIN))
         self.evict(blk, front, policy, layer, cur_pos, extents)
         return moved(out.reshape(b, n, 1, d), home)
+
+    def _in_one_call(self, qg, k, v, cur_pos, blk: KVBlock, policy: KVPolicy, layer: int,
+                     step: Optional[StepRows]) -> Optional[torch.Tensor]:
+        """A quantized block whose rows hold their tokens in order: the new token written and the attention read in
+        one compiled call (compress/fused_decode.py's step_attend: each (row, head) pair's write, then its read, on
+        one thread of the pool) where both one-call kernels take the block and one segment reads every row; the
+        policy's scores and eviction as after _scored. -> qg's output, or None (nothing written)."""
+        if self.read is None or self.read.kernels is None or step is None or fused_decode.kernel() is None:
+            return None
+        segments = step.made(("segments", qg.shape[0], blk.pos.shape[-1], str(blk.pos.device)),
+                             lambda: decode_segments(blk.pos, step.extents))  # from the extents: the rows in order
+        wk = fused_step.kernel()
+        found = fused_step.parts(blk.k, blk.v, blk.pos, blk.score) if wk is not None and len(segments) == 1 else None
+        keys, values = (as_form(x).front(segments[0][2]) for x in (blk.k, blk.v))
+        if found is None or not fused_decode.fits(keys, values, qg):
+            return None
+        write, blk.written = fused_step.write_args(found, blk.pos, blk.score, k[:, :, 0], v[:, :, 0], cur_pos, True)
+        front = blk.front(segments[0][2])
+        out, att_sum = fused_decode.step_attend(fused_decode.kernel(), write, qg, keys, values, front.pos, self.softcap,
+                                                policy.needs_scores)
+        if policy.needs_scores:
+            policy.accumulate(front.score, att_sum)
+        self.evict(blk, front, policy, layer, cur_pos, step.extents)
+        return out
 
     def step_rows(self, cur_pos: torch.Tensor, at: Optional[StepRows]) -> Optional[StepRows]:
         """The step's rows when they hold their tokens in order (`at`, or made here on the CPU), else None."""
