@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flexh2o.kv import one_query_native
 from flexh2o.storage.freed_memory import MAPPED_FROM
 from flexh2o.tensors import native_products
 
@@ -39,7 +40,15 @@ def one_query(q, k, v) -> torch.Tensor:
     of a cache block are copied here instead, as they are, a heap block of rows (CPU_WORKSPACE) at a time. torch's
     fused CPU kernel against it, 12 heads, AVX-512 Zen 4: fp32, 64 rows, 1.8 / 0.87 ms at 40 cached tokens,
     6.6 / 5.1 ms at 288 (2026-12-06); bf16, 128 rows of a block's slices, 8.9 / 3.6 ms at 40 (the whole slices to
-    the product: 14.1 ms), 45.9 / 21.6 ms at 288 (2026-12-07, shared machine)."""
+    the product: 14.1 ms), 45.9 / 21.6 ms at 288 (2026-12-07, shared machine). Where kv/one_query_native.py's C
+    code runs (AVX-512), it reads the slices in place instead, one pass a (row, head) pair, in this arithmetic."""
+    if one_query_native.takes(q, k, v):
+        return one_query_native.attend(q, k, v)
+    return by_matmuls(q, k, v)
+
+
+def by_matmuls(q, k, v) -> torch.Tensor:
+    """one_query by two batched matmuls (_one_query), a 16-bit block's strided slices copied in row chunks."""
     if k.element_size() == 4 or (k.is_contiguous() and v.is_contiguous()):
         return _one_query(q, k, v)
     rows = max(1, CPU_WORKSPACE // (k[0].numel() * k.element_size()))  # rows of keys copied into a heap block

@@ -1,6 +1,7 @@
 """A decode step's one-query attention in bf16 (kv/sdpa.sdpa): by two matmuls where the CPU multiplies bf16
-natively, over a cache block's strided slices in heap-sized row chunks, else torch's fused kernel; both within the
-bound bf16's roundings allow of the exact attention."""
+natively, over a cache block's strided slices in heap-sized row chunks (or kv/one_query_native.py's C code reading
+them in place, where it runs), else torch's fused kernel; all within the bound bf16's roundings allow of the exact
+attention."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,8 @@ def test_bf16_one_query_within_its_rounding(monkeypatch, rows):
     if rows is not None:  # chunks of 2 rows (2, 2, 1): every chunk's slices copied as they are
         monkeypatch.setattr(attn, "CPU_WORKSPACE", rows * k[0].numel() * k.element_size())
     exact, bound = _bound(q, k, v)
-    for got in (attn.one_query(q, k, v), attn.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v)):
+    for got in (attn.one_query(q, k, v), attn.by_matmuls(q, k, v), attn.sdpa(q, k, v),
+                F.scaled_dot_product_attention(q, k, v)):
         assert got.shape == q.shape and got.dtype == torch.bfloat16
         assert ((got.double() - exact).abs() <= bound).all()
 
