@@ -54,8 +54,7 @@ class Sequences:
 
     def emit(self, step: int, batch: int, logits: torch.Tensor, sampler) -> None:
         """Record a batch's logits (b, vocab) of `step` and the token the sampler picks from them."""
-        logits = logits.float().cpu()
-        self.last_logits[batch] = logits
+        logits = self.last_logits[batch].copy_(logits)  # (b, vocab) fp32 on the CPU: converted into held memory
         if self.step_logits is not None:
             self.step_logits[step][batch] = logits
         b = self.tokens.shape[1]

@@ -117,7 +117,7 @@ def self_attention(cfg: ModelConfig, w: dict, i: int, q, k, v, positions: torch.
 def head(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     x = rms(x, w[P + "norm.weight"], cfg.norm_eps)
     out = w[P + "embed_tokens.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
-    return head_linear(x, out).float()  # (b, t, vocab)
+    return head_linear(x, out)  # (b, t, vocab) in the compute dtype, as OPT's head
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
