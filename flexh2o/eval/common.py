@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from flexh2o.compress import CompressionSpec
-from flexh2o.config import ModelConfig, load_converted_config
+from flexh2o.config import ModelConfig
 from flexh2o.eval.choices import EVICTING, TEXTS
 from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.kv.layout import CacheLayout, CacheQuant
@@ -96,10 +96,10 @@ def load_model(model: str, dtype: str = "bfloat16", tokenizer: Optional[str] = N
     src = resolve(model, cache_dir or models_dir(), tokenizer, "--model", keep_blocks=keep_blocks)
     if src.tokenizer is None:
         raise ValueError(f"--model {model}: no tokenizer found beside it: pass --tokenizer")
-    from flexh2o.weights.index import checkpoint_dtype
-    torch_dtype = checkpoint_dtype(src.path) if dtype == "auto" else parse_dtype(dtype)
-    return EvalModel(src.path, load_converted_config(src.path), load_tokenizer(src.tokenizer), torch_dtype,
-                     seed=seed)
+    from flexh2o.weights.format import CheckpointReader
+    ckpt = CheckpointReader(src.path)  # opened and validated as a run opens it (run_config.opened)
+    torch_dtype = ckpt.stored_dtype() if dtype == "auto" else parse_dtype(dtype)  # auto: as flexh2o-run's
+    return EvalModel(src.path, ckpt.config, load_tokenizer(src.tokenizer), torch_dtype, seed=seed)
 
 
 def load_text(name: str) -> str:

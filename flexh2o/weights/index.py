@@ -42,12 +42,6 @@ def read_index(index: str) -> dict:
     return d
 
 
-def checkpoint_dtype(path: str) -> torch.dtype:
-    """The dtype a converted checkpoint folder stores its tensors in (those not kept in blocks): index.json's."""
-    d = read_json(os.path.join(path, INDEX_FILE), FIX)
-    return index_dtype(d.get("dtype") if isinstance(d, dict) else None, os.path.join(path, INDEX_FILE))
-
-
 def index_dtype(name, index: str) -> torch.dtype:
     """The torch dtype of index.json's "dtype" `name`; ValueError naming `index` where it names none."""
     if name not in DTYPES:

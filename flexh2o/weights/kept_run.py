@@ -15,12 +15,6 @@ from flexh2o.models import layer_specs
 from flexh2o.weights.format import CheckpointReader
 
 
-def with_checkpoint(spec: Optional[CompressionSpec], path: str) -> Optional[CompressionSpec]:
-    """A run's weight compression: --compress-weight's `spec` (or None) joined with the blocks the converted
-    checkpoint at `path` keeps (`with_kept_blocks`); `spec` itself for dummy weights."""
-    return spec if path == "_DUMMY_" else with_kept_blocks(spec, CheckpointReader(path))
-
-
 def with_kept_blocks(spec: Optional[CompressionSpec], reader: CheckpointReader) -> Optional[CompressionSpec]:
     """`spec` joined with the blocks the opened checkpoint `reader` keeps (compress/kept.py), an 8-bit head stored
     plain; `spec` itself for a checkpoint without blocks."""

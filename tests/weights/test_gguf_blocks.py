@@ -15,12 +15,11 @@ from flexh2o.compress.codec import CompressedTensor, CompressionSpec, dequantize
 from flexh2o.compress.kept import KeptBlocks, with_kept
 from flexh2o.engine import Engine
 from flexh2o.placement import Percent
-from flexh2o.run_config import RunConfig
+from flexh2o.run_config import RunConfig, opened_with_kept
 from flexh2o.sampling import TeacherForcer
 from flexh2o.weights import blocks
 from flexh2o.weights.convert import convert
 from flexh2o.weights.format import CheckpointReader
-from flexh2o.weights.kept_run import with_checkpoint
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -118,15 +117,15 @@ def test_run_spec_and_plan_bytes(tiny):
     tensors plain without --compress-weight; the plan counts the checkpoint's bytes, but for the 8-bit head (the
     tied Q8_0 embedding here), stored plain in fp32 (weights/kept_run.py; this test expected its blocks before)."""
     reader = CheckpointReader(tiny["kept"])
-    run = with_checkpoint(None, tiny["kept"])
+    run = opened_with_kept(tiny["kept"], None, None)[1]  # as flexh2o-run and the eval open a run's checkpoint
     assert isinstance(run, KeptBlocks) and not run.others
-    flags = with_checkpoint(CompressionSpec(4, 64, 1), tiny["kept"])
+    flags = opened_with_kept(tiny["kept"], None, CompressionSpec(4, 64, 1))[1]
     head = "model.embed_tokens.weight"
     for name in reader.names():
         shape = reader.shape(name)
         want = None if name == head else reader.kept().get(name)
         assert weight_spec(shape, run, name) == weight_spec(shape, flags, name) == want
-    assert with_checkpoint(None, tiny["fp32"]) is None and with_kept(None, {}) is None
+    assert opened_with_kept(tiny["fp32"], None, None)[1] is None and with_kept(None, {}) is None
     rc = _rc(tiny["kept"], "generic")
     homes = rc.placement.weights
     assert sum(homes.bytes_by_tier(rc.dtype, rc.compress_weight).values()) == sum(
@@ -134,10 +133,10 @@ def test_run_spec_and_plan_bytes(tiny):
 
 
 def _rc(path: str, mode: str, prompt_len: int = 24, gen_len: int = 6) -> RunConfig:
-    cfg = CheckpointReader(path).config
-    return RunConfig(model=cfg, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=2, prompt_len=prompt_len,
-                     gen_len=gen_len, dtype=torch.float32, path=path, gpu_mem=2 << 30,
-                     compress_weight=with_checkpoint(None, path), weight_kernel=mode)
+    checkpoint, kept = opened_with_kept(path, None, None)
+    return RunConfig(model=checkpoint.config, percent=Percent(100, 0, 100, 0, 100, 0), gpu_batch_size=2,
+                     prompt_len=prompt_len, gen_len=gen_len, dtype=torch.float32, path=path, gpu_mem=2 << 30,
+                     compress_weight=kept, checkpoint=checkpoint, weight_kernel=mode)
 
 
 def _forced_logits(rc: RunConfig, prompts: list, targets: torch.Tensor) -> tuple:

@@ -20,10 +20,9 @@ from test_families import ATOL, GEN, LENS, PLACES, RTOL, _generate  # noqa: E402
 from test_llama import hf_step_logits  # noqa: E402
 from flexh2o.engine import Engine  # noqa: E402
 from flexh2o.placement import Percent  # noqa: E402
-from flexh2o.run_config import RunConfig  # noqa: E402
+from flexh2o.run_config import RunConfig, opened_with_kept  # noqa: E402
 from flexh2o.sampling import TeacherForcer  # noqa: E402
 from flexh2o.weights.convert import convert  # noqa: E402
-from flexh2o.weights.kept_run import with_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,14 +77,14 @@ def test_gguf_kept_blocks_equal_expanded(case, prompts, tmp_path):
     targets = torch.randint(3, 1000, (len(prompts), GEN), generator=torch.Generator().manual_seed(5))
     runs = {}
     for form in ("kept", "fp32"):
-        path = str(tmp_path / form)
+        checkpoint, kept = opened_with_kept(str(tmp_path / form), None, None)  # as flexh2o-run opens it
         rc = RunConfig(model=cfg, percent=Percent.parse(PLACES["memory"]), gpu_batch_size=2, prompt_len=max(LENS),
-                       gen_len=GEN, dtype=torch.float32, path=path, offload_dir=str(tmp_path),
-                       compress_weight=with_checkpoint(None, path), weight_kernel="generic")
+                       gen_len=GEN, dtype=torch.float32, path=checkpoint.path, offload_dir=str(tmp_path),
+                       compress_weight=kept, checkpoint=checkpoint, weight_kernel="generic")
         with Engine(rc) as eng:
             gen = eng.generate(prompts, GEN, sampler=TeacherForcer(targets), record_logits=True)
             runs[form] = torch.stack(gen.step_logits, 1)
-    assert rc.compress_weight is None and with_checkpoint(None, str(tmp_path / "kept")) is not None
+    assert rc.compress_weight is None and opened_with_kept(str(tmp_path / "kept"), None, None)[1] is not None
     torch.testing.assert_close(runs["kept"], runs["fp32"], atol=1e-4, rtol=1e-4)
 
 
