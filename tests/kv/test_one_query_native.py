@@ -69,3 +69,16 @@ def test_takes_refuses_what_the_c_code_does_not_read():
     assert not native.takes(q, k, v)
     q, k, v = _case(torch.float32)
     assert not native.takes(q, k.transpose(-1, -2), v)  # the head dimension not contiguous
+
+
+def test_without_the_library_one_query_runs_the_matmuls(monkeypatch):
+    """No C compiler (or a library that does not load): `available` is False and kv/sdpa keeps its matmuls."""
+    monkeypatch.setattr(native, "_library", lambda: None)
+    native.available.cache_clear()
+    try:
+        q, k, v = _case(torch.bfloat16)
+        assert not native.takes(q, k, v)
+        assert torch.equal(attn.one_query(q, k, v), attn.by_matmuls(q, k, v))
+    finally:
+        monkeypatch.undo()
+        native.available.cache_clear()
