@@ -120,11 +120,12 @@ class PackedWeight:
 
     @staticmethod
     def from_stored(ct: CompressedTensor, dtype: torch.dtype = torch.float32, kernel: bool = True,
-                    scales: Optional[torch.Tensor] = None) -> "PackedWeight":
+                    scales: Optional[torch.Tensor] = None, lazy: bool = False) -> "PackedWeight":
         """From a kernel-order CompressedTensor (meta (N, groups, 2): scale, minimum). scales: the kernel's scales
         and zeros of this weight already built (`kernel_scales`: a weight store keeps them for weights it holds on
-        the compute side, weights/forms.py), else built here where the kernel runs."""
-        if scales is None and kernel:
+        the compute side, weights/forms.py), else built here where the kernel runs, or (lazy) at the first product
+        torch's kernel runs (`linear`: none where compress/int4_rows.py's product is the one chosen)."""
+        if scales is None and kernel and not lazy:
             scales = kernel_scales(ct.meta)
         return PackedWeight(ct.data, scales if kernel else None, ct.meta, ct.spec, dtype, kernel)
 
@@ -133,7 +134,10 @@ class PackedWeight:
         return self.spec.group_size
 
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta) if x is not None)
+        """Bytes it holds, with the kernel's scales and zeros where the kernel may still build them (`linear`)."""
+        held = sum(x.numel() * x.element_size() for x in (self.packed, self.scales_zeros, self.meta) if x is not None)
+        later = self.kernel and self.scales_zeros is None
+        return held + (scales_bytes((self.meta.shape[0], self.packed.shape[1] * 2), self.spec) if later else 0)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (..., K) -> x @ W.T + bias (..., N) in x's dtype, through the kernel (bf16 activations; at the rows where
@@ -144,6 +148,8 @@ class PackedWeight:
         if int4_rows.chosen(x, self.packed, self.group_size):  # measured faster here (compress/int4_rows.py)
             y = int4_rows.product(x, self.packed, self.meta, self.group_size).to(x.dtype)
         else:
+            if self.scales_zeros is None:  # from_stored's lazy: built for the kernel's first product
+                self.scales_zeros = kernel_scales(self.meta)
             y = int4_linear(x, self.packed, self.group_size, self.scales_zeros).to(x.dtype)
         return y if bias is None else y.add_(bias)
 

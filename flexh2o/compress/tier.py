@@ -120,11 +120,11 @@ class KernelOrderTier(CompressedTier):
         return CompressedTensor(ct.data.view(handle.shape[0], -1), ct.meta, ct.length, ct.spec)
 
     def pack(self, ct: CompressedTensor, dtype: torch.dtype, kernel: bool = True,
-             scales: Optional[torch.Tensor] = None) -> PackedWeight:
+             scales: Optional[torch.Tensor] = None, lazy: bool = False) -> PackedWeight:
         """A tensor loaded by load_compressed in the kernel's form (scales and zeros derived from scale, minimum,
-        unless kept ones are given), its results in `dtype`; multiplied by the kernel, or (kernel False) expanded a
-        few row blocks at a time."""
-        return PackedWeight.from_stored(ct, dtype, kernel, scales)
+        unless kept ones are given; lazy: at the kernel's first product, PackedWeight.from_stored), its results in
+        `dtype`; multiplied by the kernel, or (kernel False) expanded a few row blocks at a time."""
+        return PackedWeight.from_stored(ct, dtype, kernel, scales, lazy)
 
     def expand(self, ct: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(from_kernel_order(ct), dtype)

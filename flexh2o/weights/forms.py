@@ -16,7 +16,7 @@ or expanded from the codec's order) into the compute dtype; large tables may sta
 
 A PackedWeight that runs the kernel needs the kernel's scales and zeros, built from the stored meta at each load
 (about 0.2 ms for a 1536 x 576 weight: a decode step of a memory-resident 4-bit model spent a third of its time
-there). For the weights the compute side uses in place and the kernel multiplies at decode (`kept_scale_names`) the
+there), at its first product by torch's kernel (none where compress/int4_rows.py's product runs instead). For the weights the compute side uses in place and the kernel multiplies at decode (`kept_scale_names`) the
 run keeps them built instead, a quarter of the stored bytes more per weight, wherever the memory plan has room for
 them after everything else (planning/memory_plan.py decides, MemoryPlan.kept_scales).
 """

@@ -160,8 +160,8 @@ class WeightStore:
 
     def _expanded(self, tier, ct, s, dtype: torch.dtype, form: Optional[bool], on_cpu: bool):
         """A compressed weight as the compute side takes it: a PackedWeight (form not None), else expanded."""
-        if form is not None:
-            return tier.pack(ct, dtype, form, self._kept(s.name, ct) if form else None)
+        if form is not None:  # scales not kept: built only where torch's kernel multiplies (not int4_rows' product)
+            return tier.pack(ct, dtype, form, self._kept(s.name, ct) if form else None, lazy=True)
         if on_cpu:
             return tier.expand_into(ct, self.buffers.take(s.shape, dtype))
         return tier.expand(ct, dtype)

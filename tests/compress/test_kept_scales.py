@@ -89,3 +89,28 @@ def test_a_lookup_builds_no_kernel_scales(offload_dir):
         table = tensors["model.decoder.embed_tokens.weight"]
         assert isinstance(table, PackedWeight) and not table.kernel and table.scales_zeros is None
         eng.weights.release(tensors)
+
+
+@pytest.mark.parametrize("torch_kernel", [True, False])
+def test_streamed_weights_build_scales_only_for_torchs_kernel(offload_dir, monkeypatch, torch_kernel):
+    """A 4-bit weight read from disk at each load (no kept scales) builds the kernel's scales at its first product
+    by torch's int4 kernel, none where compress/int4_rows.py's product from the packed bytes runs; the bytes the
+    load charges count them either way (PackedWeight.nbytes), and the product equals that of scales built at once."""
+    from flexh2o.compress import int4_rows
+    rc = _rc(offload_dir, (0, 0, 100, 0))
+    name = "model.decoder.layers.0.fc1.weight"
+    x = torch.randn(3, 1, TINY.hidden, generator=torch.Generator().manual_seed(0))  # (b, 1, h): a decode step
+    with Engine(rc) as eng:
+        tensors, _ = eng.weights.load_layer(1, torch.device("cpu"), torch.float32, "decode")
+        w = tensors[name]
+        ct = eng.weights.tiers[name].load_compressed(eng.weights.handles[name], torch.device("cpu"))
+        eager = PackedWeight.from_stored(ct)  # scales built at once
+        assert w.kernel and w.scales_zeros is None and w.nbytes() == eager.nbytes()
+        monkeypatch.setattr(int4_rows, "chosen", lambda *a: not torch_kernel)
+        got, want = w.linear(x), eager.linear(x)
+        eng.weights.release(tensors)
+    assert torch.equal(got, want) and w.nbytes() == eager.nbytes()
+    if torch_kernel:
+        assert torch.equal(w.scales_zeros, kernel_scales(ct.meta))
+    else:
+        assert w.scales_zeros is None
