@@ -19,7 +19,9 @@ def load(check) -> tuple:
 
     if "NUMBA_THREADING_LAYER" not in os.environ:  # the user's choice stands
         numba.config.THREADING_LAYER = SAFE_LAYER
-    from flexh2o.compress import fused_kernels
+    from flexh2o.compress.kernel_cache import kernel_cache
+    with kernel_cache():  # numba's cache keyed by every kernel file's source (compress/kernel_cache.py)
+        from flexh2o.compress import fused_kernels
 
     _start_threads(numba)
     check(fused_kernels)

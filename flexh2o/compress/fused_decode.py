@@ -46,7 +46,9 @@ def fits(keys, values, q: torch.Tensor) -> bool:
 def kernel():
     """The compiled kernel module, checked once a process on a small block (`_check`); None where it cannot run."""
     try:
-        from flexh2o.compress import fused_decode_kernels
+        from flexh2o.compress.kernel_cache import kernel_cache
+        with kernel_cache():  # numba's cache keyed by every kernel file's source (compress/kernel_cache.py)
+            from flexh2o.compress import fused_decode_kernels
         _check(fused_decode_kernels)
         return fused_decode_kernels
     except Exception:  # no numba, a compile failure or a disagreement: fused_attend.py's reader reads the block

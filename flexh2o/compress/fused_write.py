@@ -37,7 +37,9 @@ def _loaded(mode: str):
         return None
     try:
         fused_check.load(lambda kn: None)  # numba's thread-safe threading layer and passive threads, once
-        from flexh2o.compress import fused_quant_kernels as kn
+        from flexh2o.compress.kernel_cache import kernel_cache
+        with kernel_cache():  # numba's cache keyed by every kernel file's source (compress/kernel_cache.py)
+            from flexh2o.compress import fused_quant_kernels as kn
         _self_check(kn)
         return kn
     except Exception:  # numba missing or broken, a kernel that fails or disagrees: the torch code writes the cache
