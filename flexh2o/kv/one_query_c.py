@@ -58,7 +58,8 @@ static void logits(const float *qf, const char *k, int64_t kt, int64_t T, int64_
     for (int64_t t = 0; t < T; t++) {
         const char *kr = k + t * kt * es;
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i), load16(kr + i * es, dtype), acc);
+        for (int64_t i = 0; i < D; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i), load16(kr + i * es, dtype), acc);
         float s = _mm512_reduce_add_ps(acc);
         if (dtype) { uint32_t u = (uint32_t)round_bf16(s) << 16; memcpy(&s, &u, 4); }
         l[t] = s * scale;

@@ -32,23 +32,24 @@ def sdpa(q, k, v, attn_mask=None, enable_gqa: bool = False) -> torch.Tensor:
 
 
 def one_query(q, k, v) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v as two batched matmuls and a softmax: q (..., 1, d), k/v (..., T, d) ->
-    (..., 1, d); in a 16-bit dtype the logits are the product's (summed in fp32, rounded once to the dtype, as
-    transformers' eager attention has them), scaled and normalised in fp32, the probabilities rounded to the dtype
-    for the value mix. A 16-bit product (ATen hands it to oneDNN, which takes dense batches only) copies strided
-    operands whole, keys transposed, into a fresh mapping past glibc's threshold (storage/freed_memory.py): slices
-    of a cache block are copied here instead, as they are, a heap block of rows (CPU_WORKSPACE) at a time. torch's
-    fused CPU kernel against it, 12 heads, AVX-512 Zen 4: fp32, 64 rows, 1.8 / 0.87 ms at 40 cached tokens,
-    6.6 / 5.1 ms at 288 (2026-12-06); bf16, 128 rows of a block's slices, 8.9 / 3.6 ms at 40 (the whole slices to
-    the product: 14.1 ms), 45.9 / 21.6 ms at 288 (2026-12-07, shared machine). Where kv/one_query_native.py's C
-    code runs (AVX-512), it reads the slices in place instead, one pass a (row, head) pair, in this arithmetic."""
+    """softmax(q k^T / sqrt(d)) v for one query a row and head: q (..., 1, d), k/v (..., T, d) -> (..., 1, d); in a
+    16-bit dtype the logits are the product's (summed in fp32, rounded once to the dtype, as transformers' eager
+    attention has them), scaled and normalised in fp32, the probabilities rounded to the dtype for the value mix.
+    By kv/one_query_native.py's C code where it runs (AVX-512: a block's slices read where they lie, one pass a
+    (row, head) pair), else `by_matmuls`. 128 rows x 12 heads x 40 cached tokens, 2 threads, AVX-512 Zen 4,
+    by_matmuls / the C code: bf16 0.99 / 0.38 ms, fp32 0.97 / 0.56 ms (2026-12-07, shared machine)."""
     if one_query_native.takes(q, k, v):
         return one_query_native.attend(q, k, v)
     return by_matmuls(q, k, v)
 
 
 def by_matmuls(q, k, v) -> torch.Tensor:
-    """one_query by two batched matmuls (_one_query), a 16-bit block's strided slices copied in row chunks."""
+    """one_query as two batched matmuls and a softmax. A 16-bit product (ATen hands it to oneDNN, which takes dense
+    batches only) copies strided operands whole, keys transposed, into a fresh mapping past glibc's threshold
+    (storage/freed_memory.py): slices of a cache block are copied here instead, as they are, a heap block of rows
+    (CPU_WORKSPACE) at a time. torch's fused CPU kernel against it, 12 heads, AVX-512 Zen 4: fp32, 64 rows, 1.8 /
+    0.87 ms at 40 cached tokens, 6.6 / 5.1 ms at 288 (2026-12-06); bf16, 128 rows of a block's slices, 8.9 / 3.6 ms
+    at 40 (the whole slices to the product: 14.1 ms), 45.9 / 21.6 ms at 288 (2026-12-07, shared machine)."""
     if k.element_size() == 4 or (k.is_contiguous() and v.is_contiguous()):
         return _one_query(q, k, v)
     rows = max(1, CPU_WORKSPACE // (k[0].numel() * k.element_size()))  # rows of keys copied into a heap block
