@@ -5,7 +5,8 @@ LayerCompute makes one per decoder layer): whether the rows hold their tokens in
 the free slot and extents come from the positions, not searched), whether probabilities are materialised (the
 policy scores tokens, logits are soft-capped or the block is quantized) and which reader takes a quantized block's
 levels (compress/fused_attend.py's, chosen once a process; where the fused reader runs, the default scheme's block
-is read in one compiled call, compress/fused_decode.py).
+is read in one compiled call, compress/fused_decode.py; where its rows are in order too, the append is in that call:
+`DecodePath._in_one_call`).
 
 Attention runs on the block's device, each segment of rows over the slots its rows use (kv/segments.py: empty slots
 past the last used one are skipped, not just masked, unless one masked call over every row reads little more); the
