@@ -66,6 +66,14 @@ def reader() -> Reader:
     return chosen(os.environ.get(ENV, "auto"))
 
 
+def expected() -> bool:
+    """Whether this process's decode is expected to read CPU blocks fused, asked without compiling anything (the cost
+    model's question): FLEXH2O_CACHE_KERNEL not torch and numba importable. `reader` may still fall back (a kernel
+    that disagrees), and says why when it does."""
+    import importlib.util
+    return os.environ.get(ENV, "auto") != "torch" and importlib.util.find_spec("numba") is not None
+
+
 @functools.lru_cache(maxsize=4)
 def chosen(mode: str) -> Reader:
     """The reader for `mode` (MODES); ValueError for another mode, or for fused where the kernels cannot run."""

@@ -11,7 +11,8 @@ from flexh2o.planning.memory_plan import MemoryPlan, plan_memory
 from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import Rates
 from flexh2o.tuning.kernel_cost import kernel_forms
-from flexh2o.tuning.step_cost import OPS, StepCost, contended
+from flexh2o.tuning.overlap import contended
+from flexh2o.tuning.step_cost import OPS, StepCost
 from flexh2o.weights.forms import WeightForms
 
 __all__ = ["OPS", "Prediction", "contended", "predict", "predict_with"]

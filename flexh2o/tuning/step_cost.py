@@ -22,11 +22,13 @@ from typing import Optional
 
 import torch
 
+from flexh2o.compress import fused_attend
 from flexh2o.compress.kernels import row_block
 from flexh2o.kv.layout import CacheLayout
 from flexh2o.planning.weight_layout import layout_of
 from flexh2o.run_config import RunConfig
 from flexh2o.tuning.hardware import GRAIN, Rates
+from flexh2o.tuning.overlap import contended
 from flexh2o.tuning.kernel_cost import EXPAND_PASSES
 from flexh2o.units import padded
 from flexh2o.weights.forms import WeightForms
@@ -98,6 +100,8 @@ class StepCost:
         self.slots, self.block, self.block_files, self.slot_kv = big.slots, big.nbytes, big.files, big.slot_kv
         self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
+        q = rc.compress_cache  # decode reads a quantized CPU block from its packed bytes where the kernels run
+        self.fused = bool(q) and not self.cuda and getattr(q, "keys", "") != "fitted" and fused_attend.expected()
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
         self.contended = not self.cuda and rc.overlap and r.disk_read_busy is not None
 
@@ -209,9 +213,11 @@ class StepCost:
         big = self.rc.gpu_batch_size * t * self.cfg.hidden >= GRAIN and self.r.parallel_op is not None
         st.add("compute.overhead", ops * (self.r.parallel_op if big else self.r.op_overhead))
 
-    def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool, slots: int) -> None:
+    def attention(self, st: _Terms, n: int, prefill: bool, on_cpu: bool, block: BlockFacts) -> None:
         """Attention of `n` batches. Prefill: all prompt tokens against each other (chunked, unmasked FLOPs);
-        decode: one query against each of the layer's `slots` cache slots, on the cache's side when on_cpu."""
+        decode: one query against each of the layer's block.slots cache slots, on the cache's side when on_cpu; a
+        quantized block read fused (compress/fused_attend.py) is read once from its packed bytes, else its K and V
+        are first cast or expanded to the query's dtype."""
         cfg, r, b = self.cfg, self.r, self.rc.gpu_batch_size
         d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.kv_heads
         if prefill:
@@ -219,12 +225,14 @@ class StepCost:
             sec = 4 * b * heads * s * s * d / r.attention + b * heads * s * s * 4 * 2 * self.passes / self.mem()
             st.add("compute.attention", n * sec)
             return
-        s = slots
+        s = block.slots
         mem = r.cpu_mem if on_cpu else self.mem()
         flops_rate = r.cpu_flops if on_cpu else r.decode_attention
         sec = 4 * b * heads * s * d / flops_rate
         sec += (b * heads * s * 4 * 2 * self.passes + b * kv * s * POLICY_BYTES[self.evicts]) / mem
-        if self.w != self.c or self.rc.compress_cache:  # K and V cast (or expanded) to the query's dtype first
+        if self.fused:
+            sec += block.nbytes / mem
+        elif self.w != self.c or self.rc.compress_cache:  # K and V cast (or expanded) to the query's dtype first
             passes = EXPAND_PASSES if self.rc.compress_cache else 1
             sec += 2 * b * kv * s * d * self.w * passes / (r.gpu_mem if self.cuda and not on_cpu else r.convert)
         st.add("compute.cpu_attention" if on_cpu else "compute.attention", n * sec)
@@ -233,7 +241,7 @@ class StepCost:
         """`n` cache blocks of one layer homed on `tier`: load before, store after (prefill: store the new block)."""
         r, blk, padded = self.r, block.nbytes, block.padded
         on_cpu = self.cuda and tier == "cpu" and self.rc.cpu_cache_compute and not prefill
-        self.attention(st, n, prefill, on_cpu, block.slots)
+        self.attention(st, n, prefill, on_cpu, block)
         if prefill:  # the block is built on the compute device, then copied home
             if tier == "gpu" or (tier == "cpu" and not self.cuda):
                 st.add("compute.cache_copy", n * _div(blk, self.mem(), "mem"))
@@ -289,12 +297,3 @@ class StepCost:
                 busy[k] = busy.get(k, 0.0) + count * v
         return total, terms, max(busy, key=busy.get) if busy else None
 
-
-def contended(disk: float, compute: float, disk_slowdown: float, compute_slowdown: float) -> float:
-    """Seconds for `disk` and `compute` seconds of idle-rate work run side by side on shared cores: while both run,
-    each goes `slowdown` times slower; once one is done the other runs at its idle rate."""
-    # each one's time if the other ran throughout (a profile's noise can put a busy rate above its idle one)
-    d, c = disk * max(1.0, disk_slowdown), compute * max(1.0, compute_slowdown)
-    if c <= d:
-        return c + (1.0 - c / d) * disk
-    return d + (1.0 - d / c) * compute

@@ -116,6 +116,29 @@ def test_cpu_cache_compute_moves_attention_to_the_host():
     assert "h2d.cache" not in kept and kept["compute.cpu_attention"] > 0
 
 
+def test_quantized_cache_read_fused_costs_its_packed_bytes_not_an_expansion(monkeypatch):
+    # decode attention over a 4-bit cache block, memory-resident: expanded (FLEXH2O_CACHE_KERNEL=torch), K and V are
+    # made in fp32 first, 2 * b * kv * slots * head_dim * 4 B * EXPAND_PASSES at convert_bw; read fused from the
+    # packed bytes (compress/fused_attend.py), the block is read once at the memory rate instead
+    pytest.importorskip("numba")
+    from flexh2o.compress.fused_attend import ENV
+    from flexh2o.kv.cache_quant import CacheQuant
+    from flexh2o.kv.layout import CacheLayout
+    from flexh2o.tuning.kernel_cost import EXPAND_PASSES
+    profile = hw(cpu_mem_bw=1e9, gpu_mem_bw=1e9, convert_bw=1e8)
+    rc = toy_rc(compress_cache=CacheQuant())
+    monkeypatch.setenv(ENV, "torch")
+    expanded = predict(rc, profile).terms["decode"]["compute.attention"]
+    monkeypatch.setenv(ENV, "auto")
+    fused = predict(rc, profile).terms["decode"]["compute.attention"]
+    layouts = CacheLayout.layers_of_run(rc)
+    b, kv, d = 4, TOY.kv_heads, TOY.head_dim
+    expand = sum(2 * b * kv * lay.slots * d * 4 * EXPAND_PASSES / 1e8 for lay in layouts)
+    packed = sum(lay.nbytes / 1e9 for lay in layouts)
+    assert expanded - fused == pytest.approx(expand - packed, rel=1e-9)
+    assert fused < expanded
+
+
 @pytest.mark.parametrize("name", ["t4_paper.json", "a100_80gb.json", "cpu_measured.json"])
 def test_shipped_profiles_predict(name):
     profile = _load(name)
