@@ -88,8 +88,7 @@ class RefillRows:
         return self.running.get(batch)
 
     def emit(self, step: int, batch: int, logits: torch.Tensor, sampler) -> None:
-        logits = logits.float().cpu()
-        self.last_logits[batch] = logits
+        logits = self.last_logits[batch].copy_(logits)  # (b, vocab) fp32 on the CPU: converted into held memory
         b = self.b
         rows = range(batch * b, (batch + 1) * b)
         fresh = self.running.pop(batch, None)

@@ -8,7 +8,7 @@ import torch
 
 class Sequences:
     """num_gpu_batches x gpu_batch_size sequences. ids/pos (nb, b, t): prompts left-padded to t (pos -1 on
-    padding); tokens (nb, b, gen_len): what each step emitted; last_logits (nb, b, vocab)."""
+    padding); tokens (nb, b, gen_len): what each step emitted; last_logits (nb, b, vocab): each batch's newest."""
 
     def __init__(self, prompts: list, gpu_batch_size: int, num_gpu_batches: int, gen_len: int, pad_id: int,
                  vocab: int, record_logits: bool = False):
@@ -28,10 +28,18 @@ class Sequences:
         self.lens = self.pos[:, :, -1] + 1  # (nb, b) real prompt lengths
         self.gen_len = gen_len
         self.tokens = torch.zeros(nb, b, gen_len, dtype=torch.long)
-        self.last_logits = torch.zeros(nb, b, vocab)
+        self.vocab = vocab
+        self._last: list = [None] * nb  # per GPU batch: its newest logits (b, vocab), fp32 on the CPU (`emit`)
+        self._held: list = [None] * nb  # per GPU batch: the record logits of another dtype or device go into
         self.step_logits: Optional[list] = ([torch.zeros(nb, b, vocab) for _ in range(gen_len)] if record_logits
                                             else None)
         self._inputs: dict = {}  # (step, batch, device) -> (ids, pos) of the current step
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        """(nb, b, vocab) fp32: each GPU batch's newest logits (zeros where none came: a stage without the head)."""
+        b = self.tokens.shape[1]
+        return torch.stack([x if x is not None else torch.zeros(b, self.vocab) for x in self._last])
 
     @property
     def num_batches(self) -> int:
@@ -53,8 +61,16 @@ class Sequences:
         return self._inputs[key]
 
     def emit(self, step: int, batch: int, logits: torch.Tensor, sampler) -> None:
-        """Record a batch's logits (b, vocab) of `step` and the token the sampler picks from them."""
-        logits = self.last_logits[batch].copy_(logits)  # (b, vocab) fp32 on the CPU: converted into held memory
+        """Record a batch's logits (b, vocab) of `step` and the token the sampler picks from them: contiguous fp32
+        logits on the CPU as the head made them (not copied), others converted into the batch's held fp32 record
+        (converted into a fresh tensor, 16-bit logits paid a new mapping's page faults every step)."""
+        if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.is_contiguous():
+            self._last[batch] = logits  # (b, vocab): the head's own output, read by nobody else after
+        else:
+            if self._held[batch] is None:
+                self._held[batch] = torch.empty(logits.shape, dtype=torch.float32)
+            self._last[batch] = self._held[batch].copy_(logits)  # (b, vocab) fp32 on the CPU
+        logits = self._last[batch]
         if self.step_logits is not None:
             self.step_logits[step][batch] = logits
         b = self.tokens.shape[1]
