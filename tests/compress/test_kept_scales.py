@@ -97,6 +97,8 @@ def test_streamed_weights_build_scales_only_for_torchs_kernel(offload_dir, monke
     by torch's int4 kernel, none where compress/int4_rows.py's product from the packed bytes runs; the bytes the
     load charges count them either way (PackedWeight.nbytes), and the product equals that of scales built at once."""
     from flexh2o.compress import int4_rows
+    if not torch_kernel and not int4_rows.kind():  # torch's generic build packs another order; no C compiler
+        pytest.skip("compress/int4_rows.py's product does not run on this build (int4_rows.kind() == 0)")
     rc = _rc(offload_dir, (0, 0, 100, 0))
     name = "model.decoder.layers.0.fc1.weight"
     x = torch.randn(3, 1, TINY.hidden, generator=torch.Generator().manual_seed(0))  # (b, 1, h): a decode step
