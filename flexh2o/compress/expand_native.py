@@ -186,16 +186,8 @@ def _isa() -> str:
 def _library(isa: str) -> Optional[ctypes.CDLL]:
     """The built library for `isa` (built once into the cache directory), None where it cannot be built."""
     flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", *dict(ISA_FLAGS).get(isa, ())]
-    key = hashlib.sha256((SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), "native", f"expand4-{isa.lower()}-{key}.so")
-    if not os.path.exists(path):
-        try:
-            _build(path, flags)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError:
+    lib = built(f"expand4-{isa.lower()}", SOURCE, flags)
+    if lib is None:
         return None
     lib.expand4.restype = ctypes.c_int
     lib.expand4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -205,6 +197,19 @@ def _library(isa: str) -> Optional[ctypes.CDLL]:
     lib.scales4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                             ctypes.c_int]
     return lib
+
+
+def built(name: str, source: str, flags: list) -> Optional[ctypes.CDLL]:
+    """C `source` compiled with `flags` into the cache directory once (`name`-<hash of both>.so) and loaded; None
+    where it cannot be built (no compiler) or loaded."""
+    key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), "native", f"{name}-{key}.so")
+    try:
+        if not os.path.exists(path):
+            _build(path, list(flags), source)
+        return ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _build(path: str, flags: list, source: str = SOURCE) -> None:

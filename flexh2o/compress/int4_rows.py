@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 import statistics
-import subprocess
 import time
 from typing import Optional
 
@@ -30,7 +27,6 @@ import torch
 from flexh2o.compress import expand_native
 from flexh2o.compress.int4_order import row_order
 from flexh2o.compress.int4_rows_c import SOURCE
-from flexh2o.paths import cache_dir
 
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")  # no fused multiply-add but where written
 MAX_GROUP = 256  # the C code's largest group
@@ -46,13 +42,8 @@ MAX_CALLS = 20  # few hundred microseconds on two busy cores is mostly its threa
 @functools.lru_cache(maxsize=1)
 def _library() -> Optional[ctypes.CDLL]:
     """The built library (built once into the cache directory), None where it cannot be built or loaded."""
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), "native", f"int4rows-{key}.so")
-    try:
-        if not os.path.exists(path):
-            expand_native._build(path, list(FLAGS), SOURCE)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError):
+    lib = expand_native.built("int4rows", SOURCE, list(FLAGS))
+    if lib is None:
         return None
     lib.mm4_kind.restype = ctypes.c_int
     lib.mm4_kind.argtypes = [ctypes.c_int]

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
 from typing import Optional
 
 import torch
 
 from flexh2o.compress import expand_native
 from flexh2o.kv.one_query_c import SOURCE
-from flexh2o.paths import cache_dir
 
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off")  # fused multiply-adds only where written
 DTYPES = (torch.float32, torch.bfloat16)  # the C code's dtypes 0 and 1
@@ -30,13 +26,8 @@ MAX_D = 256  # the C code's largest head dimension
 @functools.lru_cache(maxsize=1)
 def _library() -> Optional[ctypes.CDLL]:
     """The built library (built once into the cache directory), None where it cannot be built or loaded."""
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), "native", f"onequery-{key}.so")
-    try:
-        if not os.path.exists(path):
-            expand_native._build(path, list(FLAGS), SOURCE)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError):
+    lib = expand_native.built("onequery", SOURCE, list(FLAGS))
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.one_query_runs.restype = ctypes.c_int
