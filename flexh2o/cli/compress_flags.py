@@ -8,7 +8,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 from flexh2o.cli.flags import add_flags, declare
-from flexh2o.compress.defaults import DEFAULT_BITS, DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS
+from flexh2o.compress.defaults import (DEFAULT_BITS, DEFAULT_CACHE_GROUP, DEFAULT_GROUP, DEFAULT_KEYS,
+                                       DEFAULT_OUTLIERS, cache_group)
 from flexh2o.kv.cache_quant import flagged, from_flags
 
 if TYPE_CHECKING:
@@ -25,12 +26,15 @@ def compression_flags() -> tuple:
     flags += cache_scheme_flags()
     a("--compress-bits", type=int, choices=[2, 3, 4, 8], default=DEFAULT_BITS,
       help=f"bits a value under --compress-* (default {DEFAULT_BITS}; 2 and 3: the cache only)")
-    a("--compress-group-size", type=int, default=DEFAULT_GROUP, help=f"values per quantization group of the "
-      f"weights and of FlexGen's per-token cache (default {DEFAULT_GROUP})")
+    a("--compress-group-size", type=int, default=None, metavar="N", help=f"values per quantization group of the "
+      f"weights (default {DEFAULT_GROUP}, FlexGen's); given, also the quantized cache's groups unless "
+      f"--cache-group-size is given")
     a("--cache-group-size", type=int, default=None, metavar="N",
-      help="--compress-cache: values per group along head_dim of the cached values (and of per-token keys); default "
-           "--compress-group-size (at 2 and 3 bits 32 or 16 cost less perplexity for 4 or 12 more bytes a token and "
-           "KV head on SmolLM2: benchmarks/ACCURACY.md)")
+      help=f"--compress-cache: values per group along head_dim of the cached values (and of per-token keys); default "
+           f"{DEFAULT_CACHE_GROUP} ({DEFAULT_GROUP}, FlexGen's, with --cache-keys token), or --compress-group-size "
+           f"where that is given (benchmarks/ACCURACY.md: at 4 bits groups of 32 with --cache-recent 32 kept the cache "
+           f"within +0.5%% of the plain one where 64 did not; at 2 and 3 bits 32 or 16 cost less perplexity than 64 "
+           f"for 4 or 12 more bytes a token and KV head on SmolLM2)")
     a("--weight-kernel", choices=["auto", "int4", "off"], default="auto",
       help="--compress-weight on a CPU: auto (weights grouped along the input dimension, each phase runs torch's "
            "int4 kernel where a probe at start measures it faster), int4 (always), off (FlexGen's grouping along "
@@ -51,30 +55,31 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
 
 def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     """(weight spec or None, CacheQuant or None): FlexGen's scheme (--compress-bits, --compress-group-size), the
-    cache's values along head_dim in groups of --cache-group-size and its keys as --cache-keys says, weights along
+    cache's values along head_dim in groups of compress/defaults.cache_group's choice and its keys as --cache-keys
+    says, weights along
     dimension 0 (FlexGen's) or, where the int4 kernel can run them (--weight-kernel auto/int4), along the input
     dimension (1)."""
     from flexh2o.compress import CompressionSpec
     from flexh2o.compress.codec import BITS
     cache = None
     if not args.compress_cache and not args.compress_weight:
-        _refuse_alone(args, {"compress_bits": DEFAULT_BITS, "compress_group_size": DEFAULT_GROUP},
+        _refuse_alone(args, {"compress_bits": DEFAULT_BITS, "compress_group_size": None},
                       "how --compress-weight and --compress-cache quantize, and neither is on: add one of them")
     if not args.compress_cache:
         _refuse_alone(args, {**{c.dest: c.default for _, c in flagged()}, "cache_group_size": None},
                       "the quantized KV cache, which is off: add --compress-cache")
     else:
         keys = getattr(args, "cache_keys", DEFAULT_KEYS)
-        group = getattr(args, "cache_group_size", None)
+        given = getattr(args, "cache_group_size", None)
+        group = cache_group(keys, getattr(args, "compress_group_size", None), given)
         outliers = getattr(args, "key_outliers", DEFAULT_OUTLIERS)
         if keys == "token" and outliers not in (0, DEFAULT_OUTLIERS):  # 0: FlexGen's scheme written out in full
             raise ValueError(f"--key-outliers {outliers}: keys per token (--cache-keys token) keep no value exact; "
                              f"use --cache-keys channel or fitted, or drop --key-outliers")
         try:  # each flagged field of CacheQuant from its flag (validated there)
-            cache = from_flags(args.compress_bits, args.compress_group_size if group is None else group,
-                               lambda dest, default: getattr(args, dest, default))
+            cache = from_flags(args.compress_bits, group, lambda dest, default: getattr(args, dest, default))
         except ValueError as e:  # the group's check names --compress-group-size: name the flag given
-            if group is None:
+            if given is None:
                 raise
             raise ValueError(str(e).replace("--compress-group-size", "--cache-group-size")) from None
     if not args.compress_weight:
@@ -82,7 +87,8 @@ def compression_specs(args: argparse.Namespace, device: str = "cpu") -> tuple:
     if args.compress_bits not in BITS:
         raise ValueError(f"--compress-bits {args.compress_bits} with --compress-weight: weights take "
                          f"{' or '.join(map(str, BITS))} bits")
-    spec = CompressionSpec(args.compress_bits, args.compress_group_size)  # validates the two flags
+    group = getattr(args, "compress_group_size", None)
+    spec = CompressionSpec(args.compress_bits, DEFAULT_GROUP if group is None else group)  # validates the two flags
     return spec.along(weight_group_dim(args, spec, device)), cache
 
 

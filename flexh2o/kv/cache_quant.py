@@ -3,8 +3,9 @@
 Each field that a user chooses on the command line carries its flag as metadata (`CacheFlag`, `flag` in the
 field's metadata): flexh2o-run's, -serve's, -plan's and -eval's option (cli/compress_flags.py), the API's keyword
 (cli/engine_args.py) and the printed command line (tuning/search.py) are made from it, so a new scheme's field here,
-with its flag, is the one place they are written. `bits` and `group_size` are the groups the weights share
-(--compress-bits, --compress-group-size, --cache-group-size: cli/compress_flags.py). Imports no torch (--help reads
+with its flag, is the one place they are written. `bits` is the weights' --compress-bits; `group_size` is
+compress/defaults.cache_group's choice (--cache-group-size, an explicit --compress-group-size, or the default:
+cli/compress_flags.py). Imports no torch (--help reads
 the flags); the specs the fields make come from compress/ when asked for. kv/layout.py re-exports CacheQuant.
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
-from flexh2o.compress.defaults import (DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE, DEFAULT_SINKS,
-                                       KEY_SCHEMES)
+from flexh2o.compress.defaults import (DEFAULT_GROUP, DEFAULT_KEYS, DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_ROTATE,
+                                       DEFAULT_SINKS, KEY_SCHEMES)
 from flexh2o.flag import Flag
 
 
@@ -51,7 +52,7 @@ class CacheQuant:
     group_dim (-1) is the values' grouped dimension."""
 
     bits: int = 4
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP  # FlexGen's; a run's default is compress/defaults.cache_group's
     keys: str = field(default=DEFAULT_KEYS, metadata=_flag(
         "--cache-keys", choices=list(KEY_SCHEMES), default=DEFAULT_KEYS,
         help=f"--compress-cache's keys: token (FlexGen's groups along head_dim), channel (per-channel scales "

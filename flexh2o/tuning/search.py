@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from flexh2o.compress import CompressionSpec
+from flexh2o.compress.defaults import cache_group
 from flexh2o.compress.kept import compresses_others
 from flexh2o.kv.policies import policy_class, policy_params
 from flexh2o.models import layer_specs
@@ -129,10 +130,13 @@ def compression_flags(rc: RunConfig) -> list:
     if spec is None:
         return []
     out = ["--compress-weight"] * weights + ["--compress-cache"] * bool(rc.compress_cache)
-    if (spec.bits, spec.group_size) != (CompressionSpec.bits, CompressionSpec.group_size):
-        out.append(f"--compress-bits {spec.bits} --compress-group-size {spec.group_size}")
+    if spec.bits != CompressionSpec.bits:
+        out.append(f"--compress-bits {spec.bits}")
+    given = spec.group_size if weights and spec.group_size != CompressionSpec.group_size else None
+    if given is not None:  # the weights' groups, and the cache's unless --cache-group-size follows
+        out.append(f"--compress-group-size {given}")
     cache = rc.compress_cache
-    if cache and cache.group_size != spec.group_size:  # the values' groups apart from the weights'
+    if cache and cache.group_size != cache_group(cache.keys, given):  # the cache's groups apart from that choice
         out.append(f"--cache-group-size {cache.group_size}")
     if cache:
         out += printed_flags(cache)

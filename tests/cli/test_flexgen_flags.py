@@ -10,6 +10,7 @@ import torch
 from flexh2o import config as model_configs
 from flexh2o.cli import run as cli
 from flexh2o.cli.flexgen_flags import FEWER_BATCH_STEPS, flexgen_options
+from flexh2o.compress.defaults import DEFAULT_CACHE_GROUP
 
 BASE = ["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "6", "--gpu-batch-size", "2", "--dtype", "float32",
         "--compute-dtype", "float32", "--no-warmup"]
@@ -94,14 +95,16 @@ def test_attn_sparsity_below_one_refused(capsys):
 
 
 def test_compress_weight_and_cache_are_flexgen_4_bit_groups_of_64():
-    """FlexGen's groups (4 bits, 64 values, weights along dimension 0) with --weight-kernel off; on the CPU by
-    default the weights are grouped along the input dimension for the int4 kernel, chosen per phase."""
-    rc, _ = _rc(["--compress-weight", "--compress-cache", "--weight-kernel", "off"])
+    """FlexGen's groups (4 bits, 64 values, weights along dimension 0) with --weight-kernel off, and its per-token
+    cache (--cache-keys token); on the CPU by default the weights are grouped along the input dimension for the int4
+    kernel, chosen per phase, and the cache's keys per channel take the cache's own groups (compress/defaults.py)."""
+    rc, _ = _rc(["--compress-weight", "--compress-cache", "--weight-kernel", "off", "--cache-keys", "token"])
     assert (rc.compress_weight.bits, rc.compress_weight.group_size, rc.compress_weight.group_dim) == (4, 64, 0)
     assert (rc.compress_cache.bits, rc.compress_cache.group_size, rc.compress_cache.group_dim) == (4, 64, -1)
     assert rc.weight_kernel == "generic"
     rc, _ = _rc(["--compress-weight", "--compress-cache"])
     assert (rc.compress_weight.group_dim, rc.weight_kernel) == (1, "auto")
+    assert (rc.compress_weight.group_size, rc.compress_cache.group_size) == (64, DEFAULT_CACHE_GROUP)
     assert _rc([])[0].compress_weight is None and _rc([])[0].compress_cache is None
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flexh2o.compress import CompressionSpec
+from flexh2o.compress.defaults import DEFAULT_CACHE_GROUP, DEFAULT_GROUP
 from flexh2o.config import from_name
 from flexh2o.kv.policies.base import Budget
 from flexh2o.kv.spec import KVSpec
@@ -71,8 +72,10 @@ def test_mission_dry_run_reports_the_larger_batch(capsys):
         line = [ln for ln in out.splitlines() if ln.startswith("largest --gpu-batch-size")][0]
         return out, {k: int(v) for k, v in (p.split() for p in line.split(": ")[1].split(", "))}
     _, given = batches([])
-    out, packed = batches(["--compress-weight", "--compress-cache"])
-    assert "compressed weights 4-bit/64, cache 4-bit/64" in out
+    out, default = batches(["--compress-weight", "--compress-cache"])
+    assert f"compressed weights 4-bit/{DEFAULT_GROUP}, cache 4-bit/{DEFAULT_CACHE_GROUP}" in out
+    # the 4-bit cache of groups of 64 with the newest 16 tokens exact, as the assertions below were counted
+    _, packed = batches(["--compress-weight", "--compress-cache", "--cache-group-size", "64", "--cache-recent", "16"])
     # the uncompressed run converting whole layers to fp32 (35 and 14); its own plan converts its matmul weights on
     # use where those do not fit (weights/on_use.py: 50 and 20), which fits more
     whole = {p: largest_batch(_rc("opt-30b", kv=kv), plan_of=lambda r: plan_memory(r, forms=WeightForms.planned(r)))
@@ -80,6 +83,8 @@ def test_mission_dry_run_reports_the_larger_batch(capsys):
     assert given["h2o"] > whole["h2o"] and given["full"] > whole["full"], (given, whole)
     # auto keeps room to expand a block at either phase: 35 -> 71, 14 -> 34 (counted at 066f001)
     assert packed["h2o"] > 2 * whole["h2o"] and packed["full"] > 2 * whole["full"], (whole, packed)
+    # the default's groups of 32 and newest 32 tokens exact take more bytes a row (35 -> 61, 14 -> 31 at 62c902b)
+    assert all(1.5 * whole[p] < default[p] <= packed[p] for p in whole), (whole, default, packed)
     # int4 runs every block matmul by the kernel, no expanded copy (weights/forms.py): 35 -> 111, 14 -> 50 at 066f001
     # (the cache without its exact window (--cache-recent), whose fp16 tokens of K and V a row would take more)
     _, kernel = batches(["--compress-weight", "--compress-cache", "--weight-kernel", "int4", "--cache-recent", "0"])
@@ -106,7 +111,7 @@ def test_cost_model_reads_compressed_weights_from_disk():
 
 
 @pytest.mark.parametrize("flags", [["--compress-weight", "--compress-cache"],
-                                   ["--compress-cache", "--compress-bits", "8", "--compress-group-size", "32"],
+                                   ["--compress-cache", "--compress-bits", "8", "--cache-group-size", "16"],
                                    ["--compress-weight", "--weight-kernel", "off"],
                                    ["--compress-weight", "--weight-kernel", "int4"]])
 def test_plan_searches_compressed_and_its_command_line_runs_the_same(flags, capsys):

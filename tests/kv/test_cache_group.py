@@ -1,11 +1,14 @@
-"""--cache-group-size: the cached values' groups along head_dim apart from the weights' --compress-group-size; the
-plan's bytes count them and the printed command line reads back to the same cache."""
+"""--cache-group-size: the cached values' groups along head_dim apart from the weights' --compress-group-size (their
+own default, compress/defaults.py); the plan's bytes count them and the printed command line reads back to the same
+cache."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flexh2o.cli import run as run_cli
 from flexh2o.cli.compress_flags import compression_specs
+from flexh2o.compress.defaults import DEFAULT_CACHE_GROUP, DEFAULT_GROUP, DEFAULT_RECENT
 from flexh2o.kv.layout import CacheLayout
 
 
@@ -13,29 +16,51 @@ def _specs(*flags):
     return compression_specs(run_cli.build_parser().parse_args(["--model", "opt-125m", *flags]))
 
 
-def test_cache_group_defaults_to_the_compress_group_and_can_differ():
+def test_cache_group_has_its_own_default_and_follows_an_explicit_compress_group():
     _, cache = _specs("--compress-cache")
-    assert cache.group_size == 64
-    _, cache = _specs("--compress-cache", "--compress-group-size", "32")
-    assert cache.group_size == 32  # FlexGen's meaning: one group size for both
+    assert (cache.group_size, cache.recent) == (DEFAULT_CACHE_GROUP, DEFAULT_RECENT)
+    weights, cache = _specs("--compress-weight", "--compress-cache")
+    assert (weights.group_size, cache.group_size) == (DEFAULT_GROUP, DEFAULT_CACHE_GROUP)
+    _, cache = _specs("--compress-cache", "--compress-group-size", "16")
+    assert cache.group_size == 16  # given: FlexGen's meaning, one group size for both
     weights, cache = _specs("--compress-weight", "--compress-cache", "--cache-group-size", "16")
-    assert (weights.group_size, cache.group_size) == (64, 16)
+    assert (weights.group_size, cache.group_size) == (DEFAULT_GROUP, 16)
+    _, cache = _specs("--compress-cache", "--compress-group-size", "16", "--cache-group-size", "64")
+    assert cache.group_size == 64
+
+
+def test_flexgen_per_token_keys_keep_flexgen_groups():
+    """FlexGen's scheme (keys and values per token) keeps FlexGen's group of 64 unless a group is given."""
+    _, cache = _specs("--compress-cache", "--cache-keys", "token", "--key-outliers", "0", "--cache-recent", "0",
+                      "--cache-sinks", "0", "--no-cache-rotate")
+    assert (cache.keys, cache.group_size, cache.recent, cache.sinks, cache.rotate) == ("token", DEFAULT_GROUP, 0, 0,
+                                                                                       False)
+    _, cache = _specs("--compress-cache", "--cache-keys", "token", "--cache-group-size", "32")
+    assert cache.group_size == 32
 
 
 def test_smaller_value_groups_cost_their_metadata_in_the_layout():
-    _, g64 = _specs("--compress-cache")
+    _, g64 = _specs("--compress-cache", "--cache-group-size", "64")
     _, g32 = _specs("--compress-cache", "--cache-group-size", "32")
     a, b = (CacheLayout(1, 1, 10, 64, torch.float16, q).kv_slot_bytes() for q in (g64, g32))
     assert b - a == 4  # one more fp16 scale and minimum a token and KV head
 
 
-def test_command_line_carries_the_cache_group():
-    from flexh2o.tuning.search import command_line
-    argv = ["--model", "opt-125m", "--compress-weight", "--compress-cache", "--cache-group-size", "32"]
+@pytest.mark.parametrize("flags", [["--compress-weight", "--compress-cache", "--cache-group-size", "16"],
+                                   ["--compress-cache"], ["--compress-cache", "--cache-group-size", "64"],
+                                   ["--compress-weight", "--compress-cache", "--compress-group-size", "16"],
+                                   ["--compress-weight", "--compress-cache", "--compress-group-size", "16",
+                                    "--cache-group-size", "32"],
+                                   ["--compress-cache", "--cache-keys", "token"],
+                                   ["--compress-cache", "--cache-keys", "token", "--cache-group-size", "32"]])
+def test_command_line_carries_the_cache_group(flags):
     from flexh2o.config import from_name
-    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(argv), from_name("opt-125m"), None)
+    from flexh2o.tuning.search import command_line
+    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(["--model", "opt-125m", *flags]),
+                                  from_name("opt-125m"), None)
     line = command_line(rc).split()
-    assert "--cache-group-size" in line and line[line.index("--cache-group-size") + 1] == "32"
+    if "--cache-group-size" in flags:
+        assert "--cache-group-size" in line and line[line.index("--cache-group-size") + 1] == flags[-1]
     back = run_cli.build_run_config(run_cli.build_parser().parse_args(line[1:]), rc.model, None)
     assert (back.compress_weight, back.compress_cache) == (rc.compress_weight, rc.compress_cache)
 

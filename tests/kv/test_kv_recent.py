@@ -11,7 +11,7 @@ import torch
 
 from flexh2o.compress.codec import assign, expand
 from flexh2o.kv.cache import KVBlock
-from flexh2o.kv.layout import CacheLayout, CacheQuant
+from flexh2o.kv.layout import DEFAULT_RECENT, CacheLayout, CacheQuant
 from test_kv_equivalence import BUDGETS, COMBOS, _assert_matches, _rc, _ref_policy
 from test_kv_quant import HEAD_DIM, _run, data, quant_reference  # noqa: F401 (fixtures)
 
@@ -122,6 +122,6 @@ def test_mission_dry_run_counts_the_window(capsys):
     _, plain = batch([])
     out, window = batch(["--compress-cache"])
     _, none = batch(["--compress-cache", "--cache-recent", "0"])
-    assert "newest 16 tokens exact" in out
+    assert f"newest {DEFAULT_RECENT} tokens exact" in out
     for policy in ("h2o", "full"):
         assert 1.5 * plain[policy] < window[policy] < none[policy], (plain, window, none)
