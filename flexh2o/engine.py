@@ -69,7 +69,8 @@ class Engine:
                  on_step: Optional[Callable] = None, kept_stats: bool = False, pipe=None, stop_when=None,
                  batch_plan: Optional[BatchPlan] = None) -> Generation:
         """prompts: num_seqs lists of token ids (left-padded here). sampler(logits (b, vocab), step, rows) -> ids
-        (b,): a Sampler, or a TeacherForcer to feed given tokens. kept_stats: also report tokens kept per layer.
+        (b,): a Sampler, or a TeacherForcer to feed given tokens; the logits are the engine's, valid during the
+        call (a run in 16 bits refills the same tensor the next step: copy what is kept). kept_stats: also report tokens kept per layer.
         pipe: when this engine is one pipeline stage (pipeline/pipe.py), the stage's schedule and its messages.
         stop_when() -> True ends the run after that step (schedule/until.py; later steps' tokens stay 0).
         batch_plan: which of a GPU batch's rows are computed (generation/batch_plan.py; None: every row)."""

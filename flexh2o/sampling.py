@@ -1,5 +1,6 @@
 """Next-token choice. The engine calls sampler(logits (b, vocab) fp32 on CPU, step, rows) -> ids (b,) once per
-step and GPU batch, `rows` being the slice of sequences the batch holds. Sampler: greedy by default, temperature,
+step and GPU batch, `rows` being the slice of sequences the batch holds; the logits are valid during the call
+only (a run in 16 bits refills the same record the next step: a sampler copies what it keeps). Sampler: greedy by default, temperature,
 top-k and top-p (applied in that order, as transformers' generate() does) with a seeded generator.
 TeacherForcer: feeds given tokens and scores the logits against them."""
 from __future__ import annotations
