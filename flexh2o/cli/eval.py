@@ -102,6 +102,8 @@ def _run(args, argv: list) -> int:
     out = result.to_dict()
     out.update(model=args.model, dtype=args.dtype, **{f.dest: getattr(args, f.dest) for f in compression_flags()},
                seconds=round(seconds, 1), argv=argv, procs=getattr(args, "procs", 1))
+    if model.compress_cache is not None:  # the group it ran with (compress/defaults.cache_group), not the flag's None
+        out["cache_group_size"] = model.compress_cache.group_size
     if args.out:
         write_json(args.out, out, indent=1)  # never half-written
     print(text)

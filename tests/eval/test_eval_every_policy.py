@@ -44,3 +44,18 @@ def test_every_policy_runs(task, extra, keys, tiny, tmp_path, capsys):
     for key in keys:
         got = {r["policy"] for r in rows if r.get(field) == key and r.get("budget_tokens") == 24}
         assert got == set(EVICTING), (key, sorted(got))
+
+
+def test_the_record_holds_the_cache_group_it_ran_with(tiny, tmp_path, capsys):
+    """--compress-cache without --cache-group-size: the record's cache_group_size is the group the cache ran with
+    (compress/defaults.cache_group), not the flag's None."""
+    from flexh2o.compress.defaults import DEFAULT_CACHE_GROUP, DEFAULT_RECENT
+    model, tokenizer = tiny
+    for extra, group in (([], DEFAULT_CACHE_GROUP), (["--compress-group-size", "16"], 16)):
+        out = tmp_path / f"r{group}.json"
+        argv = ["ppl", "--model", model, "--tokenizer", tokenizer, "--dtype", "float32", "--policies", "h2o",
+                "--budgets", "100%", "--windows", "1", "--context", "96", "--prefix", "8", "--texts", "hamlet",
+                "--no-progress", "--compress-cache", "--out", str(out)] + extra
+        assert eval_cli.main(argv) == 0, capsys.readouterr().err
+        record = json.loads(out.read_text())
+        assert (record["cache_group_size"], record["cache_recent"]) == (group, DEFAULT_RECENT), record
