@@ -43,14 +43,14 @@ def _start_threads(numba) -> None:
         del os.environ["OMP_WAIT_POLICY"]
 
 
-def small_form(keys: str, bits: int, x: torch.Tensor):
-    """x (b, h, s, d) stored per channel with 4 outliers ("channel") or per token in groups of d / 2."""
+def small_form(keys: str, bits: int, x: torch.Tensor, groups: int = 2):
+    """x (b, h, s, d) stored per channel with 4 outliers ("channel") or per token in `groups` groups."""
     from flexh2o.compress.channel import ChannelKeys, ChannelSpec
     from flexh2o.compress.codec import CacheGroupSpec, assign, empty_like_layout
 
     every = (slice(None), slice(None), slice(0, x.shape[2]))
     if keys == "token":
-        form = empty_like_layout(x.shape, x.dtype, CacheGroupSpec(bits, x.shape[-1] // 2, -1), "cpu")
+        form = empty_like_layout(x.shape, x.dtype, CacheGroupSpec(bits, x.shape[-1] // groups, -1), "cpu")
     else:
         spec = ChannelSpec(bits, 4)
         form = ChannelKeys(*(torch.zeros(sh, dtype=dt) for sh, dt in spec.parts(x.shape, x.dtype).values()), spec)

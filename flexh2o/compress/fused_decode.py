@@ -17,7 +17,7 @@ import functools
 import numpy as np
 import torch
 
-from flexh2o.compress import fused_attend
+from flexh2o.compress import fused_attend, fused_step, qread_native
 from flexh2o.compress.channel import ChannelKeys
 from flexh2o.compress.codec import CompressedTensor
 from flexh2o.compress.form import CacheForm
@@ -49,7 +49,7 @@ def kernel():
         from flexh2o.compress.kernel_cache import kernel_cache
         with kernel_cache():  # numba's cache keyed by every kernel file's source (compress/kernel_cache.py)
             from flexh2o.compress import fused_decode_kernels
-        _check(fused_decode_kernels)
+        _check(lambda q, keys, values, pos: _numba(fused_decode_kernels, q, keys, values, pos, None, True))
         return fused_decode_kernels
     except Exception:  # no numba, a compile failure or a disagreement: fused_attend.py's reader reads the block
         return None
@@ -81,6 +81,14 @@ def attend(kn, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: 
     """q (b, h, g, d) in the compute dtype, model basis; keys, values: a segment's cut forms (`fits`), their slot
     count `used`; pos (b, h, >= used) -> (out (b, h, g, d) in q's dtype, model basis; the probabilities summed over
     g (b, h, used) fp32 when `want`, else None)."""
+    lib = native()
+    if lib is not None and native_takes(keys, values, q, pos):
+        return _native(lib, q, keys, values, pos, softcap, want)
+    return _numba(kn, q, keys, values, pos, softcap, want)
+
+
+def _numba(kn, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
+    """attend's read by the numba kernel."""
     args, psum, out = _read_args(q, keys, values, pos, softcap, want)
     fused_attend._threads(kn)
     kn.attend(*args)
@@ -91,10 +99,46 @@ def step_attend(kn, write: tuple, q: torch.Tensor, keys, values, pos: torch.Tens
     """A decode step's write and `attend` in one call (the kernel's step_attend): write, compress/fused_step.py's
     write_args of the block's new token (the block's parts whole); the rest as attend's, the parts cut to the slots
     read (they must hold the slots written). -> attend's (out, probabilities summed or None)."""
+    lib = native()
+    if lib is not None and native_takes(keys, values, q, pos):  # the write (numba, its bytes), then the C read
+        fused_attend._threads(kn)
+        fused_step.kernel().step_put_par(*write)
+        return _native(lib, q, keys, values, pos, softcap, want)
     args, psum, out = _read_args(q, keys, values, pos, softcap, want)
     fused_attend._threads(kn)
     kn.step_attend(*write, *args)
     return out.to(q.dtype), (psum if want else None)
+
+
+@functools.lru_cache(maxsize=1)
+def native():
+    """compress/qread_native.py's library for torch's instruction set where it builds and its read of a small
+    block equals fused_attend.py's torch read within fp32 noise (`_check`); None otherwise (the numba kernel
+    reads)."""
+    lib = qread_native.library()
+    if lib is None:
+        return None
+    try:
+        _check(lambda q, keys, values, pos: _native(lib, q, keys, values, pos, None, True), 64, 2)
+    except RuntimeError:
+        return None
+    return lib
+
+
+def native_takes(keys, values, q: torch.Tensor, pos: torch.Tensor) -> bool:
+    """Whether the C read takes these forms (`fits` already holds) and positions."""
+    (k, _, _), (v, _, _) = _parts(keys), _parts(values)
+    return pos.dtype == torch.int64 and qread_native.takes(k, v, q.shape[-1])
+
+
+def _native(lib, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
+    """attend's read by the C code (compress/qread_native.py)."""
+    (k, rot, kring), (v, _, vring) = _parts(keys), _parts(values)
+    rk, sk = _ring(kring, q)
+    rv, sv = _ring(vring, q)
+    hm = hadamard(q.shape[-1], "cpu") if rot else None
+    out, psum = qread_native.attend(lib, q.float().contiguous(), k, v, (rk, sk, rv, sv), hm, pos, softcap, want)
+    return out.to(q.dtype), psum
 
 
 def _read_args(q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
@@ -114,21 +158,22 @@ def _read_args(q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: 
             d ** -0.5, float(softcap or 0.0), want, psum.numpy(), out.numpy()), psum, out
 
 
-def _check(kn) -> None:
-    """The one-call read of a small block (keys per channel with outliers, values in two groups, 4 bits) equals
-    fused_attend.py's torch read (logits, softmax, mix) within fp32 noise; RuntimeError otherwise."""
+def _check(read, d: int = 32, groups: int = 2) -> None:
+    """read(q, keys, values, pos) -> (out, psum) of a small block (keys per channel with outliers, values in
+    `groups` groups, 4 bits, head dimension d) equals fused_attend.py's torch read (logits, softmax, mix) within
+    fp32 noise; RuntimeError otherwise."""
     from flexh2o.compress import attend as levels
     from flexh2o.compress.fused_check import small_form
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 2, 5, 32, generator=gen)
-    keys, values = small_form("channel", 4, x), small_form("token", 4, x)
-    q = torch.randn(2, 2, 3, 32, generator=gen)
+    x = torch.randn(2, 2, 5, d, generator=gen)
+    keys, values = small_form("channel", 4, x), small_form("token", 4, x, groups)
+    q = torch.randn(2, 2, 3, d, generator=gen)
     pos = torch.arange(5).expand(2, 2, 5).clone()
     pos[0, 0, 1] = -1
-    att = (levels.logits(q, keys) * 32 ** -0.5).masked_fill((pos < 0)[:, :, None], float("-inf")).softmax(-1)
+    att = (levels.logits(q, keys) * d ** -0.5).masked_fill((pos < 0)[:, :, None], float("-inf")).softmax(-1)
     want, want_sum = levels.mix(att, values, torch.float32), att.sum(2)
-    got, got_sum = attend(kn, q, keys, values, pos, None, True)
+    got, got_sum = read(q, keys, values, pos)
     for a, w in ((got, want), (got_sum, want_sum)):
         if not torch.allclose(a, w, rtol=0, atol=1e-4 * (1 + float(w.abs().max()))):
             raise RuntimeError("the one-call decode kernel disagrees with the levels read")

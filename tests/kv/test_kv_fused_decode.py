@@ -3,7 +3,8 @@ over the block expanded (codec.expand_stored: the query rotated by torch, logits
 masked, softmax, value mix, output rotated back), and the probabilities it sums over the query heads equal the
 expanded read's, within a bound derived from fp32 rounding (below); for keys per channel with outliers and values
 in whole groups at 2, 3, 4 and 8 bits, rotated or not, with the exact ring and sinks (exact or 8-bit), on whole
-blocks and on the strided rows and slots decode's segments cut. Forms it does not take are declined (`fits`)."""
+blocks and on the strided rows and slots decode's segments cut, through the C read where it builds and through the
+numba kernel. Forms it does not take are declined (`fits`)."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, H, S, D, G = 3, 2, 24, 64, 2  # as test_kv_attend's blocks
 FITS = [q for q in dict.fromkeys(QUANTS + MORE) if q.keys == "channel"]
+
+
+@pytest.fixture(params=["c", "numba"], autouse=True)
+def reader(request, monkeypatch):
+    """Each test through the C read (compress/qread_native.py, where it builds and takes the form) and through the
+    numba kernel (fused_decode.native() None: as on a machine with no compiler)."""
+    if request.param == "numba":
+        monkeypatch.setattr(fused_decode, "native", lambda: None)
+    elif fused_decode.native() is None:
+        pytest.skip("the C read does not build here: the numba kernel reads")
+    return request.param
 
 
 def _kernel():

@@ -1,0 +1,102 @@
+"""A decode step's attention over a quantized block in C (compress/qread_c.py): compress/fused_decode.py's one-call
+read (the numba kernel's arithmetic) where the stored form allows it, with one C call a layer and segment.
+
+The numba kernel's loops over a slot's 32 packed bytes ran at about 46 ns a slot and pair on a Zen 4 core (keys,
+outliers, softmax and values together), against the plain cache's C attention's 29 ns over 512 bytes of fp32: the
+C loops, vectorised by the compiler for the build's instruction set, read the same bytes in a fraction of that.
+
+Built once per machine, source and instruction set into the cache directory with the system's C compiler
+(compress/expand_native.py's `built`), the instruction set following torch's own (ATEN_CPU_CAPABILITY: AVX-512,
+AVX2, or the generic build under `default`), as compress/expand_native.py's. It takes 4-bit keys per channel and
+4-bit values in groups of a multiple of 32 channels, head dimension a multiple of 32 up to MAXD (`takes`); checked
+once a process against the numba kernel on small blocks (compress/fused_decode.py). Where no compiler builds it
+`library()` is None and the numba kernel reads as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Optional
+
+import torch
+
+from flexh2o.compress import expand_native
+
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fassociative-math",
+         "-fno-signed-zeros", "-fno-trapping-math")  # sums reassociated (vectorised), as the numba kernel's fastmath
+MAXD = 256  # the C code's largest head dimension
+I64, F32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIZES = ("b", "h", "g", "d", "used", "n_out", "groups", "ek", "ev", "rot", "idx16", "want")
+PARTS = (("q", 0), ("hm", 0), ("kdata", 3), ("kidx", 3), ("kexact", 3), ("calib", 2), ("vdata", 3), ("meta", 3),
+         ("pos", 2), ("rk", 3), ("sk", 2), ("rv", 3), ("sv", 2), ("psum", 0), ("out", 0))  # (name, strides)
+
+
+class QRead(ctypes.Structure):
+    """The C code's argument block (qread_c.py's QRead): sizes, the scale and cap, each part's pointer and its
+    leading strides in elements."""
+
+    _fields_ = ([(n, I64) for n in SIZES] + [("inv", F32), ("cap", F32)]
+                + [f for name, k in PARTS for f in [(name, PTR)] + [(f"{name}{i}", I64) for i in range(k)]])
+
+
+@functools.lru_cache(maxsize=None)
+def library(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """The library built for torch's instruction set (or `isa`), None where it cannot be built or loaded."""
+    isa = isa or torch.backends.cpu.get_cpu_capability()
+    from flexh2o.compress.qread_c import SOURCE
+    flags = [*FLAGS, *dict(expand_native.ISA_FLAGS).get(isa, ())]
+    lib = expand_native.built(f"qread-{isa.lower()}", SOURCE, flags)
+    if lib is None or lib.qread_struct_size() != ctypes.sizeof(QRead):
+        return None
+    lib.qread.restype = ctypes.c_int
+    lib.qread.argtypes = [ctypes.POINTER(QRead), ctypes.c_int]
+    return lib
+
+
+def takes(k, v, d: int) -> bool:
+    """Whether the C code reads keys k (ChannelKeys) and values v (CompressedTensor) of head dimension d."""
+    size = v.spec.group_size
+    return (k.spec.bits == 4 and v.spec.bits == 4 and d % 32 == 0 and d <= MAXD and size % 32 == 0
+            and d % size == 0 and k.index.dtype in (torch.uint8, torch.int16) and v.meta.dtype == torch.float32
+            and k.calib.dtype == torch.float32)
+
+
+def _part(t: torch.Tensor, lead: int, keep: list) -> tuple:
+    """(t's data pointer, its first `lead` strides), t made contiguous past them where it is not (kept alive)."""
+    inner = t if lead == 0 or t.numel() == 0 else t[(0,) * lead]
+    if not inner.is_contiguous():
+        t = t.contiguous()
+    keep.append(t)
+    return (t.data_ptr(),) + tuple(t.stride()[:lead])
+
+
+def read(lib, parts: dict, sizes: dict, inv: float, cap: float) -> None:
+    """Run the C read: parts, name -> tensor (PARTS' names; psum and out written), sizes, SIZES' names -> ints."""
+    keep, fields = [], {}
+    for name, lead in PARTS:
+        got = _part(parts[name], lead, keep)
+        fields[name] = got[0]
+        fields.update({f"{name}{i}": s for i, s in enumerate(got[1:])})
+    arg = QRead(**sizes, inv=inv, cap=cap, **fields)
+    got = lib.qread(ctypes.byref(arg), torch.get_num_threads())
+    if got:
+        raise ValueError(f"quantized read: head dimension {sizes['d']} in {sizes['groups']} value groups is not one "
+                         f"the C code takes")
+
+
+def attend(lib, q: torch.Tensor, k, v, rings: tuple, hm: torch.Tensor, pos: torch.Tensor, softcap,
+           want: bool) -> tuple:
+    """q (b, h, g, d) fp32 contiguous, model basis; k: ChannelKeys and v: CompressedTensor cut to `used` slots
+    (`takes`), rings (rk (b, h, E, d), sk (b, h, E) int32, rv, sv) the exact rings' entries and slots (E may be 0),
+    hm the rotation (H) or None (not rotated), pos (b, h, >= used) -> (out (b, h, g, d) fp32, model basis;
+    psum (b, h, used) fp32 when want, else None)."""
+    b, h, g, d = q.shape
+    used = k.data.shape[2]
+    psum, out = torch.empty(b, h, used if want else 0), torch.empty(b, h, g, d)
+    rk, sk, rv, sv = rings
+    parts = dict(q=q, hm=hm if hm is not None else q, kdata=k.data, kidx=k.index, kexact=k.exact_values(),
+                 calib=k.calib, vdata=v.data, meta=v.meta, pos=pos, rk=rk, sk=sk, rv=rv, sv=sv, psum=psum, out=out)
+    sizes = dict(b=b, h=h, g=g, d=d, used=used, n_out=k.index.shape[3], groups=v.meta.shape[3], ek=sk.shape[2],
+                 ev=sv.shape[2], rot=int(hm is not None), idx16=int(k.index.dtype == torch.int16), want=int(want))
+    read(lib, parts, sizes, d ** -0.5, float(softcap or 0.0))
+    return out, (psum if want else None)
