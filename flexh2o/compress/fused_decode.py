@@ -13,6 +13,7 @@ by fused_attend.py's reader as before.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import numpy as np
 import torch
@@ -96,14 +97,13 @@ def _numba(kn, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: 
 
 
 def step_attend(kn, write: tuple, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
-    """A decode step's write and `attend` in one call (the kernel's step_attend): write, compress/fused_step.py's
-    write_args of the block's new token (the block's parts whole); the rest as attend's, the parts cut to the slots
-    read (they must hold the slots written). -> attend's (out, probabilities summed or None)."""
+    """A decode step's write and `attend` in one call (the C code's qstep where `native` runs, else the numba
+    kernel's step_attend; both write the numba kernel's bytes): write, compress/fused_step.py's write_args of the
+    block's new token (the block's parts whole); the rest as attend's, the parts cut to the slots read (they must
+    hold the slots written). -> attend's (out, probabilities summed or None)."""
     lib = native()
-    if lib is not None and native_takes(keys, values, q, pos):  # the write (numba, its bytes), then the C read
-        fused_attend._threads(kn)
-        fused_step.kernel().step_put_par(*write)
-        return _native(lib, q, keys, values, pos, softcap, want)
+    if lib is not None and native_takes(keys, values, q, pos):  # each pair written (the numba kernel's bytes), read
+        return _native(lib, q, keys, values, pos, softcap, want, write)
     args, psum, out = _read_args(q, keys, values, pos, softcap, want)
     fused_attend._threads(kn)
     kn.step_attend(*write, *args)
@@ -131,13 +131,15 @@ def native_takes(keys, values, q: torch.Tensor, pos: torch.Tensor) -> bool:
     return pos.dtype == torch.int64 and qread_native.takes(k, v, q.shape[-1])
 
 
-def _native(lib, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool) -> tuple:
-    """attend's read by the C code (compress/qread_native.py)."""
+def _native(lib, q: torch.Tensor, keys, values, pos: torch.Tensor, softcap, want: bool,
+            write: Optional[tuple] = None) -> tuple:
+    """attend's read by the C code (compress/qread_native.py), each pair written first where `write` is given."""
     (k, rot, kring), (v, _, vring) = _parts(keys), _parts(values)
     rk, sk = _ring(kring, q)
     rv, sv = _ring(vring, q)
     hm = hadamard(q.shape[-1], "cpu") if rot else None
-    out, psum = qread_native.attend(lib, q.float().contiguous(), k, v, (rk, sk, rv, sv), hm, pos, softcap, want)
+    out, psum = qread_native.attend(lib, q.float().contiguous(), k, v, (rk, sk, rv, sv), hm, pos, softcap, want,
+                                    write)
     return out.to(q.dtype), psum
 
 

@@ -264,13 +264,13 @@ def _step_put(k, v, cur, in_order, hk, rotk, hv, rotv, pos, score, slot, kdata, 
               vdata, vmeta, vbits, krs, krec, kwin, ksink, vrs, vrec, vwin, vsink):
     """k, v (b, h, d) fp32 in the model's basis, cur (b,) positions -> slot (b, h) the slots written; keys' parts
     kdata / kidx / kexact (b, h, S, .) and calib (b, h, d, 2), values' vdata (b, h, S, groups, width) and vmeta
-    (b, h, S, groups, 2), rings (b, h, E[, d]) (E may be 0), pos / score (b, h, S) written at each slot. A pair
-    each over numba's threads where compiled parallel (step_put_par; its scratch per pair), else in turn."""
+    (b, h, S, groups, 2), rings (b, h, E[, d]) (E may be 0), pos / score (b, h, S) written at each slot."""
     b, h, d = k.shape
-    for r in numba.prange(b * h):
+    x, q, err = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
+    top_err = np.empty(kidx.shape[3], np.float32)
+    qv = np.empty(d // vmeta.shape[3], np.float32)
+    for r in range(b * h):
         bi, hi = r // h, r % h
-        x, q, err = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
-        top_err, qv = np.empty(kidx.shape[3], np.float32), np.empty(d // vmeta.shape[3], np.float32)
         slot[bi, hi] = put_pair(bi, hi, k, v, cur, in_order, hk, rotk, hv, rotv, pos, score, kdata, kidx, kexact,
                                 calib, kbits, vdata, vmeta, vbits, krs, krec, kwin, ksink, vrs, vrec, vwin, vsink,
                                 x, q, err, top_err, qv)
@@ -284,5 +284,4 @@ STEP_ARGS = {ix: f"{X3}, {X3}, int64[::1], boolean, {F2}, boolean, {F2}, boolean
 STEP = [f"void({STEP_ARGS[ix]})" for ix in ("uint8", "int16")]
 step_put = numba.njit(STEP, **OPTS)(_step_put)  # a decode step's: on the calling thread (its misses, not its
 # arithmetic, bound it; over numba's threads it measured no faster on 2 busy cores)
-step_put_par = numba.njit(STEP, parallel=True, **OPTS)(_step_put)  # before the C read (0.6 / 0.85 ms serial)
 rotate_rows = numba.njit("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])", **OPTS)(_rotate_rows)

@@ -18,6 +18,7 @@ flags choose which (compress/qread_native.py).
 '''
 
 from flexh2o.compress.qread_simd import KERNELS
+from flexh2o.compress.qwrite_c import SOURCE as WRITE
 
 SOURCE = r"""
 #include <stdint.h>
@@ -84,7 +85,7 @@ static inline float exp_neg(float x) {
 
 """
 
-SOURCE += KERNELS + r"""
+SOURCE += KERNELS + WRITE + r"""
 /* The query's parts (module docstring) for one head: qr the query in the stored basis. */
 static void queries(const QRead *a, const float *q, const float *cal, float *qr, float *qe, float *qo, float *qm,
                     float *c0) {
@@ -222,21 +223,32 @@ static void pair(const QRead *a, int64_t bi, int64_t hi, float *lg, float *qs) {
     for (int64_t gi = 0; gi < g; gi++) mix(a, bi, hi, lg + gi * used, a->out + ((bi * a->h + hi) * g + gi) * d);
 }
 
-/* Returns 1 where the shape is not taken, 2 where a thread's scratch could not be had. */
-int qread(const QRead *a, int threads) {
+/* Each pair written (w, where not NULL: qwrite_c.py's write_pair) and then read, one thread a pair. Returns 1 where
+   the shape is not taken, 2 where a thread's scratch could not be had. */
+static int run(const QWrite *w, const QRead *a, int threads) {
     if (a->d % 32 || a->d > MAXD || a->groups < 1 || a->d % a->groups || (a->d / a->groups) % 32) return 1;
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *lg = malloc((size_t)(a->g * a->used + 1) * sizeof(float));
-        float *qs = malloc((size_t)(a->g * (3 * a->d + 1)) * sizeof(float));
+        float *qs = malloc((size_t)(a->g * (3 * a->d + 1) + 4 * a->d) * sizeof(float));
         if (!lg || !qs) failed = 2;
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < a->b * a->h; r++)
-            if (lg && qs) pair(a, r / a->h, r % a->h, lg, qs);
+        for (int64_t r = 0; r < a->b * a->h; r++) {
+            if (!lg || !qs) continue;
+            if (w) write_pair(w, r / a->h, r % a->h, qs + a->g * (3 * a->d + 1));
+            pair(a, r / a->h, r % a->h, lg, qs);
+        }
         free(lg); free(qs);
     }
     return failed;
+}
+
+int qread(const QRead *a, int threads) { return run(NULL, a, threads); }
+
+int qstep(const QWrite *w, const QRead *a, int threads) {
+    if (w->kbits > 8 || w->vbits > 8 || w->d != a->d || w->n_out > w->d) return 1;
+    return run(w, a, threads);
 }
 
 int qread_struct_size(void) { return (int)sizeof(QRead); }
