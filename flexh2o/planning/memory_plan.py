@@ -4,13 +4,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import torch
+
 from flexh2o.kv.attention import prefill_chunk
 from flexh2o.kv.layout import CacheLayout
 from flexh2o.models.common import MLP_ELEMENTS
-from flexh2o.placement import TIERS, Placement, tier_words
+from flexh2o.placement import TIERS, Placement, tensor_bytes, tier_words
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
+from flexh2o.compress.codec import weight_spec
+from flexh2o.compress.kept import compresses_others
+from flexh2o.compress.tier import SLAB_BYTES
 from flexh2o.weights.forms import WeightForms
 
 KINDS = ("weights", "cache", "activations", "buffers")
@@ -43,7 +48,8 @@ class MemoryPlan:
         """This plan as `forms` take the weights: the weights in flight at each phase, and the kept int4-kernel
         scales where the gpu tier still has room for them after everything else."""
         tiers = {t: dict(kinds) for t, kinds in self.bytes.items()}
-        tiers["gpu"]["buffers"] = self.working + max(in_flight_bytes(self.rc, self.where, forms, p) for p in PHASES)
+        flight = max(in_flight_bytes(self.rc, self.where, forms, p) for p in PHASES)
+        tiers["gpu"]["buffers"] = max(self.working + flight, store_transient_bytes(self.rc, self.where))
         plan = replace(self, bytes=tiers, kept_scales=0, forms=forms)
         kept = forms.kept_scales_bytes(self.where.weights)
         if kept and plan.overflow() is None and plan.total("gpu") + kept <= plan.capacity("gpu"):
@@ -149,6 +155,30 @@ def working_bytes(rc: RunConfig) -> int:
     acts = (1 if rc.percent.act_gpu == 100 else 2) * act_block_bytes(rc)  # a layer's output beside its input
     sub_batches = m * t * cfg.hidden * c if m < b else 0  # sub-batch outputs before they are joined
     return cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
+
+
+SLAB_COPIES = 3  # fp32 slabs live at once in the codec's quantize: the input, x - minimum and its quotient
+
+
+def store_transient_bytes(rc: RunConfig, where: Placement) -> int:
+    """The largest transient of putting one weight in its home under --compress-weight, before any compute buffer
+    exists (compress/tier.py: write_from gathers the weight whole in the storage dtype, quantize_slabs quantizes
+    SLAB_BYTES of fp32 input at a time, SLAB_COPIES of them live, and joins the slabs' parts: the parts, the join
+    and a kernel-order copy, three times the compressed bytes). opt-1.3b's embedding (50272, 2048) in bf16: 196 +
+    3 x 55 + 96 MiB; measured at the load of a batch-1 run (benchmarks/plan_memory.py): anonymous memory 193 MiB
+    before it, 632 MiB at its peak, the cpu tier's 56 MiB of weights filled in between. 0 without
+    --compress-weight."""
+    if not compresses_others(rc.compress_weight):  # none, or a checkpoint's kept blocks stored as they are
+        return 0
+    most = 0
+    for s in where.weights.unique_specs():
+        spec = weight_spec(s.shape, rc.compress_weight, s.name)
+        if spec is None:
+            continue
+        numel = tensor_bytes(s.shape, torch.float32) // 4
+        slabs = SLAB_COPIES * min(SLAB_BYTES, 4 * numel)
+        most = max(most, numel * rc.dtype.itemsize + 3 * tensor_bytes(s.shape, rc.dtype, spec) + slabs)
+    return most
 
 
 def in_flight_bytes(rc: RunConfig, where: Placement, forms: WeightForms, phase: str) -> int:
