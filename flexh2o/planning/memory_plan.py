@@ -43,13 +43,13 @@ class MemoryPlan:
     forms: Optional[WeightForms] = field(default=None, repr=False, compare=False)
     where: Optional[Placement] = field(default=None, repr=False, compare=False)
     working: int = field(default=0, repr=False, compare=False)  # gpu buffers besides the weights in flight
+    store_transient: int = 0  # host bytes of storing the largest 4-bit weight, at the load (store_transient_bytes)
 
     def with_forms(self, forms: WeightForms) -> "MemoryPlan":
         """This plan as `forms` take the weights: the weights in flight at each phase, and the kept int4-kernel
         scales where the gpu tier still has room for them after everything else."""
         tiers = {t: dict(kinds) for t, kinds in self.bytes.items()}
-        flight = max(in_flight_bytes(self.rc, self.where, forms, p) for p in PHASES)
-        tiers["gpu"]["buffers"] = max(self.working + flight, store_transient_bytes(self.rc, self.where))
+        tiers["gpu"]["buffers"] = self.working + max(in_flight_bytes(self.rc, self.where, forms, p) for p in PHASES)
         plan = replace(self, bytes=tiers, kept_scales=0, forms=forms)
         kept = forms.kept_scales_bytes(self.where.weights)
         if kept and plan.overflow() is None and plan.total("gpu") + kept <= plan.capacity("gpu"):
@@ -62,7 +62,13 @@ class MemoryPlan:
         return self.with_forms(forms).overflow() is None
 
     def total(self, tier: str) -> int:
-        return sum(self.bytes[tier].values())
+        """The tier's bytes at its peak: in the run, or at the load (the weights stored into their homes before any
+        activation or buffer exists) where storing the largest 4-bit weight needs more, in host memory (the gpu
+        tier of a CPU-only run, else the cpu tier)."""
+        run = sum(self.bytes[tier].values())
+        if tier != ("cpu" if self.rc.device.startswith("cuda") else "gpu"):
+            return run
+        return max(run, self.bytes[tier]["weights"] + self.bytes[tier]["cache"] + self.store_transient)
 
     def capacity(self, tier: str) -> int:
         return getattr(self.rc, f"{tier}_mem")
@@ -78,6 +84,10 @@ class MemoryPlan:
         over = self.overflow()
         if over:
             t, need, have = over
+            if t == self.load_tier():
+                raise ValueError(f"{tier_words(t, self.rc.device)} needs {fmt_bytes(need)} at the load but --{t}-mem "
+                                 f"allows {fmt_bytes(have)} ({self.load_words()}): raise --{t}-mem, or move "
+                                 "more of --percent's weights to another tier")
             if t == "gpu" and not self.rc.device.startswith("cuda"):  # no GPU: the tier computed in is host memory
                 raise ValueError(f"{tier_words(t, self.rc.device)} needs {fmt_bytes(need)} but --gpu-mem allows "
                                  f"{fmt_bytes(have)} (no GPU here): lower --gpu-batch-size, move more of --percent to "
@@ -92,7 +102,21 @@ class MemoryPlan:
             b = self.bytes[t]
             rows.append(f"{t:<5} " + " ".join(f"{fmt_bytes(b[k]):>10}" for k in KINDS)
                         + f" {fmt_bytes(self.total(t)):>10} {fmt_bytes(self.capacity(t)):>10}")
+        load = self.load_tier()
+        if load:
+            rows.append(f"({load} total at the load: {self.load_words()})")
         return "\n".join(rows)
+
+    def load_tier(self) -> Optional[str]:
+        """The tier whose total is decided by storing the largest 4-bit weight at the load, or None."""
+        for t in TIERS:
+            if self.store_transient and self.total(t) > sum(self.bytes[t].values()):
+                return t
+        return None
+
+    def load_words(self) -> str:
+        return (f"storing the largest 4-bit weight takes {fmt_bytes(self.store_transient)} beside the tier's weights "
+                "and cache")
 
 
 def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
@@ -114,7 +138,7 @@ def plan_memory(rc: RunConfig, placement: Optional[Placement] = None,
 
 def plan_for(rc: RunConfig, where: Placement, forms: WeightForms) -> MemoryPlan:
     """Bytes per tier of `rc` with the homes of `where` as `forms` take the weights."""
-    plan = MemoryPlan(rc, where=where, working=working_bytes(rc))
+    plan = MemoryPlan(rc, where=where, working=working_bytes(rc), store_transient=store_transient_bytes(rc, where))
     for tier, nbytes in where.weights.bytes_by_tier(rc.dtype, rc.compress_weight).items():
         plan.bytes[tier]["weights"] += nbytes
     for tier, nbytes in where.cache_bytes_by_tier(CacheLayout.layer_bytes_of_run(rc)).items():
@@ -157,7 +181,7 @@ def working_bytes(rc: RunConfig) -> int:
     return cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
 
 
-SLAB_COPIES = 3  # fp32 slabs live at once in the codec's quantize: the input, x - minimum and its quotient
+SLAB_COPIES = 3  # fp32 slabs live at once in the codec's quantize: the input as fp32, x - minimum, its quotient
 
 
 def store_transient_bytes(rc: RunConfig, where: Placement) -> int:
@@ -176,7 +200,8 @@ def store_transient_bytes(rc: RunConfig, where: Placement) -> int:
         if spec is None:
             continue
         numel = tensor_bytes(s.shape, torch.float32) // 4
-        slabs = SLAB_COPIES * min(SLAB_BYTES, 4 * numel)
+        copies = SLAB_COPIES - (rc.dtype == torch.float32)  # an fp32 input is used as it is, not copied
+        slabs = copies * min(SLAB_BYTES, 4 * numel)
         most = max(most, numel * rc.dtype.itemsize + 3 * tensor_bytes(s.shape, rc.dtype, spec) + slabs)
     return most
 

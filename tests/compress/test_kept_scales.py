@@ -43,8 +43,10 @@ def _logits(eng, prompts) -> torch.Tensor:
 
 @pytest.mark.parametrize("percent", [(100, 0, 100, 0), (0, 100, 100, 0)])
 def test_weights_in_memory_keep_their_scales_and_give_the_same_logits(offload_dir, percent):
-    rc = _rc(offload_dir, percent)
-    prompts = [list(range(5, 15)), list(range(40, 50)), list(range(900, 910))]
+    # 8 rows: at 3 the load's transient (storing the 4-bit vocab table) is the gpu tier's peak, not the run, and the
+    # scales, built after it, always fit (memory_plan.store_transient_bytes)
+    rc = _rc(offload_dir, percent, gpu_batch_size=8)
+    prompts = [list(range(5 + 100 * i, 15 + 100 * i)) for i in range(8)]
     with Engine(rc) as eng:
         names = eng.weights.kept_scales
         assert names == _matmuls(rc)

@@ -12,16 +12,18 @@ from flexh2o.compress.codec import quantize, weight_spec
 from flexh2o.compress.tier import SLAB_BYTES
 from flexh2o.config import from_name
 from flexh2o.placement import Percent
-from flexh2o.compress.choice import PHASES
-from flexh2o.planning.memory_plan import in_flight_bytes, largest_batch, plan_memory, store_transient_bytes
+from flexh2o.planning.memory_plan import largest_batch, plan_memory, store_transient_bytes
 from flexh2o.run_config import RunConfig
 
+ROW_122_GPU = 845245372  # the compute tier of RESULTS row 122 (opt-1.3b under a 1.25 GiB cap)
 
-def _rc(compress: bool, **kw) -> RunConfig:
+
+def _rc(compress: bool, model: str = "opt-125m", **kw) -> RunConfig:
+    """4-bit weights as flexh2o-run stores them: groups of 64 along dim 1."""
     kw = {"gpu_mem": 4 << 30, "cpu_mem": 400 << 20, **kw}
-    return RunConfig(model=from_name("opt-125m"), percent=Percent.parse(["0", "10", "0", "0", "100", "0"]),
+    return RunConfig(model=from_name(model), percent=Percent.parse(["0", "10", "0", "0", "100", "0"]),
                      gpu_batch_size=1, prompt_len=128, gen_len=2, dtype=torch.bfloat16,
-                     compute_dtype=torch.float32, compress_weight=CompressionSpec() if compress else None, **kw)
+                     compute_dtype=torch.float32, compress_weight=CompressionSpec(4, 64, 1) if compress else None, **kw)
 
 
 def _measured_compressed_bytes(shape: tuple, spec: CompressionSpec) -> int:
@@ -41,22 +43,27 @@ def test_the_largest_weights_store_transient_is_counted_from_its_shape():
     assert store_transient_bytes(rc, rc.placement) == expected
 
 
-def test_a_plan_holds_the_store_transient_in_its_compute_buffers_and_refuses_below_it():
-    rc = _rc(True)
+def test_a_plan_holds_the_store_transient_beside_its_weights_and_refuses_below_it():
+    rc = _rc(True, "opt-1.3b", gpu_mem=ROW_122_GPU)
     need = store_transient_bytes(rc, rc.placement)
-    plan = plan_memory(rc)
-    assert plan.bytes["gpu"]["buffers"] >= need
+    plan = plan_memory(rc)  # batch 1, its weights converted on use: the load is the compute tier's peak
+    gpu = plan.bytes["gpu"]
+    assert plan.total("gpu") == gpu["weights"] + gpu["cache"] + need > sum(gpu.values())
+    assert plan.load_tier() == "gpu" and "at the load" in plan.describe()
     assert store_transient_bytes(_rc(False), _rc(False).placement) == 0  # nothing is quantized at the load
-    small = _rc(True, gpu_mem=need - 1)  # the transient alone is over the compute tier: no batch fits
+    small = _rc(True, "opt-1.3b", gpu_mem=need - 1)  # the transient alone is over the compute tier: no batch fits
     assert plan_memory(small).overflow()[0] == "gpu"
     assert largest_batch(small) == 0
+    with pytest.raises(ValueError, match="at the load but --gpu-mem allows"):
+        plan_memory(small).check()
 
 
-@pytest.mark.parametrize("batch", [1, 64])
-def test_the_buffers_are_the_larger_of_the_store_transient_and_the_run_s_own(batch):
-    """At the load no compute buffer exists yet: the two are not added, the larger one is counted."""
-    rc = _rc(True).with_(gpu_batch_size=batch)
+@pytest.mark.parametrize("batch", [1, 64, 512])
+def test_a_tier_s_total_is_the_larger_of_the_load_and_the_run(batch):
+    """At the load no activation or compute buffer exists yet: the two are not added, the larger one is counted."""
+    rc = _rc(True, "opt-1.3b", gpu_mem=ROW_122_GPU).with_(gpu_batch_size=batch)
     plan = plan_memory(rc)
-    run_s_own = plan.working + max(in_flight_bytes(rc, plan.where, plan.forms, p) for p in PHASES)
-    need = store_transient_bytes(rc, rc.placement)
-    assert plan.bytes["gpu"]["buffers"] == max(need, run_s_own) + plan.kept_scales
+    gpu = plan.bytes["gpu"]
+    run = gpu["weights"] + gpu["cache"] + gpu["activations"] + gpu["buffers"]
+    assert plan.total("gpu") == max(run, gpu["weights"] + gpu["cache"] + store_transient_bytes(rc, rc.placement))
+    assert plan.total("cpu") == sum(plan.bytes["cpu"].values())  # the transient is the compute side's, not both
