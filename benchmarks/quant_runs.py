@@ -19,9 +19,11 @@ import argparse
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import torch
 
+from flexh2o.compress.defaults import cache_group
 from flexh2o.kv.layout import DEFAULT_OUTLIERS, DEFAULT_RECENT, DEFAULT_SINKS, CacheLayout, CacheQuant
 
 FP16_TOKEN = 2 * 64 * 2  # K and V bytes of one fp16 token of one SmolLM2 KV head (head_dim 64)
@@ -31,10 +33,11 @@ SCHEMES = {"new": dict(keys="channel", outliers=DEFAULT_OUTLIERS, sinks=DEFAULT_
            "flexgen": dict(keys="token", outliers=0, recent=0, sinks=0)}
 
 
-def quant(scheme: str, bits: int, recent: int, group: int = 64) -> CacheQuant:
+def quant(scheme: str, bits: int, recent: int, group: Optional[int] = None) -> CacheQuant:
+    """The scheme's CacheQuant; group None: the run's default group for its keys (compress/defaults.cache_group)."""
     kw = dict(SCHEMES[scheme])
     kw.setdefault("recent", recent)
-    return CacheQuant(bits, group, **kw)
+    return CacheQuant(bits, cache_group(kw["keys"], None, group), **kw)
 
 
 def equal_tokens(q: CacheQuant, fp16_tokens: int, context: int) -> int:
@@ -66,7 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prefix", default="acc26r")
-    p.add_argument("--group", type=int, default=64, help="--cache-group-size of every run (default 64)")
+    p.add_argument("--group", type=int, default=None, help="--cache-group-size of every run (default: "
+                   "flexh2o's for each scheme's keys, compress/defaults.cache_group)")
     p.add_argument("--full-only", action="store_true",
                    help="the full cache (and h2o at 100%%, the least eval takes beside it)")
     p.add_argument("--dry", action="store_true", help="print the commands only")
@@ -75,9 +79,10 @@ def main(argv=None) -> int:
     for text in args.texts.split(","):
         for bits in (int(b) for b in args.bits.split(",")):
             for scheme in args.schemes.split(","):
-                tag = f"{scheme}{bits}" + (f"g{args.group}" if args.group != 64 else "")
+                q = quant(scheme, bits, args.recent, args.group)
+                tag = f"{scheme}{bits}" + (f"g{q.group_size}" if q.group_size != 64 else "")
                 out = f"benchmarks/results/quantized-kv-cache/{args.prefix}_{text}_{tag}.json"
-                cmd = command(text, quant(scheme, bits, args.recent, args.group), args) + ["--out", out]
+                cmd = command(text, q, args) + ["--out", out]
                 print(" ".join(cmd), flush=True)
                 if args.dry or os.path.exists(out):
                     continue
