@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memcap import MemCap  # noqa: E402
@@ -59,7 +60,7 @@ def sample(pid: int, cap: MemCap, stop: threading.Event, peaks: dict, every: flo
         stop.wait(every)
 
 
-def measure(argv: list, cap_bytes: int, env: dict) -> dict:
+def measure(argv: list, cap_bytes: int, env: dict, timeout: Optional[float] = None) -> dict:
     """One flexh2o-run in its own capped cgroup; the peaks sampled, the cgroup's own peak and the record's plan."""
     fd, log = tempfile.mkstemp(prefix="plan-mem-", suffix=".jsonl")
     os.close(fd)
@@ -72,7 +73,12 @@ def measure(argv: list, cap_bytes: int, env: dict) -> dict:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=cap.preexec)
         th = threading.Thread(target=sample, args=(p.pid, cap, stop, peaks), daemon=True)
         th.start()
-        out, err = p.communicate()
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # the peaks so far are still the figures asked for
+            p.kill()
+            out, err = p.communicate()
+            err += f"\nstopped after {timeout:.0f} s (--timeout)"
         stop.set()
         th.join()
         wall = time.monotonic() - t0
@@ -101,17 +107,29 @@ def summary(argv: list, rec: dict, peaks: dict, stats: dict, wall: float, rc: in
            "sampled_mib": {k: (round(v / MiB, 1) if not k.endswith("_at_s") else v) for k, v in peaks.items()},
            "prefill_s": rec.get("prefill_s"), "decode_s": rec.get("decode_s"),
            "total_tok_s": rec.get("total_throughput"),
-           "predicted_tok_s": (rec.get("predicted") or {}).get("total_throughput")}
+           "predicted_tok_s": (rec.get("predicted") or {}).get("total_throughput"),
+           "decode_s_per_step": _per_step(rec.get("decode_s"), rec.get("gen_len")),
+           "predicted_decode_s_per_step": (rec.get("predicted") or {}).get("decode_s_per_token"),
+           "decode_busy_s": rec.get("decode_busy_s")}
     out["outside_mib"] = {k: round(out["sampled_mib"].get(k, 0) - out["planned_mib"], 1) for k in ("RssAnon", "anon")}
     out["outside_mib"]["cgroup_peak"] = round(out["cgroup_peak_mib"] - out["planned_mib"], 1)
+    if rc == -9 and stats.get("oom_kills"):
+        out["killed_at_the_cap"] = stats
     if rc != 0:
         out["stderr_tail"] = err.strip().splitlines()[-3:]
     return out
 
 
+def _per_step(decode_s: Optional[float], gen_len: Optional[int]) -> Optional[float]:
+    """Seconds a decode step (the tokens after the first)."""
+    return None if decode_s is None or not gen_len or gen_len < 2 else round(decode_s / (gen_len - 1), 3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cap", default="6GB", help="the cgroup's limit (large: measured, not killed)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds after which the run is stopped (its "
+                    "peaks so far are reported)")
     ap.add_argument("--batches", default="", help="comma-separated --gpu-batch-size values to run the argv at")
     ap.add_argument("argv", nargs=argparse.REMAINDER, help="-- then flexh2o-run's flags")
     args = ap.parse_args()
@@ -120,7 +138,7 @@ def main() -> int:
     batches = [b for b in args.batches.split(",") if b] or [None]
     for b in batches:
         run = argv if b is None else argv + ["--gpu-batch-size", b]
-        print(json.dumps(measure(run, parse_bytes(args.cap), dict(os.environ))), flush=True)
+        print(json.dumps(measure(run, parse_bytes(args.cap), dict(os.environ), args.timeout)), flush=True)
     return 0
 
 
