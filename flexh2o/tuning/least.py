@@ -70,6 +70,8 @@ def least_message(rc: RunConfig) -> Optional[str]:
     tier, need, have = over
     parts = [f"{kind} {fmt_bytes(plan.bytes[tier][kind])}" for kind in KINDS if plan.bytes[tier][kind]]
     detail = in_flight(plan.rc, plan.forms) if tier == "gpu" else ""
+    if tier == plan.load_tier():  # the load's transient decides the total, not the run's bytes
+        parts, detail = [f"at the load: {plan.load_words()}"], ""
     return (f"no placement fits: even one sequence with {least_where(plan.rc.percent)} needs "
             f"{fmt_bytes(need)} in {tier_words(tier, plan.rc.device, the=True)} ({', '.join(parts)}{detail}) but "
             f"--{tier}-mem allows "

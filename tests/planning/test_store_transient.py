@@ -14,6 +14,7 @@ from flexh2o.config import from_name
 from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import largest_batch, plan_memory, store_transient_bytes
 from flexh2o.run_config import RunConfig
+from flexh2o.tuning.least import least_message
 
 ROW_122_GPU = 845245372  # the compute tier of RESULTS row 122 (opt-1.3b under a 1.25 GiB cap)
 
@@ -56,6 +57,7 @@ def test_a_plan_holds_the_store_transient_beside_its_weights_and_refuses_below_i
     assert largest_batch(small) == 0
     with pytest.raises(ValueError, match="at the load but --gpu-mem allows"):
         plan_memory(small).check()
+    assert "at the load: storing the largest 4-bit weight" in least_message(small)  # no placement spares it
 
 
 @pytest.mark.parametrize("batch", [1, 64, 512])
