@@ -114,3 +114,21 @@ def test_quantization_flags_that_would_change_nothing_are_refused(capsys):
     capsys.readouterr()
     _, flexgen = _specs("--compress-cache", "--cache-keys", "token", "--key-outliers", "0")
     assert flexgen.keys == "token" and flexgen.outliers == 0
+
+
+def test_the_plan_counts_the_default_scheme_bytes():
+    """The plan's cache block under --compress-cache is the default's layout: against groups of 64 with the newest
+    16 tokens exact, per row and KV head each slot holds d/G - d/64 more fp16 scale + minimum pairs (4 bytes each)
+    and the ring DEFAULT_RECENT - 16 more entries, each K and V in fp16 plus their int32 ring slots (2 x d x 2 + 2 x 4
+    bytes): exact byte arithmetic, no tolerance."""
+    import dataclasses
+
+    from flexh2o.config import from_name
+    from flexh2o.planning.memory_plan import cache_block_bytes
+    argv = ["--model", "opt-125m", "--compress-cache", "--gpu-batch-size", "2", "--dtype", "float16"]
+    rc = run_cli.build_run_config(run_cli.build_parser().parse_args(argv), from_name("opt-125m"), None)
+    old = rc.with_(compress_cache=dataclasses.replace(rc.compress_cache, group_size=64, recent=16))
+    lay = CacheLayout.of_run(rc)
+    d = lay.head_dim
+    per = lay.slots * 4 * (d // DEFAULT_CACHE_GROUP - d // 64) + (DEFAULT_RECENT - 16) * (2 * d * 2 + 2 * 4)
+    assert cache_block_bytes(rc) - cache_block_bytes(old) == lay.batch * lay.heads * per
