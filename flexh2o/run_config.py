@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from flexh2o import paths
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.kernels import kernel_spec_ok
 from flexh2o.config import ModelConfig
@@ -42,7 +43,7 @@ class RunConfig:
     gpu_mem: int = 4 << 30
     cpu_mem: int = 16 << 30
     disk_mem: int = 64 << 30
-    offload_dir: str = "/tmp/flexh2o_offload"
+    offload_dir: str = field(default_factory=paths.offload_dir)  # flexh2o/paths.py
     attn_chunk: int = 256  # prefill queries per attention chunk
     io_threads: int = 2
     max_positions: Optional[int] = None  # allow going past the model's table (Llama only)

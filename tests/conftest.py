@@ -1,13 +1,23 @@
 """Shared test helpers: tiny configs and Hugging Face reference models built from the engine's own weights."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Every run a test starts without --offload-dir, in this process or a child, puts its disk tier here, never in the
+# user's ~/flexh2o_offload (where a killed run of theirs leaves a directory whose sweep adds a line to the stderr the
+# tests compare). Set at import, before any test module imports the scripts, whose flags read it once
+# (flexh2o/paths.offload_dir).
+OFFLOAD_DIR = tempfile.mkdtemp(prefix="flexh2o-offload-")
+os.environ["FLEXH2O_OFFLOAD_DIR"] = OFFLOAD_DIR
+atexit.register(shutil.rmtree, OFFLOAD_DIR, True)  # each process (xdist's controller and workers) its own folder
 
 
 def hf_opt(cfg, weights: dict):

@@ -7,9 +7,9 @@ kv/cache_quant.CacheQuant, request_job.py, flexgen_flags.py); this module declar
 Imports no torch (--help and a flag's error stay quick)."""
 from __future__ import annotations
 
-import os
 from dataclasses import fields, make_dataclass
 
+from flexh2o import paths
 from flexh2o.cli.compress_flags import compression_flags
 from flexh2o.cli.flags import declare
 from flexh2o.cli.flexgen_flags import flexgen_flags, str2bool
@@ -52,8 +52,8 @@ def _model_flags() -> tuple:
     a("--gpu-mem", help="gpu tier capacity (e.g. 16GB); default: detected")
     a("--cpu-mem", help="cpu tier capacity; default: detected")
     a("--disk-mem", help="disk tier capacity; default: free space of --offload-dir")
-    a("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"), help="where the disk tier's "
-      "files go (in a per-run directory, removed at exit)")
+    a("--offload-dir", default=paths.offload_dir(), help="where the disk tier's files go (in a per-run directory, "
+      "removed at exit; $FLEXH2O_OFFLOAD_DIR where set, else ~/flexh2o_offload)")
     return tuple(flags)
 
 

@@ -3,11 +3,11 @@ Parsing imports no torch (--help is quick): what needs it is imported where it r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
 from flexh2o import config as model_configs
+from flexh2o import paths
 from flexh2o.cli.compress_flags import add_compression_flags, compression_specs, weight_kernel_mode
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.cli.help_text import model_help
@@ -47,7 +47,7 @@ def _capacity(arg: Optional[str], hw: dict, tier: str, args, device: str) -> int
         from types import SimpleNamespace
         from flexh2o.cli.capacities import capacities
         here = SimpleNamespace(gpu_mem=None, cpu_mem=None, disk_mem=None, dry_run=True,
-                               offload_dir=os.path.join(os.path.expanduser("~"), "flexh2o_offload"))
+                               offload_dir=paths.offload_dir())
         return capacities(here, device)[("gpu", "cpu", "disk").index(tier)]
     if value is None:
         raise ValueError(f"give --{tier}-mem (the hardware profile has no {tier}_mem)")

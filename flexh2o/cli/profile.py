@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Optional
 
+from flexh2o import paths
 from flexh2o.cli.checks import check_output_path
 from flexh2o.cli.console import Parser, run_main
 from flexh2o.units import fmt_bytes
@@ -16,7 +17,7 @@ from flexh2o.units import fmt_bytes
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flexh2o-profile", description=__doc__.split("\n")[0].split(": ", 1)[1])
     p.add_argument("--output", help="write the JSON profile here (default: print it)")
-    p.add_argument("--offload-dir", default=os.path.join(os.path.expanduser("~"), "flexh2o_offload"),
+    p.add_argument("--offload-dir", default=paths.offload_dir(),
                    help="where to measure disk bandwidth (a run directory is made and removed)")
     p.add_argument("--no-disk", action="store_true", help="skip the disk measurement")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
