@@ -29,10 +29,12 @@ def load(check) -> tuple:
 
 
 def _start_threads(numba) -> None:
-    """Start numba's thread pool with passive waiting unless OMP_WAIT_POLICY says otherwise: its OpenMP runtime is
-    not torch's (another copy of libgomp), and threads of one that spin after their region hold a core the other's
-    next region needs (measured: a decode step several times slower with both spinning on 2 cores). The variable is
-    read once, when numba loads its runtime here, and removed again: torch's runtime, already loaded, keeps its own."""
+    """Start numba's thread pool with passive waiting unless OMP_WAIT_POLICY says otherwise: numba's OpenMP layer
+    binds to the libgomp already loaded, torch's own (one runtime, one pool: checked with LD_DEBUG=bindings, 7 Dec
+    2026), which read its OMP_WAIT_POLICY when torch loaded it; the variable set here reaches only what loads a
+    runtime of its own now (a numba built against another OpenMP), and is removed again. Threads spinning after a
+    region hold a core the next region needs (measured when two runtimes ran: a decode step several times slower on
+    2 cores): set OMP_WAIT_POLICY=PASSIVE before starting Python to make torch's own threads wait passively."""
     if "OMP_WAIT_POLICY" in os.environ:
         numba.get_num_threads()
         return
