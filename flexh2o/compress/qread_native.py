@@ -11,7 +11,7 @@ Built once per machine, source and instruction set into the cache directory with
 (compress/expand_native.py's `built`), the instruction set following torch's own (ATEN_CPU_CAPABILITY: AVX-512,
 AVX2, or the generic build under `default`), as compress/expand_native.py's. It takes 4-bit keys per channel and
 4-bit values in groups of a multiple of 32 channels, head dimension a multiple of 32 up to MAXD (`takes`); checked
-once a process against the numba kernel on small blocks (compress/fused_decode.py). Where no compiler builds it
+once a process against the torch levels read on a small block (compress/fused_decode.py's `native`). Where no compiler builds it
 `library()` is None and the numba kernel reads as before.
 """
 from __future__ import annotations
@@ -42,19 +42,22 @@ STEP_NAMES = ("k", "v", "cur", "in_order", "hm", "rotk", "hv", "rotv", "pos", "s
               "vwin", "vsink")  # compress/fused_step.py's write_args, in order
 
 
+def _pointers(parts: tuple) -> list:
+    """An argument block's fields of `parts` ((name, strides) pairs): each part's pointer, then its leading strides."""
+    return [f for name, k in parts for f in [(name, PTR)] + [(f"{name}{i}", I64) for i in range(k)]]
+
+
 class QWrite(ctypes.Structure):
     """The C write's argument block (qwrite_c.py's QWrite), as QRead's."""
 
-    _fields_ = ([(n, I64) for n in WSIZES]
-                + [f for name, k in WPARTS for f in [(name, PTR)] + [(f"{name}{i}", I64) for i in range(k)]])
+    _fields_ = [(n, I64) for n in WSIZES] + _pointers(WPARTS)
 
 
 class QRead(ctypes.Structure):
     """The C code's argument block (qread_c.py's QRead): sizes, the scale and cap, each part's pointer and its
     leading strides in elements."""
 
-    _fields_ = ([(n, I64) for n in SIZES] + [("inv", F32), ("cap", F32)]
-                + [f for name, k in PARTS for f in [(name, PTR)] + [(f"{name}{i}", I64) for i in range(k)]])
+    _fields_ = [(n, I64) for n in SIZES] + [("inv", F32), ("cap", F32)] + _pointers(PARTS)
 
 
 @functools.lru_cache(maxsize=None)
