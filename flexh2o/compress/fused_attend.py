@@ -74,6 +74,14 @@ def expected() -> bool:
     return os.environ.get(ENV, "auto") != "torch" and importlib.util.find_spec("numba") is not None
 
 
+def reads_packed(quant, device) -> bool:
+    """Whether decode is expected to read a block quantized under `quant` (a CacheQuant, or None) on `device` from
+    its packed bytes, no expanded copy made: on the CPU, keys not fitted, the fused reader `expected`. The one
+    answer the cost model (priced at the block's bytes) and the memory plan (no expanded block held) read."""
+    return (quant is not None and torch.device(device).type == "cpu" and getattr(quant, "keys", "") != "fitted"
+            and expected())
+
+
 @functools.lru_cache(maxsize=4)
 def chosen(mode: str) -> Reader:
     """The reader for `mode` (MODES); ValueError for another mode, or for fused where the kernels cannot run."""

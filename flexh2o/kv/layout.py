@@ -131,11 +131,26 @@ class CacheLayout:
         b, h, s, d = self.kv_shape
         return 2 * b * h * s * d * dtype.itemsize
 
-    def expands(self, compute: torch.dtype) -> bool:
-        """Decode reads K and V through working copies: an expanded one when stored in another dtype; a quantized
-        block's levels read (compress/attend.py) holds less than an expanded copy at once, and vatp's and mean_vnorm's
-        fp32 values (mean_keydiff's fp32 keys) as much, so expanded_bytes bounds it."""
-        return self.quant is not None or self.dtype != compute
+    def read_bytes(self, compute: torch.dtype, packed: bool) -> int:
+        """What a decode step holds to read K and V of the block, besides its logits: an expanded copy in `compute`
+        where stored in another dtype, or quantized and read by compress/attend.py's levels read (which holds less
+        than that at once); a quantized block read from its packed bytes (`packed`: compress/fused_attend.py's
+        reads_packed, values in whole groups) holds only its small parts (scales, calibration, exact ring and
+        outliers) in fp32, bounded here by every non-data part of K and V at 4 bytes a value."""
+        if self.quant is None:
+            return self.expanded_bytes(compute) if self.dtype != compute else 0
+        if not packed or self.head_dim % self.quant.group_size:
+            return self.expanded_bytes(compute)
+        return sum(p.nbytes // p.dtype.itemsize * 4 for f in ("k", "v") for p in self.field_parts(f)
+                   if p.name != "data")
+
+    def policy_copy_bytes(self, keys: bool, values: bool) -> int:
+        """The fp32 keys and/or values an eviction policy reads (kv/decode.py's evict: as_form(...).expanded): a
+        copy of each unless the block stores that field as plain fp32."""
+        b, h, s, d = self.kv_shape
+        if self.quant is None and self.dtype == torch.float32:
+            return 0
+        return (int(keys) + int(values)) * b * h * s * d * 4
 
     # ---- the block's tensors ----------------------------------------------------------------------------------
     def assemble(self, field: str, tensors: dict):

@@ -13,6 +13,7 @@ from flexh2o.placement import TIERS, Placement, tensor_bytes, tier_words
 from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
+from flexh2o.compress import fused_attend
 from flexh2o.compress.codec import weight_spec
 from flexh2o.compress.kept import compresses_others
 from flexh2o.compress.tier import SLAB_BYTES
@@ -167,8 +168,9 @@ def working_bytes(rc: RunConfig) -> int:
     block = layout.nbytes
     attend_on_cpu = rc.cpu_cache_compute and cpu == 100
     cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
-    if layout.expands(rc.compute):  # decode reads K and V of one block in the compute dtype
-        cache += layout.expanded_bytes(rc.compute)
+    cache += layout.read_bytes(rc.compute, fused_attend.reads_packed(rc.compress_cache, rc.device))
+    policy = rc.kv.make(cfg.num_layers)
+    cache += layout.policy_copy_bytes(policy.needs_keys or policy.merges, policy.needs_values)
     chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk, rc.device)
     qkv = 4 * m * t * cfg.token_width * c  # q, k, v, attention output (sub-batch)
     probs = 3 if rc.kv.needs_scores else 1  # scoring policies materialise fp32 probabilities

@@ -171,3 +171,47 @@ def test_three_bit_levels_unpack_as_the_bit_stream_says():
     for row, levels in zip(data.view(-1, 24).tolist(), got.view(-1, 64).tolist()):
         stream = int.from_bytes(bytes(row), "little")
         assert levels == [(stream >> (3 * i)) & 7 for i in range(64)]
+
+
+def test_decode_read_bytes_by_hand():
+    """What decode holds to read a block besides its logits (CacheLayout.read_bytes): b 2, 3 KV heads, 10 slots,
+    head_dim 64. Plain in the compute dtype: nothing; plain fp16 read in fp32: K and V expanded, 2 x 60 x 64 x 4.
+    Quantized (4 bits, keys per channel with 4 exact, values in groups of 64) read from its packed bytes: its parts
+    other than the packed levels at 4 bytes a value: the key outliers' index 60 x 4 and exact values 60 x 4, the
+    keys' calibration 6 x 64 x 2, the values' scale and minimum 60 x 2: 1368 values, 5472 bytes; read by the levels
+    read (not packed) or in ragged groups (head_dim 48 in groups of 32): the expanded copy."""
+    expanded = 2 * 60 * 64 * 4
+    assert CacheLayout(2, 3, 10, 64, torch.float32).read_bytes(torch.float32, True) == 0
+    assert CacheLayout(2, 3, 10, 64, torch.float16).read_bytes(torch.float32, True) == expanded
+    quant = CacheLayout(2, 3, 10, 64, torch.float16, CacheQuant(4, 64, "channel", 4))
+    assert quant.read_bytes(torch.float32, True) == 1368 * 4
+    assert quant.read_bytes(torch.float32, False) == expanded
+    ragged = CacheLayout(2, 3, 10, 48, torch.float16, CacheQuant(4, 32, "channel", 4))
+    assert ragged.read_bytes(torch.float32, True) == 2 * 60 * 48 * 4
+    # an eviction policy's fp32 keys / values: a copy each unless stored as plain fp32
+    assert CacheLayout(2, 3, 10, 64, torch.float32).policy_copy_bytes(True, True) == 0
+    assert quant.policy_copy_bytes(False, True) == expanded // 2 and quant.policy_copy_bytes(True, True) == expanded
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_plan_holds_an_expanded_block_only_where_decode_expands(mode, monkeypatch, offload_dir):
+    """The memory plan's compute-side buffers count the quantized block expanded only where decode reads it by the
+    levels read (FLEXH2O_CACHE_KERNEL=torch, or no numba); read from its packed bytes, only its small parts. The
+    cost model reads the same answer (fused_attend.reads_packed)."""
+    from flexh2o.compress import fused_attend
+    from flexh2o.planning.memory_plan import working_bytes
+    from flexh2o.tuning.hardware import Rates, load_profile
+    from flexh2o.tuning.step_cost import StepCost
+    monkeypatch.setenv(fused_attend.ENV, mode)
+    quant = CacheQuant(4, 16, "channel", 4, 8, 2, True)  # the tiny model's head_dim 16: values in one whole group
+    rc = _rc("opt", "full", offload_dir, [100, 0, 100, 0]).with_(compress_cache=quant)
+    packed = fused_attend.reads_packed(quant, "cpu")
+    assert packed == (mode == "auto" and fused_attend.expected())
+    if mode == "auto" and not packed:
+        pytest.skip("numba is not installed: decode reads by the levels read")
+    lay = CacheLayout.of_run(rc)
+    plain = working_bytes(rc.with_(compress_cache=None))  # the same run, its block plain (fp32, read as stored)
+    held = lay.expanded_bytes(rc.compute) if mode == "torch" else lay.read_bytes(rc.compute, True)
+    assert mode == "torch" or held < lay.expanded_bytes(rc.compute)
+    assert working_bytes(rc) - lay.nbytes == plain - CacheLayout.of_run(rc.with_(compress_cache=None)).nbytes + held
+    assert StepCost(rc, Rates.from_profile(load_profile("cpu_measured"), rc.compute)).fused == packed
