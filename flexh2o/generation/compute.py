@@ -83,16 +83,24 @@ class LayerCompute:
 
     def prefill(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor) -> tuple:
         """x (b, t, h), pos (b, t) -> (output (b, t, h), a fresh block holding each row's kept tokens). Rows are
-        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch."""
-        blk = self.empty_block(x.shape[0], cache_layer, x.device)
-        outs, rows = [], self.rc.prefill_rows()
-        for r in range(0, x.shape[0], rows):
+        run in sub-batches of rc.prefill_rows() so transient buffers stay bounded whatever the batch; each
+        sub-batch's output is copied into the layer's output as it comes (one sub-batch's beside the input and the
+        output, as the memory plan counts them: not every sub-batch's and then their join)."""
+        b = x.shape[0]
+        blk = self.empty_block(b, cache_layer, x.device)
+        out, rows = None, self.rc.prefill_rows()
+        for r in range(0, b, rows):
             sl = slice(r, r + rows)
 
             def attend(q, k, v, sl=sl):
                 return self.prefill_attend(cache_layer, q, k, v, pos[sl], blk.rows(sl))
-            outs.append(self.family.block(self.cfg, w, cache_layer, x[sl], pos[sl].clamp(min=0), attend))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)), blk
+            part = self.family.block(self.cfg, w, cache_layer, x[sl], pos[sl].clamp(min=0), attend)
+            if rows >= b:
+                return part, blk
+            if out is None:
+                out = torch.empty((b,) + tuple(part.shape[1:]), dtype=part.dtype, device=part.device)
+            out[sl] = part
+        return out, blk
 
     def prefill_copies(self, w: dict, cache_layer: int, x: torch.Tensor, pos: torch.Tensor, copies: int) -> tuple:
         """prefill of one copy of the rows for `copies` copies over the same prompts (a LanePlan): the block has

@@ -135,14 +135,15 @@ class CacheLayout:
         """What a decode step holds to read K and V of the block, besides its logits: an expanded copy in `compute`
         where stored in another dtype, or quantized and read by compress/attend.py's levels read (which holds less
         than that at once); a quantized block read from its packed bytes (`packed`: compress/fused_attend.py's
-        reads_packed, values in whole groups) holds only its small parts (scales, calibration, exact ring and
-        outliers) in fp32, bounded here by every non-data part of K and V at 4 bytes a value."""
+        reads_packed, values in whole groups) holds only fp32 copies of its small parts stored in another dtype
+        (scales, calibration, exact ring and outliers; an fp32 part and the slot indices, index and rslot, are read
+        as stored)."""
         if self.quant is None:
             return self.expanded_bytes(compute) if self.dtype != compute else 0
         if not packed or self.head_dim % self.quant.group_size:
             return self.expanded_bytes(compute)
         return sum(p.nbytes // p.dtype.itemsize * 4 for f in ("k", "v") for p in self.field_parts(f)
-                   if p.name != "data")
+                   if p.name not in ("data", "index", "rslot") and p.dtype != torch.float32)
 
     def policy_copy_bytes(self, keys: bool, values: bool) -> int:
         """The fp32 keys and/or values an eviction policy reads (kv/decode.py's evict: as_form(...).expanded): a

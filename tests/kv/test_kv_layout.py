@@ -176,15 +176,17 @@ def test_three_bit_levels_unpack_as_the_bit_stream_says():
 def test_decode_read_bytes_by_hand():
     """What decode holds to read a block besides its logits (CacheLayout.read_bytes): b 2, 3 KV heads, 10 slots,
     head_dim 64. Plain in the compute dtype: nothing; plain fp16 read in fp32: K and V expanded, 2 x 60 x 64 x 4.
-    Quantized (4 bits, keys per channel with 4 exact, values in groups of 64) read from its packed bytes: its parts
-    other than the packed levels at 4 bytes a value: the key outliers' index 60 x 4 and exact values 60 x 4, the
-    keys' calibration 6 x 64 x 2, the values' scale and minimum 60 x 2: 1368 values, 5472 bytes; read by the levels
-    read (not packed) or in ragged groups (head_dim 48 in groups of 32): the expanded copy."""
+    Quantized (4 bits, keys per channel with 4 exact, values in groups of 64) read from its packed bytes: its fp16
+    parts other than the packed levels as fp32 copies: the key outliers' exact values 60 x 4 (their index is read as
+    stored), the keys' calibration 6 x 64 x 2, the values' scale and minimum 60 x 2: 1128 values, 4512 bytes; stored
+    in fp32, nothing; read by the levels read (not packed) or in ragged groups (head_dim 48 in groups of 32): the
+    expanded copy."""
     expanded = 2 * 60 * 64 * 4
     assert CacheLayout(2, 3, 10, 64, torch.float32).read_bytes(torch.float32, True) == 0
     assert CacheLayout(2, 3, 10, 64, torch.float16).read_bytes(torch.float32, True) == expanded
     quant = CacheLayout(2, 3, 10, 64, torch.float16, CacheQuant(4, 64, "channel", 4))
-    assert quant.read_bytes(torch.float32, True) == 1368 * 4
+    assert quant.read_bytes(torch.float32, True) == 1128 * 4
+    assert CacheLayout(2, 3, 10, 64, torch.float32, quant.quant).read_bytes(torch.float32, True) == 0
     assert quant.read_bytes(torch.float32, False) == expanded
     ragged = CacheLayout(2, 3, 10, 48, torch.float16, CacheQuant(4, 32, "channel", 4))
     assert ragged.read_bytes(torch.float32, True) == 2 * 60 * 48 * 4
