@@ -160,7 +160,9 @@ def host_bytes(rc: RunConfig) -> int:
 
 def working_bytes(rc: RunConfig) -> int:
     """Compute-side buffers besides the weights in flight (`in_flight_bytes`): the cache blocks being built or
-    loaded, and the largest transient of a layer (prefill attention, MLP, logits)."""
+    loaded, what decode holds to read one (CacheLayout.read_bytes: an expanded copy only where the read makes one)
+    and the fp32 keys or values an eviction policy reads, and the largest transient of a layer (prefill attention,
+    MLP, logits)."""
     cfg, c = rc.model, rc.compute.itemsize
     b, t, m = rc.gpu_batch_size, rc.prompt_len, rc.prefill_rows()  # prefill runs m sequences at a time
     g, cpu, _ = rc.percent.shares("cache")
@@ -179,7 +181,7 @@ def working_bytes(rc: RunConfig) -> int:
     mlp = min(m * t, max(1, MLP_ELEMENTS // cfg.ffn)) * cfg.ffn * c * 2 + m * t * cfg.hidden * c
     logits = b * cfg.vocab * 4 * 2
     acts = (1 if rc.percent.act_gpu == 100 else 2) * act_block_bytes(rc)  # a layer's output beside its input
-    sub_batches = m * t * cfg.hidden * c if m < b else 0  # sub-batch outputs before they are joined
+    sub_batches = m * t * cfg.hidden * c if m < b else 0  # a sub-batch's output before it is copied into the layer's
     return cache + max(attention, decode_attn, mlp) + logits + acts + sub_batches
 
 
