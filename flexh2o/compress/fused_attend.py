@@ -74,12 +74,13 @@ def expected() -> bool:
     return os.environ.get(ENV, "auto") != "torch" and importlib.util.find_spec("numba") is not None
 
 
-def reads_packed(quant, device) -> bool:
-    """Whether decode is expected to read a block quantized under `quant` (a CacheQuant, or None) on `device` from
-    its packed bytes, no expanded copy made: on the CPU, keys not fitted, the fused reader `expected`. The one
+def reads_packed(quant, device, head_dim: int) -> bool:
+    """Whether decode is expected to read a block quantized under `quant` (a CacheQuant, or None) on `device` with
+    heads `head_dim` wide from its packed bytes, no expanded copy made: on the CPU, keys not fitted, head_dim in
+    whole groups (a ragged tail takes the levels read: codec's whole_groups), the fused reader `expected`. The one
     answer the cost model (priced at the block's bytes) and the memory plan (no expanded block held) read."""
     return (quant is not None and torch.device(device).type == "cpu" and getattr(quant, "keys", "") != "fitted"
-            and expected())
+            and head_dim % quant.group_size == 0 and expected())
 
 
 @functools.lru_cache(maxsize=4)

@@ -135,12 +135,12 @@ class CacheLayout:
         """What a decode step holds to read K and V of the block, besides its logits: an expanded copy in `compute`
         where stored in another dtype, or quantized and read by compress/attend.py's levels read (which holds less
         than that at once); a quantized block read from its packed bytes (`packed`: compress/fused_attend.py's
-        reads_packed, values in whole groups) holds only fp32 copies of its small parts stored in another dtype
-        (scales, calibration, exact ring and outliers; an fp32 part and the slot indices, index and rslot, are read
-        as stored)."""
+        reads_packed, the one decision) holds only fp32 copies of its small parts stored in another dtype (scales,
+        calibration, exact ring and outliers; an fp32 part and the slot indices, index and rslot, are read as
+        stored)."""
         if self.quant is None:
             return self.expanded_bytes(compute) if self.dtype != compute else 0
-        if not packed or self.head_dim % self.quant.group_size:
+        if not packed:
             return self.expanded_bytes(compute)
         return sum(p.nbytes // p.dtype.itemsize * 4 for f in ("k", "v") for p in self.field_parts(f)
                    if p.name not in ("data", "index", "rslot") and p.dtype != torch.float32)

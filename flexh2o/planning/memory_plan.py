@@ -170,7 +170,7 @@ def working_bytes(rc: RunConfig) -> int:
     block = layout.nbytes
     attend_on_cpu = rc.cpu_cache_compute and cpu == 100
     cache = block if g == 100 or attend_on_cpu else 2 * block  # prefill builds one; decode prefetches the next
-    cache += layout.read_bytes(rc.compute, fused_attend.reads_packed(rc.compress_cache, rc.device))
+    cache += layout.read_bytes(rc.compute, fused_attend.reads_packed(rc.compress_cache, rc.device, layout.head_dim))
     policy = rc.kv.make(cfg.num_layers)
     cache += layout.policy_copy_bytes(policy.needs_keys or policy.merges, policy.needs_values)
     chunk = prefill_chunk(m, cfg.num_heads, t, rc.attn_chunk, rc.device)

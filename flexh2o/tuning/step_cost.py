@@ -101,7 +101,7 @@ class StepCost:
         self.evicts = rc.kv.evicts(rc.prompt_len, rc.gen_len, rc.model.num_layers)
         self.passes = ATT_PASSES + (SCORE_PASSES if rc.kv.needs_scores else 0)
         q = rc.compress_cache  # decode reads a quantized CPU block from its packed bytes where the kernels run
-        self.fused = fused_attend.reads_packed(q, rc.device)
+        self.fused = fused_attend.reads_packed(q, rc.device, self.cfg.head_dim)
         # CPU-only overlap: the I/O thread competes with compute for the cores (profile's busy rates)
         self.contended = not self.cuda and rc.overlap and r.disk_read_busy is not None
 

@@ -179,8 +179,7 @@ def test_decode_read_bytes_by_hand():
     Quantized (4 bits, keys per channel with 4 exact, values in groups of 64) read from its packed bytes: its fp16
     parts other than the packed levels as fp32 copies: the key outliers' exact values 60 x 4 (their index is read as
     stored), the keys' calibration 6 x 64 x 2, the values' scale and minimum 60 x 2: 1128 values, 4512 bytes; stored
-    in fp32, nothing; read by the levels read (not packed) or in ragged groups (head_dim 48 in groups of 32): the
-    expanded copy."""
+    in fp32, nothing; read by the levels read (not packed): the expanded copy."""
     expanded = 2 * 60 * 64 * 4
     assert CacheLayout(2, 3, 10, 64, torch.float32).read_bytes(torch.float32, True) == 0
     assert CacheLayout(2, 3, 10, 64, torch.float16).read_bytes(torch.float32, True) == expanded
@@ -188,8 +187,6 @@ def test_decode_read_bytes_by_hand():
     assert quant.read_bytes(torch.float32, True) == 1128 * 4
     assert CacheLayout(2, 3, 10, 64, torch.float32, quant.quant).read_bytes(torch.float32, True) == 0
     assert quant.read_bytes(torch.float32, False) == expanded
-    ragged = CacheLayout(2, 3, 10, 48, torch.float16, CacheQuant(4, 32, "channel", 4))
-    assert ragged.read_bytes(torch.float32, True) == 2 * 60 * 48 * 4
     # an eviction policy's fp32 keys / values: a copy each unless stored as plain fp32
     assert CacheLayout(2, 3, 10, 64, torch.float32).policy_copy_bytes(True, True) == 0
     assert quant.policy_copy_bytes(False, True) == expanded // 2 and quant.policy_copy_bytes(True, True) == expanded
@@ -207,7 +204,7 @@ def test_plan_holds_an_expanded_block_only_where_decode_expands(mode, monkeypatc
     monkeypatch.setenv(fused_attend.ENV, mode)
     quant = CacheQuant(4, 16, "channel", 4, 8, 2, True)  # the tiny model's head_dim 16: values in one whole group
     rc = _rc("opt", "full", offload_dir, [100, 0, 100, 0]).with_(compress_cache=quant)
-    packed = fused_attend.reads_packed(quant, "cpu")
+    packed = fused_attend.reads_packed(quant, "cpu", rc.model.head_dim)
     assert packed == (mode == "auto" and fused_attend.expected())
     if mode == "auto" and not packed:
         pytest.skip("numba is not installed: decode reads by the levels read")
@@ -217,3 +214,21 @@ def test_plan_holds_an_expanded_block_only_where_decode_expands(mode, monkeypatc
     assert mode == "torch" or held < lay.expanded_bytes(rc.compute)
     assert working_bytes(rc) - lay.nbytes == plain - CacheLayout.of_run(rc.with_(compress_cache=None)).nbytes + held
     assert StepCost(rc, Rates.from_profile(load_profile("cpu_measured"), rc.compute)).fused == packed
+
+
+@pytest.mark.parametrize("head_dim, group, whole", [(64, 32, True), (64, 64, True), (48, 32, False), (16, 32, False)])
+def test_reads_packed_only_heads_in_whole_groups(head_dim, group, whole, monkeypatch):
+    """A block whose head_dim is not a whole number of groups (48 in 32s; 16 under a group of 32: a ragged tail)
+    is read by the levels read, expanded (codec's whole_groups): fused_attend.reads_packed, the one answer that the
+    memory plan and the cost model read, says so; so does the codec itself for a block of that shape."""
+    from flexh2o.compress import fused_attend
+    from flexh2o.compress.codec import CompressionSpec, quantize
+    monkeypatch.setenv(fused_attend.ENV, "auto")
+    if not fused_attend.expected():
+        pytest.skip("numba is not installed: no block is read from its packed bytes")
+    quant = CacheQuant(4, group, "token", 0)
+    assert fused_attend.reads_packed(quant, "cpu", head_dim) == whole
+    assert not fused_attend.reads_packed(None, "cpu", head_dim)
+    values = torch.randn(1, 2, 5, head_dim, generator=torch.Generator().manual_seed(0))
+    ct = quantize(values, CompressionSpec(bits=4, group_size=group, group_dim=3))
+    assert ct.whole_groups() == whole
