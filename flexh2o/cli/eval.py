@@ -79,7 +79,7 @@ def _run(args, argv: list) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from flexh2o.eval.common import load_model
+    from flexh2o.eval.common import full_name, load_model
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be at least 1")
@@ -93,11 +93,11 @@ def _run(args, argv: list) -> int:
     if args.task == "ppl":
         from flexh2o.eval.ppl import format_ppl, plot_ppl, run_ppl
         result = run_ppl(model, settings, not args.no_progress, args.procs)
-        text = format_ppl(result) + "\n" + format_ppl(result, "ppl_late")
+        text = format_ppl(result, "ppl", full_name(model)) + "\n" + format_ppl(result, "ppl_late", full_name(model))
     else:
         from flexh2o.eval.recall import format_recall, run_recall
         result = run_recall(model, settings, not args.no_progress)
-        text = format_recall(result)
+        text = format_recall(result, full_name(model))
     seconds = time.perf_counter() - start
     out = result.to_dict()
     out.update(model=args.model, dtype=args.dtype, **{f.dest: getattr(args, f.dest) for f in compression_flags()},

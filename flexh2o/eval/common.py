@@ -222,6 +222,13 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False, dynamic_ncols=True)
 
 
+def full_name(model: EvalModel) -> str:
+    """What the tables call the full run: the full cache in the form every lane ran with (quantized under
+    --compress-cache: its scheme, so a change against it is not read as one against the exact cache)."""
+    q = model.compress_cache
+    return "full cache" if q is None else f"full cache, quantized {q.describe()},"
+
+
 @dataclass
 class EvalResult:
     """Rows of one evaluation task (one dict per policy, budget and text or task) with its settings."""

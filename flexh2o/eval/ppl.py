@@ -38,14 +38,15 @@ def run_ppl(model: EvalModel, s: PplSettings, progress: bool = True, procs: int 
         bar.close()
 
 
-def format_ppl(result: EvalResult, key: str = "ppl") -> str:
-    """Markdown: one table per text, policies x budgets, perplexity and its change against full."""
+def format_ppl(result: EvalResult, key: str = "ppl", full_name: str = "full cache") -> str:
+    """Markdown: one table per text, policies x budgets, perplexity and its change against full (`full_name`: what
+    that run's cache was, e.g. quantized: eval.common.full_name)."""
     s, out = result.settings, []
     for text in s.texts:
         rows = [r for r in result.rows if r["text"] == text]
         full = next(r[key] for r in rows if r["policy"] == "full")
         head = [f"{b} ({budget_tokens(b, s.context)})" for b in s.budgets]
-        out.append(f"{text}: {key}, {s.context}-token windows x {s.windows}, full cache {full:.3f}")
+        out.append(f"{text}: {key}, {s.context}-token windows x {s.windows}, {full_name} {full:.3f}")
         out.append("| policy | " + " | ".join(head) + " |")
         out.append("|---|" + "---|" * len(head))
         for p in s.policies:

@@ -146,15 +146,16 @@ def _answer_hits(model: EvalModel, lanes: list, group: list) -> list:
     return [hits[lane] for lane in lanes]
 
 
-def format_recall(result: EvalResult) -> str:
-    """Markdown: one table per task, exact match (answer-token accuracy) per policy and budget."""
+def format_recall(result: EvalResult, full_name: str = "full cache") -> str:
+    """Markdown: one table per task, exact match (answer-token accuracy) per policy and budget (`full_name`: what
+    the full run's cache was: eval.common.full_name)."""
     s, out = result.settings, []
     for task in s.tasks:
         rows = [r for r in result.rows if r["task"] == task]
         full = next(r for r in rows if r["policy"] == "full")
         head = [f"{b} ({budget_tokens(b, s.context)})" for b in s.budgets]
         out.append(f"{task}: exact match (answer-token accuracy), {full['samples']} samples, {s.context}-token "
-                   f"context, full cache {_pct(full)}")
+                   f"context, {full_name} {_pct(full)}")
         out.append("| policy | " + " | ".join(head) + " |")
         out.append("|---|" + "---|" * len(head))
         for p in s.policies:

@@ -59,3 +59,17 @@ def test_the_record_holds_the_cache_group_it_ran_with(tiny, tmp_path, capsys):
         assert eval_cli.main(argv) == 0, capsys.readouterr().err
         record = json.loads(out.read_text())
         assert (record["cache_group_size"], record["cache_recent"]) == (group, DEFAULT_RECENT), record
+        # the tables' header names the full run's cache as it ran: quantized, not the exact cache
+        heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hamlet: ")]
+        assert len(heads) == 2 and all(f", full cache, quantized 4-bit/{group} (" in h for h in heads), heads
+
+
+def test_the_tables_name_an_exact_full_cache_plainly(tiny, tmp_path, capsys):
+    """Without --compress-cache the header's reference is the plain full cache."""
+    model, tokenizer = tiny
+    argv = ["ppl", "--model", model, "--tokenizer", tokenizer, "--dtype", "float32", "--policies", "h2o",
+            "--budgets", "50%", "--windows", "1", "--context", "96", "--prefix", "8", "--texts", "hamlet",
+            "--no-progress"]
+    assert eval_cli.main(argv) == 0, capsys.readouterr().err
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("hamlet: ")]
+    assert len(heads) == 2 and all(", full cache " in h and "quantized" not in h for h in heads), heads
