@@ -93,7 +93,8 @@ def _run(args, argv: list) -> int:
     if args.task == "ppl":
         from flexh2o.eval.ppl import format_ppl, plot_ppl, run_ppl
         result = run_ppl(model, settings, not args.no_progress, args.procs)
-        text = format_ppl(result, "ppl", full_name(model)) + "\n" + format_ppl(result, "ppl_late", full_name(model))
+        name = full_name(model)
+        text = format_ppl(result, "ppl", name) + "\n" + format_ppl(result, "ppl_late", name)
     else:
         from flexh2o.eval.recall import format_recall, run_recall
         result = run_recall(model, settings, not args.no_progress)
