@@ -14,9 +14,9 @@ from flexh2o.run_config import RunConfig
 from flexh2o.units import fmt_bytes
 from flexh2o.compress.choice import PHASES
 from flexh2o.compress import fused_attend
-from flexh2o.compress.codec import weight_spec
+from flexh2o.compress.codec import stored_parts, weight_spec
 from flexh2o.compress.kept import compresses_others
-from flexh2o.compress.tier import SLAB_BYTES
+from flexh2o.compress.tier import SLAB_BYTES, slab_rows
 from flexh2o.weights.forms import WeightForms
 
 KINDS = ("weights", "cache", "activations", "buffers")
@@ -186,16 +186,17 @@ def working_bytes(rc: RunConfig) -> int:
 
 
 SLAB_COPIES = 3  # fp32 slabs live at once in the codec's quantize: the input as fp32, x - minimum, its quotient
+SLAB_LEVEL_COPIES = 3  # a slab's compressed bytes live at once: its data, its levels (two a byte) for the kernel order
 
 
 def store_transient_bytes(rc: RunConfig, where: Placement) -> int:
     """The largest transient of putting one weight in its home under --compress-weight, before any compute buffer
-    exists (compress/tier.py: write_from gathers the weight whole in the storage dtype, quantize_slabs quantizes
-    SLAB_BYTES of fp32 input at a time, SLAB_COPIES of them live, and joins the slabs' parts: the parts, the join
-    and a kernel-order copy, three times the compressed bytes). opt-1.3b's embedding (50272, 2048) in bf16: 196 +
-    3 x 55 + 96 MiB; measured at the load of a batch-1 run (benchmarks/plan_memory.py): anonymous memory 193 MiB
-    before it, 632 MiB at its peak, the cpu tier's 56 MiB of weights filled in between. 0 without
-    --compress-weight."""
+    exists (compress/tier.py). A (N, K) weight grouped along K is quantized a slab of rows at a time (slab_rows,
+    SLAB_BYTES of fp32 input) and each slab's bytes written as made: its input (the slab regathered from seeded
+    pieces, or a checkpoint's tensor whole), SLAB_COPIES fp32 slabs, SLAB_LEVEL_COPIES times the slab's compressed
+    bytes, and the meta of every slab twice (the slabs' and their join). Another weight is gathered whole in the
+    storage dtype and quantized a slab at a time, its parts joined: the parts, the join and a kernel-order copy,
+    three times its compressed bytes. 0 without --compress-weight."""
     if not compresses_others(rc.compress_weight):  # none, or a checkpoint's kept blocks stored as they are
         return 0
     most = 0
@@ -205,8 +206,17 @@ def store_transient_bytes(rc: RunConfig, where: Placement) -> int:
             continue
         numel = tensor_bytes(s.shape, torch.float32) // 4
         copies = SLAB_COPIES - (rc.dtype == torch.float32)  # an fp32 input is used as it is, not copied
-        slabs = copies * min(SLAB_BYTES, 4 * numel)
-        most = max(most, numel * rc.dtype.itemsize + 3 * tensor_bytes(s.shape, rc.dtype, spec) + slabs)
+        rows = slab_rows(s.shape, spec)
+        if rows is None:
+            slabs = copies * min(SLAB_BYTES, 4 * numel)
+            most = max(most, numel * rc.dtype.itemsize + 3 * tensor_bytes(s.shape, rc.dtype, spec) + slabs)
+            continue
+        slab = (min(rows, s.shape[0]), s.shape[1])
+        whole_input = rc.checkpoint is not None  # its tensor is read whole; seeded pieces are regathered by slabs
+        held = numel * rc.dtype.itemsize if whole_input else tensor_bytes(slab, rc.dtype)
+        meta = stored_parts(s.shape, rc.dtype, spec)[1]
+        most = max(most, held + copies * tensor_bytes(slab, torch.float32)
+                   + SLAB_LEVEL_COPIES * tensor_bytes(slab, rc.dtype, spec) + 2 * meta)
     return most
 
 

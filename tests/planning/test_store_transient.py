@@ -1,7 +1,8 @@
-"""The memory plan counts the transient of storing the largest 4-bit weight (compress/tier.py: the weight gathered
-whole in the storage dtype, the codec's fp32 slabs, the compressed parts and their join), from the weights' shapes:
-a batch-1 plan of opt-1.3b with 4-bit weights peaked at its load, 632 MiB of anonymous memory against 442 MiB in its
-prefill and decode, while its plan counted 227 MiB (benchmarks/plan_memory.py, RESULTS row 127)."""
+"""The memory plan counts the transient of storing the largest 4-bit weight (compress/tier.py: a (N, K) weight
+quantized and written a slab of rows at a time, the slab's input, the codec's fp32 slabs, the slab's compressed
+bytes, the meta of every slab), from the weights' shapes: a batch-1 plan of opt-1.3b with 4-bit weights, when the
+weight was gathered whole and its parts joined, peaked at its load, 632 MiB of anonymous memory against 442 MiB in
+its prefill and decode, while its plan counted 227 MiB (benchmarks/plan_memory.py, RESULTS row 127)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from flexh2o.compress import CompressionSpec
 from flexh2o.compress.codec import quantize, weight_spec
-from flexh2o.compress.tier import SLAB_BYTES
+from flexh2o.compress.tier import SLAB_BYTES, slab_rows
 from flexh2o.config import from_name
 from flexh2o.placement import Percent
 from flexh2o.planning.memory_plan import largest_batch, plan_memory, store_transient_bytes
@@ -38,21 +39,26 @@ def test_the_largest_weights_store_transient_is_counted_from_its_shape():
     table = max(rc.placement.weights.unique_specs(), key=lambda s: s.numel)  # opt-125m's (50272, 768) embedding
     assert table.shape == (50272, 768)
     spec = weight_spec(table.shape, rc.compress_weight, table.name)
-    gathered = table.numel * 2  # the whole weight in bf16
-    slabs = 3 * min(SLAB_BYTES, 4 * table.numel)  # the fp32 input slab, x - minimum, its quotient
-    expected = gathered + 3 * _measured_compressed_bytes(table.shape, spec) + slabs
+    rows = slab_rows(table.shape, spec)
+    assert rows == SLAB_BYTES // (4 * 768) < 50272  # a slab is SLAB_BYTES of fp32 input, in several slabs
+    slab = (rows, 768)
+    gathered = rows * 768 * 2  # the slab regathered from the seeded pieces in bf16
+    slabs = 3 * 4 * rows * 768  # the fp32 input slab, x - minimum, its quotient
+    whole = quantize(torch.randn(table.shape), spec, torch.bfloat16)
+    metas = 2 * whole.meta.numel() * whole.meta.element_size()  # every slab's meta, and their join
+    expected = gathered + slabs + 3 * _measured_compressed_bytes(slab, spec) + metas
     assert store_transient_bytes(rc, rc.placement) == expected
 
 
 def test_a_plan_holds_the_store_transient_beside_its_weights_and_refuses_below_it():
-    rc = _rc(True, "opt-1.3b", gpu_mem=ROW_122_GPU)
+    rc = _rc(True, "opt-125m", gpu_mem=ROW_122_GPU)
     need = store_transient_bytes(rc, rc.placement)
     plan = plan_memory(rc)  # batch 1, its weights converted on use: the load is the compute tier's peak
     gpu = plan.bytes["gpu"]
     assert plan.total("gpu") == gpu["weights"] + gpu["cache"] + need > sum(gpu.values())
     assert plan.load_tier() == "gpu" and "at the load" in plan.describe()
     assert store_transient_bytes(_rc(False), _rc(False).placement) == 0  # nothing is quantized at the load
-    small = _rc(True, "opt-1.3b", gpu_mem=need - 1)  # the transient alone is over the compute tier: no batch fits
+    small = _rc(True, "opt-125m", gpu_mem=need - 1)  # the transient alone is over the compute tier: no batch fits
     assert plan_memory(small).overflow()[0] == "gpu"
     assert largest_batch(small) == 0
     with pytest.raises(ValueError, match="at the load but --gpu-mem allows"):
