@@ -43,7 +43,7 @@ def quantize_slabs(x: torch.Tensor, spec: CompressionSpec, dtype: torch.dtype) -
 def slab_rows(shape: tuple, spec: CompressionSpec, block: int = 1) -> Optional[int]:
     """Rows a slab of a (N, K) weight grouped along K holds when it is stored a slab at a time (SLAB_BYTES of fp32
     input, in whole blocks of `block` rows, at least one), or None where the tensor is not stored so (another rank,
-    or grouped along its rows: gathered whole). The memory plan reads it with block 1, the most rows."""
+    or grouped along N: gathered whole). The memory plan reads it with block 1, the most rows."""
     if len(shape) != 2 or spec.dim(2) != 1:
         return None
     return max(1, SLAB_BYTES // (4 * int(shape[1])) // block) * block
@@ -114,7 +114,7 @@ class CompressedTier:
 
     def store(self, handle: CompressedHandle, tensor, slots: Optional[torch.Tensor] = None) -> None:
         """Write a tensor (quantized here) or a CompressedTensor; `slots` as the inner tier's (dimension 2). A whole
-        2-D weight grouped along its rows is quantized and written a slab of rows at a time (`_put`)."""
+        (N, K) weight grouped along K is quantized and written a slab of rows at a time (`_put`)."""
         rows = self.slab_rows(handle.shape) if slots is None and not isinstance(tensor, CompressedTensor) else None
         if rows is not None:
             self._put(handle, (tensor[i:i + rows] for i in range(0, handle.shape[0], rows)))
@@ -127,7 +127,7 @@ class CompressedTier:
         self.inner.store(handle.meta, ct.meta, slots)
 
     def write_from(self, handle: CompressedHandle, chunks: Iterable[torch.Tensor]) -> None:
-        """Consecutive flat pieces of the whole tensor. A 2-D weight grouped along its rows: gathered a slab of rows
+        """Consecutive flat pieces of the whole tensor. A (N, K) weight grouped along K: gathered a slab of rows
         at a time and each slab quantized and written as it fills (`_put`: the weight never exists whole, in any
         form); any other: gathered whole into one buffer (groups span pieces), then quantized a slab at a time."""
         rows = self.slab_rows(handle.shape)
