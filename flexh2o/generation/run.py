@@ -25,6 +25,7 @@ from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, L
 from flexh2o.schedule.run import Executor
 from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.until import until
+from flexh2o.storage.freed_memory import FreedMemory, gives_back_after
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Run:
         self.steps = self.plan.steps(rc, gen_len)  # the schedule's (a row source taking requests may run more)
         self.layers = LayerCompute(models.family(cfg), cfg, rc, eng.policy, slots, evicts)
         self.times: list = []
+        self.freed = FreedMemory()
 
     # ---- the schedule's ops -------------------------------------------------------------------------------
     def load_weight(self, op: Op) -> None:
@@ -73,6 +75,8 @@ class Run:
 
     def free_weight(self, op: Op) -> None:
         self.bufs.free_weights(op.layer)
+        if gives_back_after(op.step, op.layer, self.cfg.num_layers + 1):
+            self.freed.check()  # free memory gathered in the heaps leaves the process (storage/freed_memory.py)
 
     def load_cache(self, op: Op) -> None:
         if op.step == 0:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from flexh2o.storage.freed_memory import gives_back_after
+
 PATTERN = r"""
 import ctypes, sys
 sys.path.insert(0, {root!r})
@@ -48,6 +50,32 @@ print(set_, (rss() - base) // MiB)
 """
 
 
+# blocks under the mmap threshold freed below a live one, in the main arena or in a thread's own arena: resident
+# until FreedMemory gives them back (malloc_trim), once they pass its bound; 24 blocks of 2 MiB (48 MiB) freed, a
+# 1 MiB block live above them
+HOLES = PATTERN.split("libc.free(block(12")[0] + r"""
+import threading
+from flexh2o.storage.freed_memory import FreedMemory
+def holes(out):
+    blocks = [block(2 * MiB) for _ in range(24)]
+    out.append(block(1 * MiB))  # live above them: none of their memory is at the heap's top
+    for p in blocks:
+        libc.free(p)
+base = rss()
+freed = FreedMemory({bound} * MiB)
+live = []
+if {thread}:
+    t = threading.Thread(target=holes, args=(live,))
+    t.start()
+    t.join()
+else:
+    holes(live)
+kept = (rss() - base) // MiB
+gave = freed.check()
+print(set_, kept, (rss() - base) // MiB, gave)
+"""
+
+
 def _run(fix: bool, env_extra=None, setup: str = "", pattern: str = PATTERN, **fields) -> tuple:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_extra or {})
@@ -55,26 +83,26 @@ def _run(fix: bool, env_extra=None, setup: str = "", pattern: str = PATTERN, **f
     code = pattern.format(root=root, fix=fix, setup=setup, **fields)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
-    return out[0] == "True", int(out[1])
+    return (out[0] == "True", *(int(x) for x in out[1:3]), *(x == "True" for x in out[3:]))
 
 
 @GLIBC
 def test_freed_transients_leave_the_resident_memory_with_the_fixed_threshold():
-    unset, kept = _run(False)
+    unset, kept = _run(False)[:2]
     assert not unset and kept >= 70  # glibc's default: the 84 MiB of freed transients stay resident
-    was_set, left = _run(True)
+    was_set, left = _run(True)[:2]
     assert was_set and left <= 8  # unmapped when freed
-    user, _ = _run(True, {"MALLOC_TRIM_THRESHOLD_": "131072"})
+    user = _run(True, {"MALLOC_TRIM_THRESHOLD_": "131072"})[0]
     assert not user  # the user's own glibc setting wins: nothing changed
 
 
 @GLIBC
 def test_freed_blocks_at_the_heap_top_are_kept_for_reuse_up_to_the_bound():
-    unset, gone = _run(False, pattern=TOP, n=2)
+    unset, gone = _run(False, pattern=TOP, n=2)[:2]
     assert not unset and gone <= 1  # glibc's default maps 3 MiB blocks and unmaps them when freed
-    was_set, kept = _run(True, pattern=TOP, n=2)
+    was_set, kept = _run(True, pattern=TOP, n=2)[:2]
     assert was_set and kept >= 5  # 6 MiB freed at the top of the heap: kept for the next step's blocks
-    _, over = _run(True, pattern=TOP, n=12)
+    over = _run(True, pattern=TOP, n=12)[1]
     assert over <= 3  # past KEPT_AT_TOP (32 MiB) free at the top it was returned: the last block freed stays
 
 
@@ -86,5 +114,41 @@ def test_an_engine_fixes_the_threshold_for_its_process():
              "max_positions=32)\n"
              "with Engine(RunConfig(model=cfg, percent=Percent.parse([100, 0, 100, 0]), gpu_batch_size=1, "
              "prompt_len=4, gen_len=1, dtype=torch.float32, offload_dir=tempfile.mkdtemp())):\n    pass")
-    _, left = _run(False, setup=setup)
+    left = _run(False, setup=setup)[1]
     assert left <= 8  # the engine set it: the freed transients left
+
+
+@GLIBC
+@pytest.mark.parametrize("thread", [False, True], ids=["main arena", "a thread's arena"])
+def test_freed_memory_below_a_live_block_is_given_back_past_the_bound(thread):
+    was_set, kept, left, gave = _run(True, pattern=HOLES, thread=thread, bound=32)
+    assert was_set and gave
+    assert kept >= 40  # the 48 MiB freed below the live block stayed resident (2 MiB blocks: under the threshold)
+    assert left <= 8  # past the 32 MiB bound: malloc_trim returned them; what stays is the live 1 MiB block
+    _, kept, left, gave = _run(True, pattern=HOLES, thread=thread, bound=64)
+    assert not gave and kept >= 40 and left >= 40  # 48 MiB is within a 64 MiB bound: kept for the next blocks
+
+
+def test_freed_memory_is_checked_after_each_prefill_layer_and_once_a_decode_step():
+    head = 5
+    assert all(gives_back_after(0, layer, head) for layer in range(head + 1))
+    assert [layer for layer in range(head + 1) if gives_back_after(3, layer, head)] == [head]
+
+
+def test_a_run_checks_its_freed_memory_where_the_rule_says(monkeypatch, tmp_path):
+    """The run checks its heaps' free memory once per freed layer of the prefill and once per decode step (after
+    the head): a tiny model of 2 decoder layers (4 layers with the embedding and the head), 3 generated tokens."""
+    import torch
+    from flexh2o.config import ModelConfig
+    from flexh2o.engine import Engine
+    from flexh2o.placement import Percent
+    from flexh2o.run_config import RunConfig
+    from flexh2o.storage.freed_memory import FreedMemory
+    calls = []
+    monkeypatch.setattr(FreedMemory, "check", lambda self: calls.append(1) or False)
+    cfg = ModelConfig("tiny", "opt", hidden=64, num_layers=2, num_heads=4, ffn=128, vocab=100, max_positions=32)
+    rc = RunConfig(model=cfg, percent=Percent.parse([100, 0, 100, 0]), gpu_batch_size=2, prompt_len=4, gen_len=3,
+                   dtype=torch.float32, offload_dir=str(tmp_path))
+    with Engine(rc) as eng:
+        eng.generate([[1, 2, 3, 4], [5, 6, 7, 8]], 3)
+    assert len(calls) == 4 + 2  # 4 layers freed at the prefill, then the head of each of the 2 decode steps
