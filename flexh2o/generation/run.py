@@ -25,7 +25,7 @@ from flexh2o.schedule.plan import (COMPUTE, FREE_WEIGHT, LOAD_ACT, LOAD_CACHE, L
 from flexh2o.schedule.run import Executor
 from flexh2o.schedule.stage_plan import RECV, SEND
 from flexh2o.schedule.until import until
-from flexh2o.storage.freed_memory import FreedMemory, gives_back_after
+from flexh2o.storage.freed_memory import FreedMemory, checked_after
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Run:
 
     def free_weight(self, op: Op) -> None:
         self.bufs.free_weights(op.layer)
-        if gives_back_after(op.step, op.layer, self.cfg.num_layers + 1):
+        if checked_after(op.step, op.layer, self.cfg.num_layers + 1):
             self.freed.check()  # free memory gathered in the heaps leaves the process (storage/freed_memory.py)
 
     def load_cache(self, op: Op) -> None:

@@ -24,7 +24,7 @@ layer at a time: opt-1.3b 4-bit, 35 sequences of 128 tokens, weights and cache o
 with 17 thread arenas holding 140 MiB. Giving it back (`give_back_freed`: glibc's malloc_trim) after every prefill
 layer and once a decode step took that peak to 891 MiB, but cost a memory-resident opt-125m run (fp32, 32 x 256+32)
 1.08x a prefill row and 1.17x a decode step: what the next layer takes again was faulted in again. So the run asks
-a FreedMemory at those points (`gives_back_after`), which gives the memory back only when the heaps' free memory has
+a FreedMemory at those points (`checked_after`), which gives the memory back only when the heaps' free memory has
 grown by HELD_FREE since its least: the disk-streamed peak 944 MiB, opt-350m 4-bit on disk (batch 16, 128+16) 903 ->
 847 MiB of peak RSS at the same decode step, and the memory-resident run never gave any back (60 checks, 12 ms in
 all). Limiting glibc to 2 arenas (M_ARENA_MAX) took that peak to 949 MiB alone and nothing more with the give-back,
@@ -59,7 +59,7 @@ def return_freed_blocks(threshold: int = MAPPED_FROM, kept: int = KEPT_AT_TOP) -
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1 and mallopt(M_TRIM_THRESHOLD, kept) == 1
 
 
-def gives_back_after(step: int, layer: int, head: int) -> bool:
+def checked_after(step: int, layer: int, head: int) -> bool:
     """Whether the run asks its FreedMemory once the weights of `layer` (head: the vocabulary head's layer index)
     are freed at `step`: after every layer of the prefill (step 0), after the head at a decode step."""
     return step == 0 or layer == head

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flexh2o.storage.freed_memory import gives_back_after
+from flexh2o.storage.freed_memory import checked_after
 
 PATTERN = r"""
 import ctypes, sys
@@ -131,8 +131,8 @@ def test_freed_memory_below_a_live_block_is_given_back_past_the_bound(thread):
 
 def test_freed_memory_is_checked_after_each_prefill_layer_and_once_a_decode_step():
     head = 5
-    assert all(gives_back_after(0, layer, head) for layer in range(head + 1))
-    assert [layer for layer in range(head + 1) if gives_back_after(3, layer, head)] == [head]
+    assert all(checked_after(0, layer, head) for layer in range(head + 1))
+    assert [layer for layer in range(head + 1) if checked_after(3, layer, head)] == [head]
 
 
 def test_a_run_checks_its_freed_memory_where_the_rule_says(monkeypatch, tmp_path):
