@@ -52,10 +52,9 @@ def return_freed_blocks(threshold: int = MAPPED_FROM, kept: int = KEPT_AT_TOP) -
     variables (theirs win)."""
     if any(v in os.environ for v in USER_SETTINGS):
         return False
-    mallopt = _glibc("mallopt")
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
     if mallopt is None:  # not glibc (musl, macOS): their allocators keep no dynamic threshold
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1 and mallopt(M_TRIM_THRESHOLD, kept) == 1
 
 
@@ -94,10 +93,9 @@ class FreedMemory:
 def give_back_freed() -> bool:
     """Return the free memory of every glibc arena to the system, wherever it lies in the heaps (malloc_trim(0));
     False, doing nothing, where the C library is not glibc."""
-    trim = _glibc("malloc_trim")
+    trim = _glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
     if trim is None:
         return False
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
     trim(0)
     return True
 
@@ -109,17 +107,17 @@ class _MallInfo2(ctypes.Structure):
 
 def _free_held() -> Optional[int]:
     """Bytes in free chunks of every glibc arena (mallinfo2's fordblks; glibc 2.33 on), None elsewhere."""
-    info = _glibc("mallinfo2")
-    if info is None:
-        return None
-    info.argtypes, info.restype = (), _MallInfo2
-    return int(info().fordblks)
+    info = _glibc("mallinfo2", (), _MallInfo2)
+    return None if info is None else int(info().fordblks)
 
 
 @functools.lru_cache(maxsize=None)
-def _glibc(name: str) -> Optional[object]:
-    """glibc's function `name` (looked up once a process), None where the C library lacks it."""
+def _glibc(name: str, argtypes: tuple, restype) -> Optional[object]:
+    """glibc's function `name` with its C signature, looked up and typed once a process; None where the C library
+    lacks it."""
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
