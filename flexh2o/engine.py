@@ -10,11 +10,11 @@ from typing import Callable, Optional
 
 import torch
 
-from flexh2o.compress import choice
 from flexh2o.compress.kernels import kernel_available
 from flexh2o.generation.batch_plan import BatchPlan
 from flexh2o.generation.run import Generation
 from flexh2o.generation.run import Run as _Run
+from flexh2o.planning.kernel_probe import cached_timer
 from flexh2o.planning.weight_forms import run_plan
 from flexh2o.run_config import RunConfig
 from flexh2o.sampling import Sampler
@@ -29,7 +29,7 @@ class Engine:
 
     def __init__(self, rc: RunConfig, on_progress: Optional[Callable] = None):
         return_freed_blocks()  # freed transients leave the process, so its memory is what the plan counts
-        self.plan = run_plan(rc, choice.probe, kernel_available(rc.device))  # the one plan, with its WeightForms
+        self.plan = run_plan(rc, cached_timer, kernel_available(rc.device))  # the one plan, with its WeightForms
         self.rc, self.cfg = rc, rc.model
         self.device = torch.device(rc.device)
         self.policy = rc.kv.make(rc.model.num_layers)  # the run's one policy object

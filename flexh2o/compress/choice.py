@@ -6,6 +6,11 @@ from the kernel's order into a reused buffer of the compute dtype, as a weight l
 compress/expand_native.py builds; then a dense matmul) against the kernel (bf16 activations). Nothing is assumed
 about the machine: a CPU without bf16 instructions runs the kernel's bf16 arithmetic in software and the probe
 sees it.
+
+The kernel holds no expanded copy of a layer (an expanded prefill holds two in flight: hundreds of MiB the plan must
+find room for), so the generic path is taken only where it is faster by more than KERNEL_MARGIN: within that, the
+probe's own spread from round to round (prefill of a (2048, 2048) 4-bit weight at 128-256 rows on a Zen 3: ratios
+0.89-1.34 between runs) would decide.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ MODES = ("auto", "int4", "generic")
 PHASES = ("prefill", "decode")
 PROBE_ROWS = 2048  # output rows of the probe weight (a slice of the real shape keeps the probe to well under a second)
 ROUNDS = 3
+KERNEL_MARGIN = 1.15  # the generic path must take under 1 / this of the kernel's time (see the module docstring)
 
 
 def kernel_phases(mode: str, shape: tuple, rows: dict, spec: CompressionSpec, dtypes: dict,
@@ -30,13 +36,14 @@ def kernel_phases(mode: str, shape: tuple, rows: dict, spec: CompressionSpec, dt
     """phase -> True where that phase's block matmuls run the kernel: the one rule, whoever times the paths.
     rows: phase -> rows multiplied at once; shape: the largest weight stored in the kernel's order; dtypes: phase ->
     its compute dtype. Under auto, the faster path by `timer` (shape, rows, spec, dtypes) -> phase -> {"int4": s,
-    "generic": s} (by default `probe`, this machine's measurement), by `forced_by_memory`."""
+    "generic": s} (by default `probe`, this machine's measurement; the engine's is cached, planning/kernel_probe.py),
+    the kernel unless the generic path is faster by KERNEL_MARGIN, then by `forced_by_memory`."""
     if mode not in MODES:
         raise ValueError(f"--weight-kernel {mode}: choose one of {', '.join(MODES)}")
     if mode != "auto":
         return {p: mode == "int4" for p in PHASES}
     times = (timer or probe)((min(shape[0], PROBE_ROWS), shape[1]), rows, spec, dtypes)
-    return forced_by_memory({p: times[p]["int4"] < times[p]["generic"] for p in PHASES}, fits)
+    return forced_by_memory({p: times[p]["int4"] < times[p]["generic"] * KERNEL_MARGIN for p in PHASES}, fits)
 
 
 def forced_by_memory(faster: dict, fits: Callable[[dict], bool]) -> dict:

@@ -8,7 +8,7 @@ load it was measured at (load_at_measure). Keys (all per second, bytes or FLOPs)
                          number of rows of x (batch x tokens); small row counts are memory-bound and much slower
   int4_matmul_flops_by_rows  {rows: FLOP/s}: the same through torch's int4 kernel from 4-bit weights (CPU; bf16
                          activations whatever the compute dtype); absent: the cost model never assumes the kernel
-                         faster (compress/choice.py measures it again at each run's start)
+                         faster (the engine decides by its own probe, planning/kernel_probe.py)
   op_overhead_s          seconds per op of the engine's own decode step (small tensors, run serially)
   parallel_op_s          seconds of one elementwise op on a tensor just over torch's parallel grain (2 x 32768
                          elements): OpenMP wakes its threads for it, which costs ~50 us with OMP_WAIT_POLICY=PASSIVE

@@ -109,10 +109,11 @@ def test_forced_by_memory_puts_the_kernel_where_expanding_does_not_fit():
     assert forced_by_memory({"prefill": False, "decode": True}, lambda k: k["prefill"]) == KERNELS["both"]
 
 
-def test_auto_expands_a_phase_only_where_the_plan_fits(offload_dir, monkeypatch):
+def test_auto_expands_a_phase_only_where_the_plan_fits(offload_dir, monkeypatch, tmp_path):
     """The probe finds expanding faster at both phases; the engine expands where the plan fits, else runs the
     kernel, and its plan is the one of the phases it runs."""
     from flexh2o.compress import choice
+    monkeypatch.setenv("FLEXH2O_CACHE_DIR", str(tmp_path))  # the fake timings are cached apart from other tests'
     monkeypatch.setattr(choice, "probe", lambda *a: {p: {"int4": 2.0, "generic": 1.0} for p in PHASES})
     rc = _rc(offload_dir, weight_kernel="auto")
     tight = plan_memory(rc, forms=_forms(rc, KERNELS["both"])).total("gpu")
