@@ -226,13 +226,16 @@ def in_flight_bytes(rc: RunConfig, where: Placement, forms: WeightForms, phase: 
     (with the chunk a stored table multiplies), the prefetched one as loaded; the weight store's two read arenas
     for the plain weights streamed from disk (storage/read_buffers.py: each the largest streamed layer's stored
     bytes, kept for the run): a streamed weight used as read (in the compute dtype, kept stored or converted on
-    use) lives in its arena, so it is counted there once; a converted one is in both; and the run's one
-    ChunkBuffer of the weights converted on use (weights/on_use.py)."""
+    use) lives in its arena, so it is counted there once; a converted one is in both; the compressed reads of the
+    disk weights expanded whole (WeightForms.expanded_read_bytes), a layer's held until its load ends and two
+    loads at once (the schedule's two I/O threads: measured, tests/compress/test_compress_forms.py); and the run's
+    one ChunkBuffer of the weights converted on use (weights/on_use.py)."""
     sizes, passing = forms.compute_side_bytes(where.weights, phase), forms.transient_bytes(where.weights, phase)
     streamed, views = forms.streamed_bytes(where.weights, phase)
     held = [size - view for size, view in zip(sizes, views)]  # views are 0 where nothing streams
     pair = max(held) + max(h - p for h, p in zip(held, passing))
-    return 2 * max(streamed) + pair + forms.chunk_buffer_bytes(where.weights)
+    reads = max(forms.expanded_read_bytes(where.weights, phase), default=0)
+    return 2 * max(streamed) + pair + 2 * reads + forms.chunk_buffer_bytes(where.weights)
 
 
 def largest_batch(rc: RunConfig, limit: int = 1 << 20, plan_of=plan_memory) -> int:

@@ -96,7 +96,8 @@ def in_flight(rc: RunConfig, forms: Optional[WeightForms] = None) -> str:
     share = big.numel * (rc.dtype if kept else rc.compute).itemsize  # a table kept stored: weights/stored_form.py
     how = ", matmul weights converted on use" if forms.on_use else ""
     return (f"; the buffers hold two layers of weights in flight, 2 x {fmt_bytes(sizes[layer])} (layer {layer}"
-            f"{how}; its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})" + arenas(rc, forms))
+            f"{how}; its largest weight {big.name} {tuple(big.shape)}: {fmt_bytes(share)})" + arenas(rc, forms)
+            + expanded_reads(rc, forms))
 
 
 def _converted(forms: WeightForms, sizes: tuple, rc: RunConfig, phase: str) -> tuple:
@@ -116,6 +117,18 @@ def arenas(rc: RunConfig, forms: Optional[WeightForms] = None) -> str:
             return (f", and beside the converted weights two read arenas of the weights streamed from disk, "
                     f"2 x {fmt_bytes(streamed[layer])} (layer {layer})")
     return ""
+
+
+def expanded_reads(rc: RunConfig, forms: WeightForms) -> str:
+    """', and the compressed reads of the disk weights expanded whole, 2 x N (layer i)' where a phase expands
+    compressed disk weights (memory_plan.in_flight_bytes counts two layers' loads at once); '' otherwise."""
+    per_phase = [forms.expanded_read_bytes(rc.placement.weights, p) for p in PHASES]
+    reads = max(per_phase, key=max)
+    if not max(reads):
+        return ""
+    layer = max(range(len(reads)), key=reads.__getitem__)
+    return (f", and the compressed reads of the disk weights expanded whole, 2 x {fmt_bytes(reads[layer])} "
+            f"(layer {layer})")
 
 
 def least_where(p: Percent) -> str:

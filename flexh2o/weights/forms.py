@@ -234,6 +234,14 @@ class WeightForms:
                           for ws in read))
         return homes.derived(("streamed", self, phase), build)
 
+    def expanded_read_bytes(self, homes, phase: str) -> tuple:
+        """Per layer: stored bytes of its compressed weights homed on disk that come expanded whole at `phase`. A
+        load reads them all at once into fresh buffers (weights/store.py `_read_compressed`), held until it ends."""
+        at = PHASES.index(phase)
+        return homes.derived(("expanded_reads", self, phase), lambda h: tuple(
+            sum(w.stored for s, w in zip(layer, forms) if h[s.name] == "disk" and w.spec is not None
+                and w.forms[at] == "expanded") for layer, forms in zip(h.layer_specs, self.table(h))))
+
     def chunk_buffer_bytes(self, homes) -> int:
         """Bytes of the run's one ChunkBuffer (weights/on_use.py): the largest chunk a weight converted on use
         takes at any phase (0 when none is)."""
