@@ -56,6 +56,25 @@ def test_disk_homed_weights_stay_16_bit():
     assert got.compute == F32 and got.dtype in (BF16, F16) and "disk" in got.reason
 
 
+def test_compressed_weights_on_disk_are_stored_as_computed_where_nothing_plain_is_read_from_disk():
+    """16 bits would shrink only a 4-bit weight's scales; the plain cache on disk is still halved by them."""
+    from flexh2o.compress import CompressionSpec
+    from flexh2o.kv.layout import CacheQuant
+    probe = lambda: (timings("float32"), True)  # noqa: E731
+    w4 = rc_for((0, 0, 100, 0)).with_(compress_weight=CompressionSpec(4, 64, 1))
+    got = dtype_choice.choose_dtypes(w4, "auto", "auto", probe=probe)
+    assert (got.dtype, got.compute) == (F32, F32) and "only compressed weights or cache on disk" in got.reason
+    plain_cache = rc_for((0, 0, 0, 0)).with_(compress_weight=CompressionSpec(4, 64, 1))  # the cache on disk too
+    got = dtype_choice.choose_dtypes(plain_cache, "auto", "auto", probe=probe)
+    assert got.dtype in (BF16, F16) and "16 bits halve the bytes read" in got.reason
+    both = plain_cache.with_(compress_cache=CacheQuant.of(CompressionSpec(4, 64, -1)))
+    got = dtype_choice.choose_dtypes(both, "auto", "auto", probe=probe)
+    assert got.dtype == F32
+    tight = w4.with_(gpu_mem=1 << 20, cpu_mem=1 << 20)  # fp32 stored would not fit: 16 bits as before
+    got = dtype_choice.choose_dtypes(tight, "auto", "auto", probe=probe)
+    assert got.dtype in (BF16, F16)
+
+
 def test_storage_falls_back_to_16_bit_when_the_wide_dtype_does_not_fit():
     rc = rc_for(cpu_mem=300 << 20)  # opt-125m: 239 MiB in 16 bits, 478 MiB in float32
     got = dtype_choice.choose_dtypes(rc, "auto", "auto", probe=lambda: (timings("float32", slow=1.5), True))
