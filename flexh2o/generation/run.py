@@ -75,7 +75,8 @@ class Run:
 
     def free_weight(self, op: Op) -> None:
         self.bufs.free_weights(op.layer)
-        if checked_after(op.step, op.layer, self.cfg.num_layers + 1):
+        last = self.cfg.num_layers + 1 if self.pipe is None else self.pipe.stage.stop - 1  # a stage's own last
+        if checked_after(op.step, op.layer, last):
             self.freed.check()  # free memory gathered in the heaps leaves the process (storage/freed_memory.py)
 
     def load_cache(self, op: Op) -> None:

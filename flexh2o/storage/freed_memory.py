@@ -58,10 +58,11 @@ def return_freed_blocks(threshold: int = MAPPED_FROM, kept: int = KEPT_AT_TOP) -
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1 and mallopt(M_TRIM_THRESHOLD, kept) == 1
 
 
-def checked_after(step: int, layer: int, head: int) -> bool:
-    """Whether the run asks its FreedMemory once the weights of `layer` (head: the vocabulary head's layer index)
-    are freed at `step`: after every layer of the prefill (step 0), after the head at a decode step."""
-    return step == 0 or layer == head
+def checked_after(step: int, layer: int, last: int) -> bool:
+    """Whether the run asks its FreedMemory once the weights of `layer` are freed at `step` (last: the last layer
+    index the process computes, the vocabulary head's, or a pipeline stage's own last): after every layer of the
+    prefill (step 0), after the last layer at a decode step."""
+    return step == 0 or layer == last
 
 
 class FreedMemory:

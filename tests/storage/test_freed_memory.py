@@ -133,6 +133,8 @@ def test_freed_memory_is_checked_after_each_prefill_layer_and_once_a_decode_step
     head = 5
     assert all(checked_after(0, layer, head) for layer in range(head + 1))
     assert [layer for layer in range(head + 1) if checked_after(3, layer, head)] == [head]
+    stage = range(0, 3)  # a pipeline stage without the head: checked after its own last layer at a decode step
+    assert [layer for layer in stage if checked_after(3, layer, stage[-1])] == [2]
 
 
 def test_a_run_checks_its_freed_memory_where_the_rule_says(monkeypatch, tmp_path):
