@@ -28,19 +28,22 @@ def cached_timer(shape: tuple, rows: dict, spec, dtypes: dict, measure: Optional
     fp = machine.fingerprint("cpu")
     name = f"kernel_probe-v{PROBE_VERSION}-{machine.fingerprint_key(fp)}.json"
     key = case_key(shape, rows, spec, dtypes)
-    got = machine.read_cached(name) or {}
-    cases = got.get("cases") if got.get("version") == PROBE_VERSION and isinstance(got.get("cases"), dict) else {}
-    hit = cases.get(key)
+    hit = _cases(name).get(key)
     if isinstance(hit, dict) and isinstance(hit.get("timings"), dict) and not machine.stale_by_load(hit.get("load")):
         return hit["timings"]
     with machine.LoadSeen(torch.get_num_threads()) as seen:
         timings = measure(shape, rows, spec, dtypes)
-    latest = machine.read_cached(name) or {}  # another process may have added cases meanwhile
-    if latest.get("version") == PROBE_VERSION and isinstance(latest.get("cases"), dict):
-        cases = latest["cases"]
+    cases = _cases(name)  # read again: another process may have added cases meanwhile
     cases[key] = {"timings": timings, "load": seen.load}
     machine.write_cached(name, {"version": PROBE_VERSION, "fingerprint": fp, "cases": cases})
     return timings
+
+
+def _cases(name: str) -> dict:
+    """The cached cases of the file `name` ({} where it is absent, unreadable or of another version)."""
+    got = machine.read_cached(name) or {}
+    cases = got.get("cases")
+    return cases if got.get("version") == PROBE_VERSION and isinstance(cases, dict) else {}
 
 
 def case_key(shape: tuple, rows: dict, spec, dtypes: dict) -> str:

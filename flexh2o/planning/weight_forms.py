@@ -1,8 +1,9 @@
 """A run's WeightForms (weights/forms.py), decided once: which phases' decoder-block matmuls run the int4 kernel,
 by the one rule of compress/choice.py given a timer (the engine passes its probe, cached per machine by
-planning/kernel_probe.py; the cost model a profile's rates, tuning/kernel_cost.py), the kernel also where expanding would not fit the memory plan; at which
-phases matmul weights are converted on use, where converting whole layers would not fit (weights/on_use.py); and
-the run's one memory plan, as those forms take the weights (`run_plan`)."""
+planning/kernel_probe.py; the cost model a profile's rates, tuning/kernel_cost.py), the kernel also where
+expanding would not fit the memory plan; at which phases matmul weights are converted on use, where converting
+whole layers would not fit (weights/on_use.py); and the run's one memory plan, as those forms take the weights
+(`run_plan`)."""
 from __future__ import annotations
 
 from typing import Callable
