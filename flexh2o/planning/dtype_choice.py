@@ -12,7 +12,8 @@ wider dtype would overflow a tier, it keeps 16 bits (half the bytes over the slo
 (--compress-weight, --compress-cache) are not halved: 16 bits shrink only their scales and minimums (4-bit weights
 in groups of 64: 0.5625 bytes a value against 0.625 in fp32) while every step converts the 16-bit parts (measured
 on a Zen 3: opt-350m, 4-bit weights on disk and the quantized cache, batch 16, a decode step 0.50 s busy computing
-with fp16 storage against 0.33 s with fp32, for 192 against 214 MiB read). An explicit pair that the probe puts at
+with fp16 storage against 0.33 s with fp32, for 192 against 214 MiB read: benchmarks/RESULTS.md row 148,
+2026-12-07, 5fc9cd1). An explicit pair that the probe puts at
 NOTE_RATIO times the best one or slower gets a one-line note naming the faster choice.
 
 Per phase: a decode step multiplies a few rows by every weight, so it is bound by the bytes it reads, not by the

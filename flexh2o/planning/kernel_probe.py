@@ -3,7 +3,8 @@ in machine.cache_dir() as the dtype probe is (planning/dtype_choice.py), one ent
 shape, the rows each phase multiplies, the compression spec and the phases' compute dtypes.
 
 Measured at every run's start, two paths within the probe's round-to-round spread took either side from one run to
-the next, so one plan held two expanded layers in one run and none in the next (its memory 600 MiB apart). Cached,
+the next, so one plan held two expanded layers in one run and none in the next (its memory 455 MiB apart:
+benchmarks/RESULTS.md row 146, 2026-12-07, bd49476). Cached,
 every run of a plan on a machine takes the path the first one measured (again after a busy measurement once the
 machine is quiet: machine.stale_by_load).
 """
